@@ -1,0 +1,1 @@
+"""Engines turn tokenized samples into captured hidden states."""

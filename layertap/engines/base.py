@@ -1,0 +1,31 @@
+"""The engine interface: what the pipeline needs from anything that runs the model."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from layertap.sample import CapturedSample, TokenizedSample
+from layertap.spec import CaptureSpec
+
+
+class Engine(ABC):
+    """Runs prefills and returns captured states for each sample.
+
+    ``capture`` may reorder and batch internally but yields exactly one result per input sample
+    (or raises); results are ``CapturedSample`` on the CPU, so the store never touches a device.
+    """
+
+    spec: CaptureSpec
+
+    @abstractmethod
+    def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample]:
+        """Yield one ``CapturedSample`` per input sample, in completion order."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Facts the manifest records about this engine (name, versions, server flags)."""
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        """Release the engine's resources (server process, model memory)."""

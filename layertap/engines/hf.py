@@ -1,0 +1,107 @@
+"""In-process HF transformers engine (CPU or GPU): the reference-quality, no-server path.
+
+Batches are right-padded: with a causal mask a real token never attends to a later pad, so the
+rows of each sample are identical to a batch-of-one forward; only the first T rows per sample are
+kept, so padding is never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from layertap.engines.base import Engine
+from layertap.sample import CapturedSample, TokenizedSample
+from layertap.spec import CaptureSpec
+
+
+def token_batches(
+    samples: Iterable[TokenizedSample], *, max_tokens: int, max_size: int
+) -> Iterator[list[TokenizedSample]]:
+    """Group samples so that (batch size x longest sample) stays under ``max_tokens``."""
+    batch: list[TokenizedSample] = []
+    longest = 0
+    for s in samples:
+        new_longest = max(longest, s.num_tokens)
+        if batch and (len(batch) >= max_size or new_longest * (len(batch) + 1) > max_tokens):
+            yield batch
+            batch, new_longest = [], s.num_tokens
+        batch.append(s)
+        longest = new_longest
+    if batch:
+        yield batch
+
+
+class HFEngine(Engine):
+    """Captures with ``output_hidden_states`` plus a pre-hook on the final norm for the pre-norm state."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        spec: CaptureSpec,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_batch_tokens: int = 8192,
+        max_batch_size: int = 16,
+    ) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+        # The base model skips the LM head: we only need hidden states.
+        self.model = causal.get_decoder().to(self.device).eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self._pre_norm: torch.Tensor | None = None
+        self.model.norm.register_forward_pre_hook(self._keep_pre_norm)
+
+    def _keep_pre_norm(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self._pre_norm = args[0]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": "hf",
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "device": str(self.device),
+        }
+
+    def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample]:
+        for batch in token_batches(samples, max_tokens=self.max_batch_tokens, max_size=self.max_batch_size):
+            yield from self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[TokenizedSample]) -> list[CapturedSample]:
+        longest = max(s.num_tokens for s in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        attn = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, s in enumerate(batch):
+            ids[row, : s.num_tokens] = s.input_ids
+            attn[row, : s.num_tokens] = 1
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        aux = torch.stack([out.hidden_states[i] for i in self.spec.layers], dim=2)  # [B, T, k, H]
+        post, pre = out.last_hidden_state, self._pre_norm
+        self._pre_norm = None
+        results = []
+        for row, s in enumerate(batch):
+            t = s.num_tokens
+            results.append(
+                CapturedSample(
+                    sample=s,
+                    aux=aux[row, :t].to("cpu", copy=True),
+                    final_post=post[row, :t].to("cpu", copy=True) if self.spec.final_post else None,
+                    final_pre=pre[row, :t].to("cpu", copy=True) if self.spec.final_pre else None,
+                )
+            )
+        return results

@@ -1,0 +1,41 @@
+"""The two records a sample is while it moves through the pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedSample:
+    """A dataset row after the chat template.
+
+    ``index`` is the row's position in the dataset (0-based); output files are named by it.
+    ``input_ids`` long [T]; ``loss_mask`` uint8 [T], 1 exactly on assistant-produced tokens.
+    """
+
+    sample_id: str
+    index: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    truncated: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedSample:
+    """Hidden states captured for one sample, on the CPU, in the engine's compute dtype.
+
+    ``aux`` [T, k, H]: the capture indices of the spec, in spec order (capture index i = input of
+    decoder layer i = HF ``output_hidden_states[i]``). ``final_post`` [T, H]: after the final norm;
+    ``final_pre`` [T, H]: before it. Either is None when the spec did not ask for it.
+    """
+
+    sample: TokenizedSample
+    aux: torch.Tensor
+    final_post: torch.Tensor | None
+    final_pre: torch.Tensor | None

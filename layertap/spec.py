@@ -1,0 +1,135 @@
+"""What to extract: layer ids (converted to capture indices at this edge), final states, format.
+
+Convention used everywhere inside layertap: a *capture index* ``i`` is the input of decoder layer
+``i`` (0-based) = the output of layer ``i-1`` = HF ``output_hidden_states[i]`` (residual stream,
+before that layer's norm). Other conventions are accepted here and converted once:
+
+- ``sglang-eagle3``: SGLang 0.5.10's ``eagle_aux_hidden_state_layer_ids`` (it adds 1: id ``j`` is
+  the input of layer ``j+1``).
+- ``vllm``: vLLM's ``--target-layer-ids``: already capture indices; id ``num_layers`` means the
+  final state before the norm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from layertap.errors import SpecError
+
+Convention = Literal["capture", "sglang-eagle3", "vllm"]
+FinalKind = Literal["post", "pre", "both"]
+Format = Literal["specforge", "speculators"]
+StoreDtype = Literal["bfloat16", "float32"]
+OverlongPolicy = Literal["truncate", "skip"]
+
+# What each trainer reads as its final state (DESIGN.md, "Output formats").
+FORMAT_FINAL: dict[str, str] = {"specforge": "post", "speculators": "pre"}
+
+
+class CaptureSpec(BaseModel):
+    """Resolved capture request: capture indices only, plus what the user originally wrote."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: tuple[int, ...]
+    final_post: bool
+    final_pre: bool
+    convention: Convention
+    given_ids: tuple[int, ...]
+    num_layers: int
+
+    @property
+    def final_kind(self) -> str:
+        return "both" if self.final_post and self.final_pre else ("post" if self.final_post else "pre")
+
+
+def resolve_capture(
+    ids: list[int] | tuple[int, ...],
+    *,
+    convention: Convention,
+    num_layers: int,
+    final: FinalKind,
+) -> CaptureSpec:
+    """Turn user layer ids into sorted, unique capture indices in [1, num_layers - 1].
+
+    Index 0 (the embedding output) is refused: SGLang cannot hook it the same way and drafters
+    never use it. vLLM's id ``num_layers`` is folded into ``final_pre``.
+    """
+    if not ids:
+        raise SpecError("at least one layer id is required")
+    final_pre = final in ("pre", "both")
+    layers: list[int] = []
+    for raw in ids:
+        idx = raw + 1 if convention == "sglang-eagle3" else raw
+        if convention == "vllm" and raw == num_layers:
+            final_pre = True
+            continue
+        if not 1 <= idx <= num_layers - 1:
+            raise SpecError(
+                f"layer id {raw} ({convention} convention) is capture index {idx}, outside "
+                f"[1, {num_layers - 1}] for a model with {num_layers} decoder layers"
+            )
+        layers.append(idx)
+    if len(set(layers)) != len(layers):
+        raise SpecError(f"duplicate layer ids after conversion to capture indices: {layers}")
+    if not layers:
+        raise SpecError("no auxiliary layer left after conversion; give at least one intermediate layer")
+    return CaptureSpec(
+        layers=tuple(sorted(layers)),
+        final_post=final in ("post", "both"),
+        final_pre=final_pre,
+        convention=convention,
+        given_ids=tuple(ids),
+        num_layers=num_layers,
+    )
+
+
+def parse_layer_list(text: str) -> list[int]:
+    """Parse ``"3,31,59"`` into ``[3, 31, 59]`` with a clear error."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise SpecError(f"--layers must be comma-separated integers, got {text!r}") from exc
+
+
+class ExtractionSpec(BaseModel):
+    """One extraction run as the user asks for it (CLI flags or ``POST /jobs`` body)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path = Field(description="Folder of the HF model (config.json, tokenizer, weights).")
+    data: Path = Field(description="Dataset file or `save_to_disk` folder.")
+    layers: tuple[int, ...] = Field(min_length=1, description="Layer ids in `layer_convention`.")
+    layer_convention: Convention = "capture"
+    final: FinalKind | None = Field(default=None, description="Final state(s) to keep; default: what the format needs.")
+    format: Format = "specforge"
+    store_dtype: StoreDtype = "bfloat16"
+    max_length: int | None = Field(default=None, gt=0)
+    overlong: OverlongPolicy = "truncate"
+
+    @field_validator("layers")
+    @classmethod
+    def _ids_non_negative(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 for i in v):
+            raise ValueError("layer ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _final_fits_format(self) -> ExtractionSpec:
+        needed = FORMAT_FINAL[self.format]
+        if self.final is not None and self.final not in (needed, "both"):
+            raise ValueError(f"format {self.format!r} stores the {needed}-norm final state; final={self.final!r}")
+        return self
+
+    @property
+    def final_kind(self) -> FinalKind:
+        return self.final or FORMAT_FINAL[self.format]  # type: ignore[return-value]
+
+    def resolve(self, num_layers: int) -> CaptureSpec:
+        """Resolve layer ids against the model's depth."""
+        return resolve_capture(
+            self.layers, convention=self.layer_convention, num_layers=num_layers, final=self.final_kind
+        )

@@ -1,0 +1,93 @@
+"""Durable writes: a file is either complete under its final name or absent.
+
+Every sample file goes temp name -> fsync -> rename -> fsync of the folder, so a crash (SIGKILL, power
+loss, full disk) can leave only a temp file, never a truncated file under a final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenFile:
+    """Size and sha256 of a file as it was written (hashed on the way out, not re-read)."""
+
+    nbytes: int
+    sha256: str
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts bytes as they pass."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hash.update(data)
+        self.nbytes += len(data)
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(dest: Path) -> Path:
+    """A unique temp name next to ``dest`` (same filesystem, so the rename is atomic)."""
+    return dest.with_name(f"{TMP_MARK}{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def atomic_write(dest: Path, write: Callable[[IO[bytes]], None]) -> WrittenFile:
+    """Write ``dest`` through ``write(fileobj)`` atomically; return its size and sha256."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(dest)
+    try:
+        with open(tmp, "wb") as raw:
+            hashing = _HashingWriter(raw)
+            write(hashing)  # type: ignore[arg-type]
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest.parent)
+    return WrittenFile(nbytes=hashing.nbytes, sha256=hashing.hexdigest())
+
+
+def atomic_write_json(dest: Path, obj: Any) -> WrittenFile:
+    """Atomically write a small JSON document."""
+    data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode() + b"\n"
+    return atomic_write(dest, lambda f: f.write(data))
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """sha256 of a file's bytes, read in chunks (used by verify and resume)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,73 @@
+"""What every output format provides; the store does the atomic write and the index once."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from layertap.sample import CapturedSample
+from layertap.store.index import SampleRecord
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Shape facts a stored sample must agree with: k aux layers of width H, stored in ``dtype``."""
+
+    num_aux: int
+    hidden_size: int
+    dtype: torch.dtype
+
+
+class SampleFormat(ABC):
+    """A trainer's on-disk layout for one sample, plus anything it needs once the run is complete."""
+
+    name: str
+    ids_key: str  # the tensor holding input_ids [T]
+    state_keys: tuple[str, ...]  # the hidden-state tensors (checked for finiteness)
+
+    @abstractmethod
+    def relpath(self, index: int) -> str:
+        """Where dataset row ``index`` lives, relative to the store root."""
+
+    @abstractmethod
+    def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
+        """Serialise one sample to ``f`` exactly as the trainer reads it."""
+
+    @abstractmethod
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        """Read a sample file the way the trainer does."""
+
+    @abstractmethod
+    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
+        """Keys, shapes, dtypes and token facts that disagree with ``record``/``layout`` (empty if fine)."""
+
+    def finalize(self, root: Path, records: list[SampleRecord]) -> None:  # noqa: B027 - optional step
+        """Build whatever the trainer needs beside the sample files (records sorted by index)."""
+
+    def finalized_problems(self, root: Path, records: list[SampleRecord]) -> list[str]:
+        """Problems with what ``finalize`` built (empty if it builds nothing)."""
+        return []
+
+
+def expect(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> list[str]:
+    """One line per mismatch of a tensor's presence, shape or dtype."""
+    if t is None:
+        return [f"missing tensor {name!r}"]
+    out = []
+    if tuple(t.shape) != shape:
+        out.append(f"{name}: shape {tuple(t.shape)} != expected {shape}")
+    if t.dtype != dtype:
+        out.append(f"{name}: dtype {t.dtype} != expected {dtype}")
+    return out
+
+
+def key_problems(tensors: dict[str, torch.Tensor], expected: set[str]) -> list[str]:
+    """The trainers refuse extra or missing keys; say which."""
+    got = set(tensors)
+    return [f"keys {sorted(got)} != expected {sorted(expected)}"] if got != expected else []

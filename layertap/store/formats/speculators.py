@@ -1,0 +1,144 @@
+"""speculators' layout: a ``datasets`` Arrow folder plus ``hidden_states/hs_<row>.safetensors``.
+
+Each safetensors file holds ``token_ids`` long [T] and ``hidden_states`` [T, k+1, H]: the aux layers
+in capture-index order, then the final state BEFORE the norm (the trainer applies ``verifier_norm``).
+The Arrow rows (``input_ids``, ``loss_mask``, ``seq_len``, torch format) must line up with the file
+numbers: speculators loads ``hs_<row>`` for Arrow row ``row``.
+
+Samples are written once to ``samples/hs_<dataset index>.safetensors``. Because failed or skipped
+rows leave gaps, ``finalize`` publishes ``hidden_states/hs_<row>`` as hard links (no bytes copied)
+numbered by Arrow row, and rebuilds the Arrow folder; both are rebuilt from the index on every
+finalize, so a resumed run simply re-finalizes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import IO
+
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+
+from layertap.sample import CapturedSample
+from layertap.store.atomic import TMP_MARK, fsync_dir
+from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
+from layertap.store.index import SampleRecord
+
+KEYS = {"token_ids", "hidden_states"}
+PUBLISHED = "hidden_states"
+ARROW_FILES = ("state.json", "dataset_info.json")
+
+
+class SpeculatorsFormat(SampleFormat):
+    name = "speculators"
+    ids_key = "token_ids"
+    state_keys = ("hidden_states",)
+
+    def relpath(self, index: int) -> str:
+        return f"samples/hs_{index}.safetensors"
+
+    def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
+        if captured.final_pre is None:
+            raise ValueError("speculators stores the pre-norm final state; the capture has none")
+        states = torch.cat([captured.aux, captured.final_pre.unsqueeze(1)], dim=1).to(layout.dtype)
+        f.write(
+            safetensors_bytes(
+                {"token_ids": captured.sample.input_ids.to(torch.long).contiguous(), "hidden_states": states}
+            )
+        )
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        return load_file(path)
+
+    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
+        t, h = record.num_tokens, layout.hidden_size
+        out = key_problems(tensors, KEYS)
+        out += expect("token_ids", tensors.get("token_ids"), (t,), torch.long)
+        out += expect("hidden_states", tensors.get("hidden_states"), (t, layout.num_aux + 1, h), layout.dtype)
+        return out
+
+    def finalize(self, root: Path, records: list[SampleRecord]) -> None:
+        _publish_links(root, records)
+        _write_arrow(root, records)
+
+    def finalized_problems(self, root: Path, records: list[SampleRecord]) -> list[str]:
+        from datasets import load_from_disk
+
+        out: list[str] = []
+        try:
+            ds = load_from_disk(str(root))
+        except Exception as exc:
+            return [f"Arrow dataset unreadable: {exc}"]
+        if len(ds) != len(records):
+            return [f"Arrow dataset has {len(ds)} rows, index has {len(records)} samples"]
+        for row, rec in enumerate(records):
+            item = ds[row]
+            link = root / PUBLISHED / f"hs_{row}.safetensors"
+            if not link.exists() or not os.path.samefile(link, root / rec.file):
+                out.append(f"row {row} ({rec.sample_id}): {link.name} is not the committed file {rec.file}")
+            if int(item["seq_len"]) != rec.num_tokens or not torch.equal(
+                item["loss_mask"].to(torch.uint8), rec.loss_mask()
+            ):
+                out.append(f"row {row} ({rec.sample_id}): Arrow seq_len/loss_mask differ from the index")
+        return out
+
+
+def _publish_links(root: Path, records: list[SampleRecord]) -> None:
+    """Rebuild ``hidden_states/`` as hard links numbered by Arrow row, then swap it in."""
+    staging = root / f"{TMP_MARK}{PUBLISHED}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for row, rec in enumerate(records):
+        os.link(root / rec.file, staging / f"hs_{row}.safetensors")
+    fsync_dir(staging)
+    final = root / PUBLISHED
+    old = root / f"{TMP_MARK}{PUBLISHED}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(root)
+
+
+def _rows(root: Path, records: list[SampleRecord]):
+    for rec in records:
+        ids = load_file(root / rec.file)["token_ids"]
+        yield {
+            "sample_id": rec.sample_id,
+            "dataset_index": rec.index,
+            "input_ids": ids.tolist(),
+            "loss_mask": rec.loss_mask().to(torch.long).tolist(),
+            "seq_len": rec.num_tokens,
+        }
+
+
+def _write_arrow(root: Path, records: list[SampleRecord]) -> None:
+    """Write the Arrow folder (torch format, as speculators indexes it) beside the sample files."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    features = Features(
+        {
+            "sample_id": Value("string"),
+            "dataset_index": Value("int64"),
+            "input_ids": Sequence(Value("int64")),
+            "loss_mask": Sequence(Value("int64")),
+            "seq_len": Value("int64"),
+        }
+    )
+    staging = root / f"{TMP_MARK}arrow"
+    shutil.rmtree(staging, ignore_errors=True)
+    ds = Dataset.from_generator(
+        _rows, gen_kwargs={"root": root, "records": records}, features=features, cache_dir=str(staging / "cache")
+    )
+    ds.set_format("torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
+    ds.save_to_disk(str(staging / "out"))
+    for old in root.glob("data-*.arrow"):
+        old.unlink()
+    for path in sorted((staging / "out").iterdir()):
+        os.replace(path, root / path.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    fsync_dir(root)

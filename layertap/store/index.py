@@ -1,0 +1,95 @@
+"""The store's index: one JSON line per committed sample, appended by each writer to its own log.
+
+Each process appends to ``index/<writer>.jsonl`` (fsync per line), so concurrent workers never share
+a file handle or a lock. A torn last line (killed mid-append) is ignored; the sample it described
+is simply not done and will be recomputed. When a sample appears twice, the last record wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+INDEX_DIR = "index"
+ERRORS_DIR = "errors"
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """What the store knows about a committed sample; verify and resume check the file against it.
+
+    ``file`` is relative to the store root; ``sha256`` is of the file bytes; ``ids_sha256`` of
+    ``input_ids`` as int64 little-endian; ``mask_runs`` the [start, end) runs where loss_mask == 1.
+    """
+
+    sample_id: str
+    index: int
+    num_tokens: int
+    file: str
+    nbytes: int
+    sha256: str
+    ids_sha256: str
+    mask_runs: tuple[tuple[int, int], ...]
+    truncated: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SampleRecord:
+        return cls(**{**d, "mask_runs": tuple(tuple(r) for r in d["mask_runs"])})
+
+    def loss_mask(self) -> torch.Tensor:
+        """The loss mask [T] uint8 rebuilt from its runs."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.uint8)
+        for start, end in self.mask_runs:
+            mask[start:end] = 1
+        return mask
+
+
+def mask_runs(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """[start, end) runs of ones in a 0/1 mask [T]; compact for chat masks (a few runs per turn)."""
+    m = mask.to(torch.int8).flatten()
+    edges = torch.diff(m, prepend=m.new_zeros(1), append=m.new_zeros(1)).nonzero().flatten().tolist()
+    return tuple((edges[i], edges[i + 1]) for i in range(0, len(edges), 2))
+
+
+class JsonlLog:
+    """An append-only, fsynced JSON-lines file owned by one writer."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def append(self, line: str) -> None:
+        os.write(self._fd, line.encode() + b"\n")
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_jsonl_dir(folder: Path) -> Iterator[dict]:
+    """Every well-formed JSON object in ``folder/*.jsonl``, in file-name then line order."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.glob("*.jsonl")):
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue  # a torn append from a killed writer
+                if isinstance(obj, dict):
+                    yield obj
+
+
+def load_index(root: Path) -> dict[str, SampleRecord]:
+    """sample_id -> latest record, over every writer's log."""
+    return {d["sample_id"]: SampleRecord.from_dict(d) for d in read_jsonl_dir(root / INDEX_DIR)}

@@ -1,0 +1,129 @@
+"""``manifest.json``: everything a trainer (or a resumed run) needs to trust the files beside it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from layertap import __version__
+from layertap.errors import StoreError
+from layertap.spec import CaptureSpec, ExtractionSpec
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CONVENTION_TEXT = (
+    "capture index i = input of decoder layer i (0-based) = output of layer i-1 = "
+    "HF output_hidden_states[i] (residual stream before that layer's norm)"
+)
+# Fields that may legitimately differ between the run that created a store and one resuming it.
+_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed"}
+
+
+class Manifest(BaseModel):
+    """The run's identity. Two runs may write into one store only if these agree (but runtime fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    layertap_version: str = __version__
+    format: str
+    model_path: str
+    model_config_sha256: str
+    model_revision: str | None
+    tokenizer_sha256: str
+    chat_template_sha256: str | None
+    compute_dtype: str
+    store_dtype: str
+    hidden_size: int
+    num_layers: int
+    layer_ids_given: list[int]
+    layer_convention: str
+    capture_indices: list[int]
+    capture_convention: str = CONVENTION_TEXT
+    final_post_norm: bool
+    final_pre_norm: bool
+    max_length: int | None
+    overlong: str
+    dataset_path: str
+    dataset_rows: int
+    engine: dict[str, Any]
+    complete: bool = False
+    samples_committed: int = 0
+
+    def identity(self) -> dict[str, Any]:
+        return self.model_dump(exclude=_RUNTIME_FIELDS)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def model_facts(model_dir: Path) -> dict[str, Any]:
+    """Hashes that pin the exact model, tokenizer and chat template a store was made with."""
+    config = json.loads((model_dir / "config.json").read_text())
+    tok_cfg_path = model_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    template = tok_cfg.get("chat_template")
+    jinja = model_dir / "chat_template.jinja"
+    if template is None and jinja.exists():
+        template = jinja.read_text()
+    tok_file = model_dir / "tokenizer.json"
+    return {
+        "model_config_sha256": _sha256(model_dir / "config.json"),
+        "model_revision": config.get("_commit_hash") or config.get("revision"),
+        "tokenizer_sha256": _sha256(tok_file) if tok_file.exists() else _sha256(tok_cfg_path),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
+    }
+
+
+def build_manifest(
+    spec: ExtractionSpec,
+    capture: CaptureSpec,
+    *,
+    hidden_size: int,
+    compute_dtype: str,
+    dataset_rows: int,
+    engine: dict[str, Any],
+) -> Manifest:
+    """The manifest of a new run from its spec, the resolved capture and model facts."""
+    return Manifest(
+        format=spec.format,
+        model_path=str(spec.model.resolve()),
+        compute_dtype=compute_dtype,
+        store_dtype=spec.store_dtype,
+        hidden_size=hidden_size,
+        num_layers=capture.num_layers,
+        layer_ids_given=list(capture.given_ids),
+        layer_convention=capture.convention,
+        capture_indices=list(capture.layers),
+        final_post_norm=capture.final_post,
+        final_pre_norm=capture.final_pre,
+        max_length=spec.max_length,
+        overlong=spec.overlong,
+        dataset_path=str(spec.data.resolve()),
+        dataset_rows=dataset_rows,
+        engine=engine,
+        **model_facts(spec.model),
+    )
+
+
+def read_manifest(root: Path) -> Manifest:
+    path = root / MANIFEST
+    try:
+        return Manifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError as exc:
+        raise StoreError(f"{root} has no {MANIFEST}: not a layertap output folder") from exc
+    except ValueError as exc:
+        raise StoreError(f"{path} is not a valid layertap manifest: {exc}") from exc
+
+
+def check_compatible(existing: Manifest, new: Manifest) -> None:
+    """Refuse to resume into a store made with another model, template, layers or format."""
+    a, b = existing.identity(), new.identity()
+    diffs = [f"{k}: store has {a[k]!r}, this run has {b[k]!r}" for k in a if a[k] != b[k]]
+    if diffs:
+        raise StoreError("output folder belongs to a different run; " + "; ".join(diffs))

@@ -1,0 +1,174 @@
+"""``OutputStore``: where a captured sample is validated, written, and committed.
+
+A sample is *done* only when its file was renamed into place AND its index record was appended
+after that. Resume trusts neither alone: it re-checks each indexed file (size, sha256, keys, shapes,
+dtypes, token ids) before skipping it, so a truncated or corrupted file is redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from layertap.errors import SampleError, StoreError
+from layertap.sample import CapturedSample
+from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, sha256_file
+from layertap.store.formats import SampleFormat, get_format
+from layertap.store.formats.base import DTYPES, Layout
+from layertap.store.index import (
+    ERRORS_DIR,
+    INDEX_DIR,
+    JsonlLog,
+    SampleRecord,
+    load_index,
+    mask_runs,
+    read_jsonl_dir,
+)
+from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
+from layertap.validate import ids_sha256, state_problems
+
+CheckLevel = Literal["quick", "full"]
+
+
+class OutputStore:
+    """One output folder. Safe for several processes at once: each appends to its own index log."""
+
+    def __init__(self, root: Path, manifest: Manifest, *, writer_id: str | None = None) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.format: SampleFormat = get_format(manifest.format)
+        self.layout = Layout(
+            num_aux=len(manifest.capture_indices),
+            hidden_size=manifest.hidden_size,
+            dtype=DTYPES[manifest.store_dtype],
+        )
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._index_log: JsonlLog | None = None
+        self._error_log: JsonlLog | None = None
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    @classmethod
+    def create_or_resume(cls, root: Path, manifest: Manifest, **kw: str) -> OutputStore:
+        """Open ``root`` for ``manifest``'s run: create it, or check it belongs to the same run."""
+        root.mkdir(parents=True, exist_ok=True)
+        if (root / MANIFEST).exists():
+            existing = read_manifest(root)
+            check_compatible(existing, manifest)
+            manifest = manifest.model_copy(update={"complete": False})
+        elif any(p.name != ".lock" for p in root.iterdir()):
+            raise StoreError(f"{root} is not empty and has no {MANIFEST}; refusing to write into it")
+        atomic_write_json(root / MANIFEST, manifest.model_dump())
+        return cls(root, manifest, **kw)
+
+    @classmethod
+    def open_existing(cls, root: Path) -> OutputStore:
+        """Open a store for reading (verify, finalize)."""
+        return cls(root, read_manifest(root))
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def commit(self, captured: CapturedSample) -> SampleRecord:
+        """Validate, write atomically, then append the index record (the record is written last)."""
+        problems = state_problems(captured, self.layout, self.manifest)
+        if problems:
+            raise SampleError(f"sample {captured.sample.sample_id!r}: " + "; ".join(problems))
+        rel = self.format.relpath(captured.sample.index)
+        written = atomic_write(self.root / rel, lambda f: self.format.write(captured, self.layout, f))
+        record = SampleRecord(
+            sample_id=captured.sample.sample_id,
+            index=captured.sample.index,
+            num_tokens=captured.sample.num_tokens,
+            file=rel,
+            nbytes=written.nbytes,
+            sha256=written.sha256,
+            ids_sha256=ids_sha256(captured.sample.input_ids),
+            mask_runs=mask_runs(captured.sample.loss_mask),
+            truncated=captured.sample.truncated,
+        )
+        self._log("index").append(record.to_json())
+        return record
+
+    def record_error(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
+        """Keep a per-row failure (bad row, skipped over-long sample, failed capture) for the report."""
+        entry = {"row": row, "sample_id": sample_id, "reason": reason, "kind": kind, "time": time.time()}
+        self._log("errors").append(json.dumps(entry))
+
+    def _log(self, which: str) -> JsonlLog:
+        if which == "index":
+            if self._index_log is None:
+                self._index_log = JsonlLog(self.root / INDEX_DIR / f"{self.writer_id}.jsonl")
+            return self._index_log
+        if self._error_log is None:
+            self._error_log = JsonlLog(self.root / ERRORS_DIR / f"{self.writer_id}.jsonl")
+        return self._error_log
+
+    def close(self) -> None:
+        for log in (self._index_log, self._error_log):
+            if log is not None:
+                log.close()
+        self._index_log = self._error_log = None
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def records(self) -> dict[str, SampleRecord]:
+        return load_index(self.root)
+
+    def errors(self) -> list[dict]:
+        """Latest error per row, dropping rows that were committed since."""
+        done = {r.index for r in self.records().values()}
+        latest = {e["row"]: e for e in read_jsonl_dir(self.root / ERRORS_DIR)}
+        return [e for row, e in sorted(latest.items()) if row not in done]
+
+    def check(self, record: SampleRecord, level: CheckLevel = "full") -> list[str]:
+        """Problems of one committed sample's file; empty means it can be trusted."""
+        path = self.root / record.file
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return ["file missing"]
+        if size != record.nbytes:
+            return [f"size {size} != recorded {record.nbytes} (truncated or overwritten)"]
+        if level == "full" and sha256_file(path) != record.sha256:
+            return ["sha256 differs from the index record (corrupted)"]
+        try:
+            tensors = self.format.load(path)
+        except Exception as exc:
+            return [f"unreadable: {exc}"]
+        out = self.format.problems(tensors, record, self.layout)
+        ids = tensors.get(self.format.ids_key)
+        if ids is not None and ids_sha256(ids) != record.ids_sha256:
+            out.append("input_ids differ from the index record")
+        if level == "full":
+            out += [
+                f"{k}: non-finite values"
+                for k in self.format.state_keys
+                if k in tensors and not torch.isfinite(tensors[k]).all()
+            ]
+        return out
+
+    def sweep_temp_files(self) -> int:
+        """Delete temp files of killed writers. Only call when no other writer uses the store."""
+        count = 0
+        for path in self.root.rglob(f"{TMP_MARK}*"):
+            if path.is_file():
+                path.unlink()
+                count += 1
+        return count
+
+    # -- finishing -------------------------------------------------------------------------------
+
+    def finalize(self, *, complete: bool) -> list[SampleRecord]:
+        """Build the format's extra files from the index and rewrite the manifest with the count."""
+        records = sorted(self.records().values(), key=lambda r: r.index)
+        self.format.finalize(self.root, records)
+        self.manifest = self.manifest.model_copy(update={"complete": complete, "samples_committed": len(records)})
+        atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
+        return records

@@ -1,0 +1,38 @@
+"""Checks a captured sample must pass before it may be committed (shapes, dtypes, finiteness)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from layertap.sample import CapturedSample
+from layertap.store.formats.base import Layout
+from layertap.store.manifest import Manifest
+
+
+def ids_sha256(input_ids: torch.Tensor) -> str:
+    """sha256 of token ids as int64 little-endian bytes: the same digest the SGLang dump records."""
+    arr = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False)
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def state_problems(captured: CapturedSample, layout: Layout, manifest: Manifest) -> list[str]:
+    """What is wrong with a capture: aux [T, k, H], finals [T, H] when asked for, all finite."""
+    t, h, k = captured.sample.num_tokens, layout.hidden_size, layout.num_aux
+    out: list[str] = []
+    if captured.sample.loss_mask.shape != (t,):
+        out.append(f"loss_mask shape {tuple(captured.sample.loss_mask.shape)} != ({t},)")
+    named = [("aux", captured.aux, (t, k, h), True)]
+    named.append(("final_post", captured.final_post, (t, h), manifest.final_post_norm))
+    named.append(("final_pre", captured.final_pre, (t, h), manifest.final_pre_norm))
+    for name, tensor, shape, wanted in named:
+        if not wanted:
+            continue
+        if tensor is None:
+            out.append(f"{name} missing")
+        elif tuple(tensor.shape) != shape:
+            out.append(f"{name} shape {tuple(tensor.shape)} != {shape}")
+        elif not torch.isfinite(tensor).all():
+            out.append(f"{name} has non-finite values")
+    return out
