@@ -37,6 +37,10 @@ class RowError(LayertapError):
         return f"row {self.row}{who}: {self.reason}"
 
 
+class OverlongRow(RowError):
+    """A row longer than ``max_length`` under the ``skip`` policy: counted apart from bad rows."""
+
+
 class SampleError(LayertapError):
     """A capture attempt for one sample failed in a way a retry can fix."""
 

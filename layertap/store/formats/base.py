@@ -28,6 +28,7 @@ class SampleFormat(ABC):
     """A trainer's on-disk layout for one sample, plus anything it needs once the run is complete."""
 
     name: str
+    sample_glob: str  # matches every sample file this format writes, relative to the root
     ids_key: str  # the tensor holding input_ids [T]
     state_keys: tuple[str, ...]  # the hidden-state tensors (checked for finiteness)
 

@@ -22,6 +22,7 @@ KEYS = {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
 
 class SpecForgeFormat(SampleFormat):
     name = "specforge"
+    sample_glob = "rows_*/data_*.ckpt"
     ids_key = "input_ids"
     state_keys = ("hidden_state", "aux_hidden_state")
 

@@ -34,6 +34,7 @@ ARROW_FILES = ("state.json", "dataset_info.json")
 
 class SpeculatorsFormat(SampleFormat):
     name = "speculators"
+    sample_glob = "samples/hs_*.safetensors"
     ids_key = "token_ids"
     state_keys = ("hidden_states",)
 

@@ -1,0 +1,168 @@
+"""The ``layertap`` command line: extract, verify, demo, tiny-model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+from rich.console import Console
+
+from layertap.errors import LayertapError
+from layertap.spec import CaptureSpec, ExtractionSpec, parse_layer_list
+
+console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    sys.exit(2)
+
+
+def hf_engine_factory(model: Path, device: str, batch_tokens: int):
+    """An engine factory for the in-process HF engine (imported lazily: it loads transformers)."""
+
+    def make(capture: CaptureSpec):
+        from layertap.engines.hf import HFEngine
+
+        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens)
+
+    return make
+
+
+@click.group()
+def main() -> None:
+    """Extract intermediate hidden states for speculative-decoding drafter training."""
+
+
+@main.command()
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True)
+@click.option(
+    "--data", type=click.Path(path_type=Path), required=True, help="JSONL, JSON, Parquet or save_to_disk folder."
+)
+@click.option("--layers", required=True, help="Comma-separated layer ids, e.g. 3,31,59.")
+@click.option(
+    "--layer-convention",
+    type=click.Choice(["capture", "sglang-eagle3", "vllm"]),
+    default="capture",
+    show_default=True,
+    help="capture: id i = input of layer i (HF output_hidden_states[i]).",
+)
+@click.option(
+    "--final", type=click.Choice(["post", "pre", "both"]), default=None, help="Default: what the format needs."
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge", show_default=True
+)
+@click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--max-length", type=int, default=None)
+@click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True)
+@click.option("--engine", type=click.Choice(["hf"]), default="hf", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="HF engine: padded tokens per batch.")
+@click.option(
+    "--resume-check",
+    type=click.Choice(["full", "quick"]),
+    default="full",
+    show_default=True,
+    help="How committed samples are re-checked before being skipped (full re-hashes every file).",
+)
+def extract(
+    model,
+    data,
+    layers,
+    layer_convention,
+    final,
+    out,
+    fmt,
+    store_dtype,
+    max_length,
+    overlong,
+    engine,
+    device,
+    batch_tokens,
+    resume_check,
+) -> None:
+    """Run (or resume) an extraction into OUT."""
+    from layertap.pipeline import run_extraction
+    from layertap.progress import RichProgress
+
+    try:
+        spec = ExtractionSpec(
+            model=model,
+            data=data,
+            layers=parse_layer_list(layers),
+            layer_convention=layer_convention,
+            final=final,
+            format=fmt,
+            store_dtype=store_dtype,
+            max_length=max_length,
+            overlong=overlong,
+        )
+    except (ValidationError, LayertapError) as exc:
+        _fail(str(exc))
+    progress = RichProgress(console)
+    try:
+        report = run_extraction(
+            spec, out, hf_engine_factory(model, device, batch_tokens), progress=progress, check_level=resume_check
+        )
+    except LayertapError as exc:
+        _fail(str(exc))
+    finally:
+        progress.stop()
+    console.print(
+        f"[green]done[/]: {len(report.computed)} samples computed, {report.already_done} already done"
+        f" ({len(report.redone)} redone after failing checks), {report.tokens:,} tokens in {report.seconds:.1f}s;"
+        f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
+        f" {report.failed} failed captures. Output: {out}"
+    )
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--quick", is_flag=True, help="Skip re-hashing and finiteness checks.")
+def verify(out: Path, quick: bool) -> None:
+    """Re-read every sample in OUT and report problems (exit 1 if any)."""
+    from layertap.verify import verify_store
+
+    try:
+        report = verify_store(out, "quick" if quick else "full")
+    except LayertapError as exc:
+        _fail(str(exc))
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    for p in report.problems:
+        console.print(f"[red]problem:[/] {p}")
+    status = "[green]clean[/]" if report.ok else f"[red]{len(report.problems)} problems[/]"
+    console.print(
+        f"verify {out}: {report.samples} samples, {report.tokens:,} tokens, {report.nbytes:,} bytes: {status}"
+    )
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command("tiny-model")
+@click.option("--arch", type=click.Choice(["llama", "kimi-k2"]), default="llama", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.argument("out", type=click.Path(path_type=Path))
+def tiny_model(arch: str, seed: int, out: Path) -> None:
+    """Build a deterministic tiny random-weight model (with tokenizer and chat template) in OUT."""
+    from layertap.models.tiny import build_tiny_model
+
+    console.print(f"built {arch} tiny model in {build_tiny_model(arch, out, seed=seed)}")
+
+
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("demo-output"), show_default=True)
+@click.option(
+    "--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge", show_default=True
+)
+def demo(out: Path, fmt: str) -> None:
+    """Build a tiny model and a small conversation set, extract, verify, and show the result."""
+    from layertap.demo import run_demo
+
+    try:
+        run_demo(out, fmt, console)
+    except LayertapError as exc:
+        _fail(str(exc))
