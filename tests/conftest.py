@@ -19,3 +19,45 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_kimi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of the tiny Kimi-K2-like DeepseekV3 (MLA + MoE, 5 layers, first dense, hidden 64, float32)."""
     return build_tiny_model("kimi-k2", tmp_path_factory.mktemp("tiny-kimi"))
+
+
+# --- Independent HF reference: a plain float32 forward with output_hidden_states, batch of one. ---
+
+
+class HFReference:
+    """Reference states for one model: ``states(ids)`` -> (hidden_states tuple of L+1 [T, H], pre-norm final [T, H]).
+
+    The pre-norm final comes from a second copy of the model whose final norm is replaced by the
+    identity, so its last ``output_hidden_states`` element is the un-normed residual stream. Nothing
+    here shares code with the engines under test.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.no_norm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.no_norm.get_decoder().norm = torch.nn.Identity()
+
+    def states(self, input_ids):
+        import torch
+
+        with torch.no_grad():
+            ids = torch.as_tensor(input_ids, dtype=torch.long)[None]
+            normed = self.model(ids, output_hidden_states=True).hidden_states
+            pre = self.no_norm(ids, output_hidden_states=True).hidden_states[-1]
+        return tuple(h[0] for h in normed), pre[0]
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """``hf_reference(model_dir)`` -> a cached ``HFReference``."""
+    cache: dict[Path, HFReference] = {}
+
+    def get(model_dir: Path) -> HFReference:
+        if model_dir not in cache:
+            cache[model_dir] = HFReference(model_dir)
+        return cache[model_dir]
+
+    return get
