@@ -1,0 +1,224 @@
+"""Chat template -> ``input_ids`` + ``loss_mask``, for any template, with or without generation tags.
+
+The loss mask is 1 exactly on what the assistant produced: its content, its tool calls and the
+end-of-turn token the template closes its turn with (generation stops on that token, so the drafter
+must predict it). Everything else is 0: system, user and tool turns, role headers, the generation
+prompt, separators between turns.
+
+HF's ``return_assistant_tokens_mask`` needs ``{% generation %}`` tags and silently returns all-0 or
+all-1 without them (the failure behind Megatron-Bridge #3359). Instead each assistant turn is found
+by rendering: the text of ``messages[:k]`` with the generation prompt is a prefix of the text of
+``messages[:k+1]`` when message ``k`` is the assistant's, and the new suffix is what the assistant
+produced. That prefix property is checked, never assumed; the character spans are mapped to tokens
+with the offsets of one tokenisation of the full text, so the ids are exactly the server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
+from layertap.errors import DatasetError, RowError, SpecError
+from layertap.sample import TokenizedSample
+from layertap.spec import OverlongPolicy
+
+Span = tuple[int, int]
+
+
+class ChatTokenizer:
+    """Tokenises parsed rows with one tokenizer and one chat template, built once per process.
+
+    ``chat_template`` overrides the tokenizer's own; ``template_kwargs`` go to the template as
+    variables (e.g. ``{"enable_thinking": False}``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise SpecError("the loss mask needs a fast (Rust) tokenizer: it maps characters to tokens by offsets")
+        self._tok = tokenizer
+        self._kwargs = dict(template_kwargs or {})
+        self._vocab_size = len(tokenizer)
+        try:
+            self._template: str | None = tokenizer.get_chat_template(chat_template)
+        except ValueError:  # no template: fine for text and pretokenized rows, checked on a conversation
+            self._template = None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template text actually used (for the manifest's hash), or None when there is none."""
+        return self._template
+
+    def tokenize(
+        self,
+        row_number: int,
+        sample_id: str,
+        row: ParsedRow,
+        *,
+        max_length: int | None,
+        overlong: OverlongPolicy,
+    ) -> TokenizedSample:
+        """One row -> TokenizedSample (``input_ids`` long [T], ``loss_mask`` uint8 [T], ``index`` = row number).
+
+        Preformatted text is tokenised as it is (``add_special_tokens=False``: the text already
+        carries what the template rendered, BOS included) with the mask all 1: its roles cannot be
+        told apart any more, so every token is a target, as in pretraining-style drafter data.
+        Pretokenized rows keep their ids and mask (all 1 when absent).
+
+        Longer than ``max_length``: ``truncate`` keeps the first ``max_length`` tokens and flags the
+        sample; ``skip`` raises RowError. Raises RowError for an empty result, a truncation that
+        leaves no assistant token, ids outside the vocabulary, or a template that is not prefix-stable.
+        """
+
+        def fail(reason: str) -> RowError:
+            return RowError(reason, row=row_number, sample_id=sample_id)
+
+        if isinstance(row, Conversation):
+            ids, mask = self._conversation(row, row_number, sample_id)
+        elif isinstance(row, Preformatted):
+            ids = self._encode(row.text)["input_ids"]
+            mask = [1] * len(ids)
+        elif isinstance(row, Pretokenized):
+            ids = row.input_ids
+            mask = row.loss_mask if row.loss_mask is not None else [1] * len(ids)
+            if (bad := next((i for i in ids if i >= self._vocab_size), None)) is not None:
+                raise fail(f"input_ids holds id {bad}, outside the tokenizer's vocabulary [0, {self._vocab_size})")
+        else:
+            raise TypeError(f"not a parsed row: {type(row).__name__}")
+        if not ids:
+            raise fail("tokenisation gave no tokens")
+
+        truncated = False
+        if max_length is not None and len(ids) > max_length:
+            if overlong == "skip":
+                raise fail(f"longer than max_length ({len(ids)} > {max_length} tokens)")
+            ids, mask, truncated = ids[:max_length], mask[:max_length], True
+            if isinstance(row, Conversation) and not any(mask):
+                raise fail(f"no assistant token left after truncation to max_length={max_length}")
+        return TokenizedSample(
+            sample_id=sample_id,
+            index=row_number,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            loss_mask=torch.tensor(mask, dtype=torch.uint8),
+            truncated=truncated,
+        )
+
+    def render(
+        self, conv: Conversation, *, row_number: int = -1, sample_id: str | None = None
+    ) -> tuple[str, list[Span]]:
+        """The rendered conversation and the character spans ``[start, end)`` of its assistant turns.
+
+        A span runs from the end of the generation prompt to the end of the assistant's turn,
+        whitespace the template puts after the end-of-turn token excluded (the model stops at the
+        token and never produces the separator). Raises RowError when the template is not
+        prefix-stable (e.g. it rewrites earlier turns depending on what follows them).
+        """
+
+        def fail(reason: str) -> RowError:
+            return RowError(reason, row=row_number, sample_id=sample_id)
+
+        msgs = conv.messages
+        full = self._render(msgs, conv, False, fail)
+        spans: list[Span] = []
+        for k, msg in enumerate(msgs):
+            if msg["role"] != "assistant":
+                continue
+            before = self._render(msgs[:k], conv, True, fail)
+            through = self._render(msgs[: k + 1], conv, False, fail)
+            for shorter, longer, what in (
+                (before, through, f"messages[:{k}] with the generation prompt"),
+                (through, full, f"messages[:{k + 1}]"),
+            ):
+                if not longer.startswith(shorter):
+                    at = _first_difference(shorter, longer)
+                    raise fail(
+                        f"chat template is not prefix-stable, so assistant turns cannot be located: the text "
+                        f"of {what} is not a prefix of the longer rendering (they differ at character {at}: "
+                        f"{shorter[at : at + 40]!r} vs {longer[at : at + 40]!r}); pass a chat template "
+                        "that renders earlier turns the same whatever follows"
+                    )
+            end = max(len(before), len(through.rstrip()))
+            if end > len(before):
+                spans.append((len(before), end))
+        return full, spans
+
+    def _conversation(self, conv: Conversation, row_number: int, sample_id: str) -> tuple[list[int], list[int]]:
+        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id)
+        enc = self._encode(text, offsets=True)
+        return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], spans)
+
+    def _render(
+        self, messages: list[dict[str, Any]], conv: Conversation, gen: bool, fail: Callable[[str], RowError]
+    ) -> str:
+        if self._template is None:
+            raise DatasetError(
+                "the tokenizer has no chat template and none was given; pass chat_template to render conversations"
+            )
+        try:
+            return self._tok.apply_chat_template(
+                messages,
+                tools=conv.tools,
+                chat_template=self._template,
+                add_generation_prompt=gen,
+                tokenize=False,
+                **self._kwargs,
+            )
+        except Exception as exc:  # Jinja errors, raise_exception() in templates: this row cannot render
+            raise fail(f"chat template failed on messages[:{len(messages)}]: {type(exc).__name__}: {exc}") from exc
+
+    def _encode(self, text: str, *, offsets: bool = False) -> Any:
+        # The template renders BOS and every marker itself; adding special tokens would double BOS.
+        return self._tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[Span]) -> list[int]:
+    """1 for each token whose characters overlap a span; spans sorted and disjoint.
+
+    A token that straddles a span edge (a BPE merge across the boundary) counts as inside: the
+    assistant produced part of it. A zero-width token is a whitespace token whose offsets a
+    ``trim_offsets`` post-processor moved to its end: it stands for the character before that end.
+    """
+    mask = [0] * len(offsets)
+    j = 0
+    for t, (s, e) in enumerate(offsets):
+        first, end = (s, e) if s < e else (s - 1, s)
+        while j < len(spans) and spans[j][1] <= first:
+            j += 1
+        if j == len(spans):
+            break
+        if first < spans[j][1] and end > spans[j][0]:
+            mask[t] = 1
+    return mask
+
+
+def check_loss_mask(row: ParsedRow, sample: TokenizedSample) -> None:
+    """Dataset-level guard, called on every sample: stop the run when the template breaks the mask.
+
+    A conversation with both user and assistant turns must come out with some 0s and some 1s. All-0
+    means the template rendered no assistant tokens; all-1 means it rendered nothing but them. Either
+    way every sample would train the drafter wrongly and silently, so raise DatasetError.
+    """
+    if not (isinstance(row, Conversation) and row.has_role("user") and row.has_role("assistant")):
+        return
+    ones = int(sample.loss_mask.sum())
+    if 0 < ones < sample.num_tokens:
+        return
+    kind = "all 0: no assistant token was found" if ones == 0 else "all 1: user and system tokens are masked in"
+    raise DatasetError(
+        f"loss mask of sample {sample.sample_id!r} (row {sample.index}) is {kind}, although it has user and "
+        "assistant turns; the chat template does not render assistant turns in a way that can be located. "
+        "Pass a chat template (chat_template override) that renders every turn, or pretokenize the dataset "
+        "with input_ids and loss_mask"
+    )

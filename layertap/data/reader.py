@@ -1,0 +1,208 @@
+"""Stream dataset rows from JSONL, JSON arrays, Parquet and `datasets.save_to_disk` folders.
+
+Rows come one at a time (never the whole corpus in memory): a 37K-sample corpus with long
+conversations is several GB of text. A row that cannot be read (a malformed JSON line, an array
+item that is not an object) is yielded as a ``RowError`` so the run records it and goes on; a file
+that cannot be read at all raises ``DatasetError``.
+
+Row numbers are 0-based positions among the dataset's rows (blank JSONL lines are not rows); output
+files and sample ids fall back to them, so every reader numbers rows the same way.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import ijson
+import pyarrow.parquet as pq
+
+from layertap.errors import DatasetError, RowError
+
+Row = dict[str, Any]
+RowItem = tuple[int, Row | RowError]
+
+_BATCH_ROWS = 256
+_SUFFIXES = ".jsonl, .jsonl.gz, .json, .json.gz, .parquet, or a datasets.save_to_disk folder"
+
+
+def iter_rows(
+    path: Path,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    columns: Sequence[str] | None = None,
+) -> Iterator[RowItem]:
+    """Yield ``(row_number, row dict or RowError)`` for rows ``start <= row_number < stop``.
+
+    ``start``/``stop`` let a shard read only its rows: Parquet skips whole row groups, Arrow folders
+    slice, JSONL skips lines without parsing them; a JSON array has to be parsed up to ``start``.
+    ``columns`` narrows columnar formats (Parquet, Arrow) to the named columns that exist, so a
+    pre-scan that needs only ids does not read conversations; JSON rows always come whole.
+    Raises DatasetError when the path is missing, unreadable or of an unknown format.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path}")
+    if stop is not None and stop <= start:
+        return
+    try:
+        if path.is_dir():
+            yield from _iter_arrow_folder(path, start, stop, columns)
+            return
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            yield from _iter_jsonl(path, start, stop)
+        elif name.endswith((".json", ".json.gz")):
+            yield from _iter_json(path, start, stop)
+        elif name.endswith(".parquet"):
+            yield from _iter_parquet(path, start, stop, columns)
+        else:
+            raise DatasetError(f"unknown dataset format for {path}: expected {_SUFFIXES}")
+    except OSError as exc:
+        raise DatasetError(f"cannot read dataset {path}: {exc}") from exc
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+
+
+def _as_row(number: int, value: Any, where: str) -> RowItem:
+    if isinstance(value, dict):
+        return number, value
+    return number, RowError(f"{where} is not a JSON object (got {type(value).__name__})", row=number)
+
+
+def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[RowItem]:
+    number = 0
+    with _open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            if stop is not None and number >= stop:
+                return
+            if number >= start:
+                try:
+                    value = json.loads(line)
+                except ValueError as exc:
+                    yield number, RowError(f"line {line_no}: malformed JSON: {exc}", row=number)
+                else:
+                    yield _as_row(number, value, f"line {line_no}")
+            number += 1
+
+
+def _first_byte(f: IO[bytes]) -> bytes:
+    """The first non-whitespace byte (after a UTF-8 BOM), leaving ``f`` positioned at the start."""
+    head = f.read(4096)
+    while head and not head.lstrip(b"\xef\xbb\xbf \t\r\n"):
+        more = f.read(4096)
+        if not more:
+            break
+        head += more
+    f.seek(0)
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    return stripped[:1]
+
+
+def _looks_like_jsonl(f: IO[bytes]) -> bool:
+    """True when the first line is a whole JSON value: ``datasets.to_json`` writes JSONL as ``.json``."""
+    first = f.readline()
+    f.seek(0)
+    try:
+        json.loads(first)
+    except ValueError:
+        return False
+    return True
+
+
+def _iter_json(path: Path, start: int, stop: int | None) -> Iterator[RowItem]:
+    with _open(path) as f:
+        first = _first_byte(f)
+        if first == b"{" and _looks_like_jsonl(f):
+            yield from _iter_jsonl(path, start, stop)
+            return
+        if first != b"[":
+            raise DatasetError(
+                f"{path} is not a JSON array of rows (it starts with {first.decode(errors='replace')!r}); "
+                "expected '[{...}, ...]' or one JSON object per line"
+            )
+        number = 0
+        try:
+            for value in ijson.items(f, "item", use_float=True):
+                if stop is not None and number >= stop:
+                    return
+                if number >= start:
+                    yield _as_row(number, value, f"array item {number}")
+                number += 1
+        except ijson.JSONError as exc:
+            raise DatasetError(f"{path} is malformed JSON after {number} rows: {exc}") from exc
+
+
+def _iter_table_rows(batches: Iterator[Any], first_number: int, start: int, stop: int | None) -> Iterator[RowItem]:
+    number = first_number
+    for batch in batches:
+        for row in batch.to_pylist():
+            if stop is not None and number >= stop:
+                return
+            if number >= start:
+                yield number, row
+            number += 1
+
+
+def _iter_parquet(path: Path, start: int, stop: int | None, columns: Sequence[str] | None) -> Iterator[RowItem]:
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends for a non-Parquet file
+        raise DatasetError(f"{path} is not a readable Parquet file: {exc}") from exc
+    names = pf.schema_arrow.names
+    cols = None if columns is None else [c for c in columns if c in names]
+    # Skip whole row groups that end before `start`.
+    groups: list[int] = []
+    first_number = 0
+    offset = 0
+    for i in range(pf.num_row_groups):
+        n = pf.metadata.row_group(i).num_rows
+        if offset + n > start and (stop is None or offset < stop):
+            if not groups:
+                first_number = offset
+            groups.append(i)
+        offset += n
+    if not groups:
+        return
+    batches = pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups, columns=cols)
+    yield from _iter_table_rows(batches, first_number, start, stop)
+
+
+def _iter_arrow_folder(path: Path, start: int, stop: int | None, columns: Sequence[str] | None) -> Iterator[RowItem]:
+    import datasets  # heavy import, only for this format
+
+    if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        raise DatasetError(
+            f"{path} is a folder but not one written by datasets.save_to_disk (no state.json or "
+            f"dataset_dict.json); expected {_SUFFIXES}"
+        )
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises several unrelated types for a damaged folder
+        raise DatasetError(f"cannot load {path} with datasets.load_from_disk: {exc}") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if len(ds) != 1:
+            raise DatasetError(
+                f"{path} holds splits {sorted(ds)}; pass one split's folder, e.g. {path / next(iter(ds))}"
+            )
+        ds = next(iter(ds.values()))
+    end = len(ds) if stop is None else min(stop, len(ds))
+    if columns is not None:
+        wanted = [c for c in columns if c in ds.column_names]
+        if not wanted:  # a table without columns has no rows either, but the rows still exist
+            yield from ((n, {}) for n in range(start, end))
+            return
+        ds = ds.select_columns(wanted)
+    # Memory-mapped: a slice maps pages of the Arrow file, it does not load the dataset.
+    table = ds.with_format("arrow")
+    for lo in range(start, end, _BATCH_ROWS):
+        hi = min(lo + _BATCH_ROWS, end)
+        yield from _iter_table_rows(iter([table[lo:hi]]), lo, lo, hi)
