@@ -1,0 +1,257 @@
+"""The dump contract between the capture plugin (inside SGLang) and its client (the layertap worker).
+
+Standard library only: both the plugin and the `layertap` core import this module.
+
+Request ids. Every captured request carries the rid ``<prefix>:<job>:<sample>:<attempt>``. Each
+component is percent-quoted (`urllib.parse.quote` with no safe characters), so a ``:`` inside a
+sample id cannot shift the fields; `attempt` is a non-negative integer. The plugin captures exactly
+the rids that start with ``quote(prefix) + ":"``; SGLang's warmup (uuid rids), ``HEALTH_CHECK_*``
+probes and internal passes never match.
+
+Dump folders. A finished request appears, atomically (temp folder, fsync, rename), as::
+
+    <dump_root>/<quote(rid)>/meta.json             DumpMeta as JSON, always present
+    <dump_root>/<quote(rid)>/states.safetensors    only when status == "ok":
+        input_ids   int64 [T]       the token ids the server ran (little-endian in the file)
+        aux         dtype [T, k, H] the capture indices `meta.layers`, in that order
+        final_post  dtype [T, H]    if "post" in meta.finals: after the final norm
+        final_pre   dtype [T, H]    if "pre" in meta.finals: before the final norm
+
+Temp folders live under ``<dump_root>/.tmp/`` on the same filesystem, so the rename is atomic and
+a reader never sees a half-written dump.
+
+Capture index convention: index ``i`` is the input of decoder layer ``i`` (0-based) = the output of
+layer ``i-1`` = HF transformers ``output_hidden_states[i]`` (residual stream before that layer's
+norm). In a post-forward hook on layer ``i-1`` that is ``output[0] + output[1]``. The post-norm final
+state is the ``hidden_states`` argument of SGLang's ``logits_processor``; the pre-norm one is
+``output[0] + output[1]`` of the last decoder layer.
+
+An error dump (status "error", no tensors file) tells the client quickly that an attempt is
+useless, e.g. a prefix-cache hit (the first pass of the rid started past token 0) or missing rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote, unquote
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT_VERSION = 1
+DEFAULT_RID_PREFIX = "hscap"
+LAYER_CONVENTION = "capture"
+
+META_FILE = "meta.json"
+STATES_FILE = "states.safetensors"
+TMP_DIR = ".tmp"
+
+INPUT_IDS = "input_ids"
+AUX = "aux"
+FINAL_TENSORS: dict[str, str] = {"post": "final_post", "pre": "final_pre"}
+
+# Room for the temp suffix within the usual 255-byte file name limit.
+MAX_DIR_NAME_BYTES = 200
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64"}
+
+Status = Literal["ok", "error"]
+
+
+class DumpError(ValueError):
+    """A dump folder or rid does not follow this contract."""
+
+
+def _quote(component: str) -> str:
+    return quote(component, safe="")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestId:
+    """The parts of a capture rid; `str()` gives the rid itself."""
+
+    prefix: str
+    job: str
+    sample: str
+    attempt: int
+
+    def __post_init__(self) -> None:
+        if not self.prefix:
+            raise DumpError("the rid prefix must not be empty")
+        if self.attempt < 0:
+            raise DumpError(f"attempt must be >= 0, got {self.attempt}")
+
+    def __str__(self) -> str:
+        parts = (self.prefix, self.job, self.sample, str(self.attempt))
+        return ":".join(_quote(p) for p in parts)
+
+
+def format_rid(job: str, sample: str, attempt: int, *, prefix: str = DEFAULT_RID_PREFIX) -> str:
+    """Build the rid ``<prefix>:<job>:<sample>:<attempt>`` with every component quoted.
+
+    Raises DumpError when the dump folder name of the rid would be too long for a file name.
+    """
+    rid = str(RequestId(prefix=prefix, job=job, sample=sample, attempt=attempt))
+    if len(dump_dir_name(rid).encode()) > MAX_DIR_NAME_BYTES:
+        raise DumpError(
+            f"rid for job {job!r}, sample {sample!r} is too long for a dump folder name "
+            f"(> {MAX_DIR_NAME_BYTES} bytes once quoted); use a shorter sample or job id"
+        )
+    return rid
+
+
+def parse_rid(rid: str) -> RequestId:
+    """Split a rid made by `format_rid` back into its parts; DumpError if it is not one.
+
+    Only the canonical spelling is accepted (``format_rid(*parse_rid(r)) == r``), so one sample
+    attempt has exactly one rid and one dump folder.
+    """
+    parts = rid.split(":")
+    if len(parts) != 4:
+        raise DumpError(f"rid {rid!r} does not have the form <prefix>:<job>:<sample>:<attempt>")
+    prefix, job, sample, attempt = (unquote(p) for p in parts)
+    if not attempt.isdigit():
+        raise DumpError(f"rid {rid!r}: attempt {attempt!r} is not a non-negative integer")
+    parsed = RequestId(prefix=prefix, job=job, sample=sample, attempt=int(attempt))
+    if str(parsed) != rid:
+        raise DumpError(f"rid {rid!r} is not in canonical form (expected {str(parsed)!r})")
+    return parsed
+
+
+def rid_matches(rid: str | None, prefix: str) -> bool:
+    """Whether SGLang request id `rid` belongs to the capture namespace `prefix` (cheap test)."""
+    return rid is not None and rid.startswith(_quote(prefix) + ":")
+
+
+def dump_dir_name(rid: str) -> str:
+    """File-system name of the dump folder of `rid` (the rid, percent-quoted)."""
+    return _quote(rid)
+
+
+def dump_dir(dump_root: Path | str, rid: str) -> Path:
+    """``<dump_root>/<quote(rid)>``: where the finished dump of `rid` appears."""
+    return Path(dump_root) / dump_dir_name(rid)
+
+
+def temp_dir(dump_root: Path | str, rid: str, tag: str) -> Path:
+    """``<dump_root>/.tmp/<quote(rid)>.<tag>``: where a dump is written before its rename.
+
+    `tag` (e.g. ``<pid>-<sequence>``) keeps concurrent writers of the same rid apart.
+    """
+    return Path(dump_root) / TMP_DIR / f"{dump_dir_name(rid)}.{tag}"
+
+
+def iter_dump_rids(dump_root: Path | str) -> Iterator[str]:
+    """Rids of the finished dump folders under `dump_root` (temp folders excluded), unordered."""
+    for entry in Path(dump_root).iterdir():
+        if entry.name != TMP_DIR and entry.is_dir():
+            yield unquote(entry.name)
+
+
+def input_ids_sha256(input_ids: Iterable[int]) -> str:
+    """Hex sha256 of the token ids as int64 little-endian bytes (what ``meta.json`` records)."""
+    ids = list(input_ids)
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class DumpMeta:
+    """Contents of ``meta.json``. For an error dump only rid, status, error and layers are meaningful."""
+
+    rid: str
+    status: Status
+    error: str | None
+    num_tokens: int
+    input_ids_sha256: str | None
+    layers: tuple[int, ...]
+    finals: tuple[str, ...]
+    dtype: str | None
+    hidden_size: int | None
+    format_version: int = FORMAT_VERSION
+    layer_convention: str = LAYER_CONVENTION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> DumpMeta:
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise DumpError(f"dump format_version {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
+        try:
+            meta = cls(**{**raw, "layers": tuple(raw["layers"]), "finals": tuple(raw["finals"])})
+        except (KeyError, TypeError) as exc:
+            raise DumpError(f"meta.json does not match DumpMeta: {exc}") from exc
+        if meta.status not in ("ok", "error"):
+            raise DumpError(f"unknown dump status {meta.status!r}")
+        if any(f not in FINAL_TENSORS for f in meta.finals):
+            raise DumpError(f"unknown final kinds {meta.finals!r}")
+        return meta
+
+    def expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
+        """Tensor name -> (safetensors dtype code, shape) that ``states.safetensors`` must hold."""
+        if self.dtype not in _SAFETENSORS_DTYPES or self.hidden_size is None:
+            raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
+        code, t, h = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size
+        expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, len(self.layers), h])}
+        expected.update((FINAL_TENSORS[f], (code, [t, h])) for f in self.finals)
+        return expected
+
+
+@dataclass(frozen=True, slots=True)
+class Dump:
+    """A dump folder read back. `tensors` is None for error dumps or when not loaded."""
+
+    path: Path
+    meta: DumpMeta
+    tensors: dict[str, torch.Tensor] | None
+
+
+def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
+
+
+def _check_states_file(path: Path, meta: DumpMeta) -> None:
+    """Shapes and dtypes against `meta`, and the input_ids hash against the raw bytes, stdlib only."""
+    header, data_start = _read_safetensors_header(path)
+    header.pop("__metadata__", None)
+    found = {name: (info["dtype"], info["shape"]) for name, info in header.items()}
+    expected = meta.expected_tensors()
+    if found != expected:
+        raise DumpError(f"{path}: tensors {found} do not match meta.json (expected {expected})")
+    begin, end = header[INPUT_IDS]["data_offsets"]
+    with path.open("rb") as f:
+        f.seek(data_start + begin)
+        digest = hashlib.sha256(f.read(end - begin)).hexdigest()
+    if digest != meta.input_ids_sha256:
+        raise DumpError(f"{path}: input_ids hash {digest} differs from meta.json {meta.input_ids_sha256}")
+
+
+def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
+    """Read and check one dump folder; DumpError if it breaks the contract.
+
+    An "ok" dump is checked (tensor names, shapes, dtypes, input_ids hash) before anything is
+    loaded. With `load_tensors`, the tensors are loaded with safetensors into torch tensors; that
+    import happens here, not at module import, so the module itself stays stdlib-only.
+    """
+    path = Path(path)
+    meta = DumpMeta.from_json((path / META_FILE).read_text())
+    if meta.rid != unquote(path.name):
+        raise DumpError(f"{path}: meta.json is for rid {meta.rid!r}")
+    if meta.status == "error":
+        return Dump(path=path, meta=meta, tensors=None)
+    states = path / STATES_FILE
+    _check_states_file(states, meta)
+    if not load_tensors:
+        return Dump(path=path, meta=meta, tensors=None)
+    from safetensors.torch import load_file
+
+    return Dump(path=path, meta=meta, tensors=load_file(states))

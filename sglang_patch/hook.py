@@ -1,0 +1,208 @@
+"""The ``--forward-hooks`` factory: a thin adapter from SGLang's forward pass to `capture` and `writer`.
+
+`sglang_patch.launch` registers one hook spec per role, all with ``hook_factory =
+"sglang_patch.hook:hook_factory"``:
+
+- ``aux:<i>`` on decoder layer ``i-1``: rows ``output[0] + output[1]`` (hidden + residual, the input
+  of layer i; Llama layers return a 2-tuple, DeepseekV3 a 3-tuple whose third item is not a state),
+- ``final_pre`` on the last decoder layer: ``output[0] + output[1]``,
+- ``final_post`` on ``logits_processor``: its ``hidden_states`` argument (``inputs[1]``).
+
+Hooks of one pass hand their rows to a per-process `_Capturer`; once every role of the pass has
+reported, it plans the pass from the ForwardBatch (`capture.plan_pass`), copies captured rows to the
+host (`capture.Accumulator`) and queues complete requests for the writer thread. Only the rank that
+holds full hidden states captures (attention-TP rank 0: TP rank 0, or rank 0 of each DP-attention
+group); the factory returns None elsewhere, so other ranks run no hook at all.
+
+Importing this module (SGLang does so in every scheduler process, which it starts with "spawn")
+also applies two small runtime additions, no SGLang file is edited:
+- `ForwardBatch.init_new` is wrapped to record each request's full prompt length
+  (``len(req.origin_input_ids)``): the forward batch alone does not say when a prompt ends.
+- On the CPU engine only, a ``torch_native`` MLA attention handler for DeepseekV3 models.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+from sglang_patch.capture import Accumulator, Completed, plan_pass
+from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
+from sglang_patch.settings import CaptureSettings, aux_role
+from sglang_patch.writer import DumpJob, DumpWriter, HostStaging
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LENS_ATTR = "layertap_prompt_lens"
+
+Hook = Callable[[torch.nn.Module, tuple[Any, ...], Any], None]
+
+
+def _install_prompt_lengths() -> None:
+    original = ForwardBatch.init_new
+    if getattr(original, "_layertap_wrapped", False):
+        return
+    func = original.__func__
+
+    @functools.wraps(func)
+    def init_new(cls: type[ForwardBatch], batch: Any, *args: Any, **kwargs: Any) -> ForwardBatch:
+        forward_batch = func(cls, batch, *args, **kwargs)
+        reqs = getattr(batch, "reqs", None)
+        if reqs is not None:
+            setattr(forward_batch, PROMPT_LENS_ATTR, [len(req.origin_input_ids) for req in reqs])
+        return forward_batch
+
+    init_new._layertap_wrapped = True  # type: ignore[attr-defined]
+    ForwardBatch.init_new = classmethod(init_new)  # type: ignore[method-assign, assignment]
+
+
+def _register_cpu_mla_handler() -> None:
+    """Make MLA models (DeepseekV3/Kimi) pick the MLA path under ``--attention-backend torch_native``.
+
+    Without it the CPU engine falls back to the triton handler, which picks the MHA prefill path
+    while torch_native reads the MLA latent cache (a shape error). Harmless elsewhere: it only acts
+    on the CPU engine and only where the registry exists and lacks a torch_native handler.
+    """
+    try:
+        from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+        from sglang.srt.utils import is_cpu
+    except ImportError:
+        return
+    registry = getattr(handlers, "AttentionBackendRegistry", None)
+    dispatch = getattr(handlers, "_dispatch_mla_subtype", None)
+    if is_cpu() and registry is not None and dispatch is not None and "torch_native" not in registry._handlers:
+        registry.register("torch_native", dispatch)
+
+
+def _is_writer_rank() -> bool:
+    from sglang.srt.layers.dp_attention import get_attention_tp_rank
+
+    return get_attention_tp_rank() == 0
+
+
+def _forward_batch(inputs: tuple[Any, ...]) -> ForwardBatch:
+    for value in inputs:
+        if isinstance(value, ForwardBatch):
+            return value
+    raise RuntimeError(f"layertap hook: no ForwardBatch among the module inputs {[type(v).__name__ for v in inputs]}")
+
+
+def _layer_rows(output: Any) -> torch.Tensor:
+    hidden, residual = output[0], output[1]
+    if getattr(hidden, "_sglang_needs_allreduce_fusion", False):
+        # The all-reduce was deferred into the next layer: these are per-rank partial sums.
+        raise RuntimeError(
+            "layertap: decoder layer output awaits a fused all-reduce; start the server with "
+            "--enforce-disable-flashinfer-allreduce-fusion (sglang_patch.launch does)"
+        )
+    return hidden + residual
+
+
+class _Capturer:
+    """Per-process capture state: the pass being assembled, the accumulator and the writer."""
+
+    def __init__(self, settings: CaptureSettings) -> None:
+        self.settings = settings
+        self._roles = set(settings.roles())
+        self._writer = DumpWriter(
+            settings.dump_root,
+            layers=settings.layers,
+            finals=settings.finals,
+            max_pending=settings.max_pending_writes,
+        )
+        atexit.register(self._writer.close, 30.0)
+        self._staging: HostStaging | None = None
+        self._accumulator: Accumulator | None = None
+        self._batch: ForwardBatch | None = None
+        self._pieces: list = []
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, batch: ForwardBatch, rows: Callable[[], torch.Tensor]) -> None:
+        """Record `role`'s rows for `batch` (computed only if the pass captures anything)."""
+        if batch is not self._batch:
+            if self._rows:
+                logger.error("layertap: pass dropped with only roles %s reported", sorted(self._rows))
+            self._batch, self._rows = batch, {}
+            self._pieces = plan_pass(
+                batch.forward_mode.name,
+                batch.rids,
+                batch.extend_seq_lens_cpu,
+                batch.extend_prefix_lens_cpu,
+                getattr(batch, PROMPT_LENS_ATTR, None),
+                rid_prefix=self.settings.rid_prefix,
+            )
+        if not self._pieces:
+            return
+        tensor = rows()
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self._rows[role] = tensor
+        if len(self._rows) == len(self._roles):
+            self._finish_pass(batch)
+
+    def _finish_pass(self, batch: ForwardBatch) -> None:
+        captured = self._rows
+        self._rows = {}
+        needed = max(p.row_start + p.num_rows for p in self._pieces)
+        rows = {
+            INPUT_IDS: batch.input_ids[:needed].to(torch.int64),
+            AUX: torch.stack([captured[aux_role(i)][:needed] for i in self.settings.layers], dim=1),
+        }
+        rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed]) for f in self.settings.finals)
+        if self._accumulator is None:
+            self._staging = HostStaging(rows[AUX].device)
+            self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
+        outcomes = self._accumulator.add_pass(self._pieces, rows)
+        if not outcomes:
+            return
+        ready = self._staging.record() if self._staging is not None else None
+        for outcome in outcomes:
+            if isinstance(outcome, Completed):
+                self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready))
+            else:
+                logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)
+                self._writer.submit(DumpJob(outcome.rid, error=outcome.reason))
+
+
+_CAPTURER: _Capturer | None = None
+
+
+def _capturer(settings: CaptureSettings) -> _Capturer:
+    global _CAPTURER
+    if _CAPTURER is None:
+        _CAPTURER = _Capturer(settings)
+    elif _CAPTURER.settings != settings:
+        raise ValueError("layertap: all capture hooks of one server must share the same settings")
+    return _CAPTURER
+
+
+def hook_factory(config: dict[str, Any]) -> Hook | None:
+    """SGLang ``hook_factory``: ``config = {"role": <role>, "capture": CaptureSettings.to_config()}``.
+
+    Returns None (no hook) on ranks that do not hold full hidden states.
+    """
+    settings = CaptureSettings.from_config(config["capture"])
+    role = config["role"]
+    if role not in settings.roles():
+        raise ValueError(f"layertap: role {role!r} is not one of {settings.roles()}")
+    if not _is_writer_rank():
+        logger.info("layertap: not the writer rank, no %s hook here", role)
+        return None
+    capturer = _capturer(settings)
+    from_logits_input = role == FINAL_TENSORS["post"]
+
+    def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        rows = (lambda: inputs[1]) if from_logits_input else (lambda: _layer_rows(output))
+        capturer.take(role, _forward_batch(inputs), rows)
+
+    return hook
+
+
+_install_prompt_lengths()
+_register_cpu_mla_handler()

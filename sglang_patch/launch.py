@@ -1,0 +1,202 @@
+"""Start SGLang's own HTTP server with the capture hooks and safe settings.
+
+Usage (in the server's environment, with this repository's root on PYTHONPATH)::
+
+    python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
+        --capture-final post [--rid-prefix hscap] [--dry-run] <any sglang server flags>
+
+Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
+``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``,
+``LAYERTAP_MAX_PENDING_WRITES``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
+parser, then the launcher
+
+- forces prefill CUDA graphs off (hooks do not run under graph replay, where ``rids`` is None):
+  ``--disable-piecewise-cuda-graph`` on sglang 0.5.10, ``--cuda-graph-backend-prefill disabled`` on
+  0.5.14 (told apart by the fields of ``ServerArgs``); decode graphs may stay on;
+- forces FlashInfer all-reduce fusion off (``--enforce-disable-flashinfer-allreduce-fusion``). SGLang
+  turns it on by itself for DeepseekV3/Kimi at TP > 1, and then layer-boundary states of passes up
+  to 2048 tokens are per-rank partial sums. It is forced for every model: cheap and always safe;
+- refuses what it cannot make safe, checked on the final ``ServerArgs`` (after SGLang derived its
+  own settings): speculative decoding, PP > 1, two-batch overlap, an all-to-all MoE backend,
+  scattered attention-TP input, and any prefill graph or all-reduce fusion still on;
+- keeps the radix cache if asked: clients must send a unique ``extra_key`` per request (the layertap
+  worker does), so no prompt is ever served from the cache; a hit would anyway be caught by the
+  plugin (an error dump) and by ``cached_tokens > 0`` in the response;
+- adds one ``--forward-hooks`` spec per captured role (see `sglang_patch.hook`), for both the plain
+  module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper.
+
+``--dry-run`` prints the resolved settings as JSON instead of starting the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
+from sglang_patch.settings import CaptureSettings, aux_role, env_default, parse_finals, parse_layers
+
+HOOK_FACTORY = "sglang_patch.hook:hook_factory"
+# Module path prefixes of the decoder stack: plain causal LMs, and Kimi-K2.5's multimodal wrapper.
+MODULE_PREFIXES = ("", "language_model.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """The launcher's own options; everything else on the command line belongs to SGLang."""
+
+    settings: CaptureSettings
+    dry_run: bool
+    sglang_argv: list[str]
+
+
+def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchOptions:
+    """Split the command line into capture settings (flags, else ``LAYERTAP_*`` env) and SGLang's argv."""
+    parser = argparse.ArgumentParser(prog="python -m sglang_patch.launch", allow_abbrev=False, add_help=False)
+    parser.add_argument("--dump-root", default=env_default(environ, "dump_root"))
+    parser.add_argument("--capture-layers", default=env_default(environ, "capture_layers"))
+    parser.add_argument("--capture-final", default=env_default(environ, "capture_final"))
+    parser.add_argument("--rid-prefix", default=env_default(environ, "rid_prefix") or DEFAULT_RID_PREFIX)
+    parser.add_argument("--max-pending-writes", type=int, default=env_default(environ, "max_pending_writes"))
+    parser.add_argument("--max-idle-passes", type=int, default=env_default(environ, "max_idle_passes"))
+    parser.add_argument("--dry-run", action="store_true")
+    ns, rest = parser.parse_known_args(list(argv))
+    missing = [name for name in ("dump_root", "capture_layers", "capture_final") if getattr(ns, name) is None]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ValueError(f"missing {flags} (or the LAYERTAP_* environment variables)")
+    tuning = {
+        name: int(getattr(ns, name))
+        for name in ("max_pending_writes", "max_idle_passes")
+        if getattr(ns, name) is not None
+    }
+    settings = CaptureSettings(
+        dump_root=str(Path(ns.dump_root).resolve()),
+        layers=parse_layers(ns.capture_layers),
+        finals=parse_finals(ns.capture_final),
+        rid_prefix=ns.rid_prefix,
+        **tuning,
+    )
+    return LaunchOptions(settings=settings, dry_run=ns.dry_run, sglang_argv=rest)
+
+
+def forced_flags(server_arg_fields: Collection[str]) -> list[str]:
+    """SGLang flags that turn prefill CUDA graphs and all-reduce fusion off, in this version's spelling.
+
+    `server_arg_fields` are the field names of the installed ``ServerArgs``. The flags go after the
+    user's, so they win over the user's per-phase settings (an explicit ``--cuda-graph-config`` JSON
+    still wins in 0.5.14; `unsafe_settings` then refuses it).
+    """
+    flags: list[str] = []
+    if "cuda_graph_backend_prefill" in server_arg_fields:  # 0.5.14: per-phase graph backends
+        flags += ["--cuda-graph-backend-prefill", "disabled"]
+    elif "disable_piecewise_cuda_graph" in server_arg_fields:  # 0.5.10: piecewise graphs on by default
+        flags += ["--disable-piecewise-cuda-graph"]
+    if "enforce_disable_flashinfer_allreduce_fusion" in server_arg_fields:
+        flags += ["--enforce-disable-flashinfer-allreduce-fusion"]
+    return flags
+
+
+def _prefill_graphs_on(server_args: Any) -> bool:
+    config = getattr(server_args, "cuda_graph_config", None)
+    if config is not None:  # 0.5.14
+        return config.prefill.backend != "disabled"
+    return not getattr(server_args, "disable_piecewise_cuda_graph", True)
+
+
+def unsafe_settings(server_args: Any) -> list[str]:
+    """Reasons the final ``ServerArgs`` cannot capture correctly (empty list: safe)."""
+    problems = []
+    if getattr(server_args, "speculative_algorithm", None):
+        problems.append("speculative decoding changes what the target's forward passes hold; remove --speculative-*")
+    if getattr(server_args, "pp_size", 1) > 1:
+        problems.append("pipeline parallelism (--pp-size > 1) is not supported: use pp_size 1")
+    if _prefill_graphs_on(server_args):
+        problems.append("prefill CUDA graphs are on: hooks do not run under graph replay")
+    if getattr(server_args, "enable_flashinfer_allreduce_fusion", False) or (
+        getattr(server_args, "flashinfer_allreduce_fusion_backend", None) is not None
+    ):
+        problems.append("FlashInfer all-reduce fusion is on: layer-boundary states would be per-rank partial sums")
+    if getattr(server_args, "enable_aiter_allreduce_fusion", False):
+        problems.append("AITER all-reduce fusion is on: layer-boundary states would be per-rank partial sums")
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        problems.append("two-batch overlap splits passes into micro-batches the hooks cannot attribute")
+    if getattr(server_args, "moe_a2a_backend", "none") not in (None, "none"):
+        problems.append("an all-to-all MoE backend scatters tokens across ranks; use --moe-a2a-backend none")
+    if getattr(server_args, "enable_attn_tp_input_scattered", False):
+        problems.append("--enable-attn-tp-input-scattered splits a pass's tokens across ranks")
+    return problems
+
+
+def hook_specs(settings: CaptureSettings, num_layers: int) -> list[dict[str, Any]]:
+    """``--forward-hooks`` specs: one per role, on decoder layer ``i-1`` for capture index i.
+
+    Capture indices must lie in [1, num_layers - 1] (index 0 is the embedding output, which no
+    decoder layer returns; the last layer's output is the pre-norm final state, ``final_pre``).
+    """
+    bad = [i for i in settings.layers if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ValueError(f"capture indices {bad} outside [1, {num_layers - 1}] for {num_layers} decoder layers")
+    targets = {aux_role(i): f"model.layers.{i - 1}" for i in settings.layers}
+    if "pre" in settings.finals:
+        targets[FINAL_TENSORS["pre"]] = f"model.layers.{num_layers - 1}"
+    if "post" in settings.finals:
+        targets[FINAL_TENSORS["post"]] = "logits_processor"
+    return [
+        {
+            "name": f"layertap-{role}",
+            "target_modules": [prefix + module for prefix in MODULE_PREFIXES],
+            "hook_factory": HOOK_FACTORY,
+            "config": {"role": role, "capture": settings.to_config()},
+        }
+        for role, module in targets.items()
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        options = parse_launch_args(sys.argv[1:] if argv is None else argv, os.environ)
+    except ValueError as exc:
+        sys.exit(f"sglang_patch.launch: {exc}")
+
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    try:  # 0.5.14 loads its plugins before parsing, as its own launch_server does
+        from sglang.srt.plugins import load_plugins
+    except ImportError:
+        pass
+    else:
+        load_plugins()
+
+    field_names = {f.name for f in dataclasses.fields(ServerArgs)}
+    server_args = prepare_server_args([*options.sglang_argv, *forced_flags(field_names)])
+    problems = unsafe_settings(server_args)
+    if problems:
+        sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))
+    try:
+        specs = hook_specs(options.settings, server_args.get_model_config().num_hidden_layers)
+    except ValueError as exc:
+        sys.exit(f"sglang_patch.launch: {exc}")
+    server_args.forward_hooks = [*(server_args.forward_hooks or []), *specs]
+
+    if options.dry_run:
+        print(json.dumps(dataclasses.asdict(server_args), default=str, indent=1, sort_keys=True))
+        return
+    Path(options.settings.dump_root).mkdir(parents=True, exist_ok=True)
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()
