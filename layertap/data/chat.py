@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
 from layertap.errors import DatasetError, RowError, SpecError
@@ -45,7 +46,8 @@ class ChatTokenizer:
         if not getattr(tokenizer, "is_fast", False):
             raise SpecError("the loss mask needs a fast (Rust) tokenizer: it maps characters to tokens by offsets")
         self._tok = tokenizer
-        self._kwargs = dict(template_kwargs or {})
+        # What apply_chat_template passes too: special tokens (bos_token...), then the caller's variables.
+        self._variables = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self._vocab_size = len(tokenizer)
         try:
             self._template: str | None = tokenizer.get_chat_template(chat_template)
@@ -111,9 +113,7 @@ class ChatTokenizer:
             truncated=truncated,
         )
 
-    def render(
-        self, conv: Conversation, *, row_number: int = -1, sample_id: str | None = None
-    ) -> tuple[str, list[Span]]:
+    def render(self, conv: Conversation, *, row_number: int, sample_id: str | None) -> tuple[str, list[Span]]:
         """The rendered conversation and the character spans ``[start, end)`` of its assistant turns.
 
         A span runs from the end of the generation prompt to the end of the assistant's turn,
@@ -158,21 +158,23 @@ class ChatTokenizer:
     def _render(
         self, messages: list[dict[str, Any]], conv: Conversation, gen: bool, fail: Callable[[str], RowError]
     ) -> str:
+        """What ``apply_chat_template(tokenize=False)`` renders, called one level down because that
+        refuses an empty message list, which is the prefix of an assistant-first conversation."""
         if self._template is None:
             raise DatasetError(
                 "the tokenizer has no chat template and none was given; pass chat_template to render conversations"
             )
         try:
-            return self._tok.apply_chat_template(
-                messages,
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
                 tools=conv.tools,
                 chat_template=self._template,
                 add_generation_prompt=gen,
-                tokenize=False,
-                **self._kwargs,
+                **self._variables,
             )
         except Exception as exc:  # Jinja errors, raise_exception() in templates: this row cannot render
             raise fail(f"chat template failed on messages[:{len(messages)}]: {type(exc).__name__}: {exc}") from exc
+        return rendered[0]
 
     def _encode(self, text: str, *, offsets: bool = False) -> Any:
         # The template renders BOS and every marker itself; adding special tokens would double BOS.
@@ -187,18 +189,17 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[Span]) -> list[
     """1 for each token whose characters overlap a span; spans sorted and disjoint.
 
     A token that straddles a span edge (a BPE merge across the boundary) counts as inside: the
-    assistant produced part of it. A zero-width token is a whitespace token whose offsets a
-    ``trim_offsets`` post-processor moved to its end: it stands for the character before that end.
+    assistant produced part of it. A ``trim_offsets`` post-processor (GPT-2 style) shrinks a
+    whitespace token to zero width at its end; it counts as inside only strictly within a span.
     """
     mask = [0] * len(offsets)
     j = 0
     for t, (s, e) in enumerate(offsets):
-        first, end = (s, e) if s < e else (s - 1, s)
-        while j < len(spans) and spans[j][1] <= first:
+        while j < len(spans) and spans[j][1] <= s:
             j += 1
         if j == len(spans):
             break
-        if first < spans[j][1] and end > spans[j][0]:
+        if s < spans[j][1] and e > spans[j][0]:
             mask[t] = 1
     return mask
 

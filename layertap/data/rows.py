@@ -24,6 +24,9 @@ from layertap.errors import RowError
 ID_FIELDS: tuple[str, ...] = ("id", "conversation_id")
 SHAPE_FIELDS: tuple[str, ...] = ("input_ids", "messages", "conversations", "text")
 
+# Names for an assistant's reasoning (thinking models); kept as ``reasoning_content`` for the template.
+REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning", "thinking")
+
 Fail = Callable[[str], RowError]
 
 # ShareGPT speakers and OpenAI roles, matched case-insensitively.
@@ -43,7 +46,7 @@ ROLE_ALIASES: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """Messages normalised to ``{role, content: str, [tool_calls], [tool_call_id], [name]}``.
+    """Messages normalised to ``{role, content: str, [tool_calls], [tool_call_id], [name], [reasoning_content]}``.
 
     ``role`` is one of system/user/assistant/tool; ``tool_calls`` (assistant only) is a list of
     ``{"type": "function", "function": {"name", "arguments"}, ["id"]}``.
@@ -143,8 +146,8 @@ def _conversation(key: str, raw: Any, system: Any, tools: Any, fail: Fail) -> Co
     if not assistants:
         roles = ", ".join(m["role"] for m in messages)
         raise fail(f"conversation has no assistant turn (roles: {roles})")
-    if not any(m["content"] or m.get("tool_calls") for m in assistants):
-        raise fail("every assistant turn is empty (no content and no tool calls)")
+    if not any(m["content"] or m.get("tool_calls") or m.get("reasoning_content") for m in assistants):
+        raise fail("every assistant turn is empty (no content, reasoning or tool calls)")
     return Conversation(messages, _tools(tools, fail))
 
 
@@ -169,8 +172,13 @@ def _message(i: int, raw: Any, fail: Fail) -> dict[str, Any]:
         if role != "assistant":
             raise fail(f"message {i} ({role}) has tool_calls; only assistant turns may call tools")
         msg["tool_calls"] = [_tool_call(i, j, c, fail) for j, c in enumerate(_listify(calls, i, fail))]
-    elif content is None and role == "assistant":
-        raise fail(f"message {i} (assistant) has neither content nor tool_calls")
+    reasoning = next((raw[k] for k in REASONING_FIELDS if raw.get(k) is not None), None)
+    if reasoning is not None:
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise fail(f"message {i} ({role}): reasoning must be a string on an assistant turn")
+        msg["reasoning_content"] = reasoning
+    if content is None and role == "assistant" and not calls and reasoning is None:
+        raise fail(f"message {i} (assistant) has no content, reasoning or tool_calls")
     for field in ("tool_call_id", "name"):
         if raw.get(field) is not None:
             if not isinstance(raw[field], str):
@@ -183,7 +191,7 @@ def _content(i: int, role: str, content: Any, fail: Fail) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        if role == "assistant":  # a pure tool-call turn; checked by the caller
+        if role == "assistant":  # a pure tool-call or reasoning turn; checked by the caller
             return ""
         raise fail(f"message {i} ({role}) has no content")
     if isinstance(content, list):
