@@ -178,7 +178,8 @@ class ChatTokenizer:
 
     def _encode(self, text: str, *, offsets: bool = False) -> Any:
         # The template renders BOS and every marker itself; adding special tokens would double BOS.
-        return self._tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        # verbose=False: over-long rows are handled by max_length/overlong, not by a tokenizer warning.
+        return self._tok(text, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
 
 
 def _first_difference(a: str, b: str) -> int:

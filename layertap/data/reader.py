@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -62,8 +63,8 @@ def iter_rows(
             yield from _iter_parquet(path, start, stop, columns)
         else:
             raise DatasetError(f"unknown dataset format for {path}: expected {_SUFFIXES}")
-    except OSError as exc:
-        raise DatasetError(f"cannot read dataset {path}: {exc}") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a damaged/truncated gzip stream
+        raise DatasetError(f"cannot read dataset {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def _open(path: Path) -> IO[bytes]:

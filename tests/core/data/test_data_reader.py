@@ -151,3 +151,7 @@ def test_unusable_paths_name_the_path(tmp_path: Path):
     bad_gz.write_bytes(b"not gzip at all")
     with pytest.raises(DatasetError, match=r"cannot read dataset .*bad\.jsonl\.gz"):
         list(iter_rows(bad_gz))
+    cut_gz = tmp_path / "cut.jsonl.gz"
+    cut_gz.write_bytes(gzip.compress(MIXED.read_bytes())[:-20])
+    with pytest.raises(DatasetError, match=r"cannot read dataset .*cut\.jsonl\.gz: EOFError"):
+        list(iter_rows(cut_gz))
