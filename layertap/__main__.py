@@ -1,0 +1,5 @@
+"""``python -m layertap`` = the ``layertap`` console script."""
+
+from layertap.cli import main
+
+main()

@@ -1,0 +1,123 @@
+"""Crash-resume: SIGKILL mid-run, restart with the same command, nothing lost or duplicated.
+
+The extraction runs as a real ``python -m layertap extract`` subprocess, killed with SIGKILL.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from layertap.store.index import load_index
+from layertap.verify import verify_store
+from tests.core.datasets import conversation_rows, write_jsonl
+
+
+def _cmd(model: Path, data: Path, out: Path) -> list[str]:
+    # --batch-tokens 1: one sample per forward, so states do not depend on batch composition and an
+    # interrupted run can be compared byte for byte with an uninterrupted one.
+    return [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(data),
+            "--layers", "1,3,5", "--out", str(out), "--batch-tokens", "1"]  # fmt: skip
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _last_report(out: Path) -> dict:
+    return json.loads(max((out / "reports").glob("run-*.json"), key=os.path.getmtime).read_text())
+
+
+def _index_lines(out: Path) -> int:
+    return sum(f.read_bytes().count(b"\n") for f in (out / "index").glob("*.jsonl")) if (out / "index").is_dir() else 0
+
+
+def _kill_when(proc: subprocess.Popen, out: Path, committed: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while _index_lines(out) < committed:
+        assert proc.poll() is None, f"extract ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "extract made no progress"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_path) -> None:
+    rows = conversation_rows(150, seed=7)
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cmd(tiny_llama, data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    _kill_when(proc, out, committed=60)
+
+    before = load_index(out)
+    assert 0 < len(before) < len(rows), "the kill must land mid-run"
+    stamps = {sid: (out / r.file).stat() for sid, r in before.items()}
+
+    _run(_cmd(tiny_llama, data, out))
+
+    report = _last_report(out)
+    all_ids = {r["id"] for r in rows}
+    assert report["already_done"] == len(before) and report["redone"] == []
+    assert set(report["computed"]) == all_ids - set(before)  # only unfinished samples were recomputed
+    assert len(report["computed"]) == len(set(report["computed"]))
+    after = load_index(out)
+    assert set(after) == all_ids
+    for sid, st in stamps.items():  # files committed before the kill were not rewritten
+        now = (out / after[sid].file).stat()
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    check = verify_store(out)
+    assert check.ok, check.problems
+    assert check.samples == len(rows)
+
+    # Byte for byte the same as a run that was never interrupted.
+    clean = tmp_path / "clean"
+    _run(_cmd(tiny_llama, data, clean))
+    reference = load_index(clean)
+    assert {sid: r.sha256 for sid, r in after.items()} == {sid: r.sha256 for sid, r in reference.items()}
+
+
+@pytest.fixture
+def finished_run(tiny_llama, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(30, seed=11))
+    out = tmp_path / "out"
+    cmd = _cmd(tiny_llama, data, out)
+    _run(cmd)
+    return cmd, out
+
+
+def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run) -> None:
+    cmd, out = finished_run
+    index = load_index(out)
+    truncated, flipped, deleted = (index[f"conv-{i}"] for i in (3, 14, 27))
+    original = {r.sample_id: r.sha256 for r in index.values()}
+
+    path = out / truncated.file
+    path.write_bytes(path.read_bytes()[: truncated.nbytes // 2])
+    path = out / flipped.file
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # same size, one byte of a hidden state changed
+    path.write_bytes(bytes(blob))
+    (out / deleted.file).unlink()
+
+    found = verify_store(out)
+    assert not found.ok
+    assert any(truncated.file in p and "size" in p for p in found.problems)
+    assert any(flipped.file in p and "sha256" in p for p in found.problems)
+    assert any(deleted.file in p and "missing" in p for p in found.problems)
+    cli = subprocess.run([sys.executable, "-m", "layertap", "verify", str(out)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "3 problems" in cli.stderr
+
+    _run(cmd)
+    report = _last_report(out)
+    assert sorted(report["redone"]) == sorted(["conv-3", "conv-14", "conv-27"])
+    assert sorted(report["computed"]) == sorted(report["redone"])
+    assert verify_store(out).ok
+    assert {r.sample_id: r.sha256 for r in load_index(out).values()} == original
