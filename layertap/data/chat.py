@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
-from layertap.errors import DatasetError, RowError, SpecError
+from layertap.errors import DatasetError, OverlongRow, RowError, SpecError
 from layertap.sample import TokenizedSample
 from layertap.spec import OverlongPolicy
 
@@ -101,7 +101,9 @@ class ChatTokenizer:
         truncated = False
         if max_length is not None and len(ids) > max_length:
             if overlong == "skip":
-                raise fail(f"longer than max_length ({len(ids)} > {max_length} tokens)")
+                raise OverlongRow(
+                    f"longer than max_length ({len(ids)} > {max_length} tokens)", row=row_number, sample_id=sample_id
+                )
             ids, mask, truncated = ids[:max_length], mask[:max_length], True
             if isinstance(row, Conversation) and not any(mask):
                 raise fail(f"no assistant token left after truncation to max_length={max_length}")

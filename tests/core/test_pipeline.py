@@ -1,0 +1,104 @@
+"""Whole runs through the CLI entry points: bad rows are reported per row, the rest completes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from layertap.cli import hf_engine_factory
+from layertap.errors import DatasetError
+from layertap.pipeline import run_extraction
+from layertap.spec import ExtractionSpec
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+from tests.core.datasets import conversation_rows, write_jsonl
+
+
+def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path) -> None:
+    rows = conversation_rows(10, seed=5)
+    rows[2] = {"id": "no-assistant", "messages": [{"role": "user", "content": "anyone?"}]}
+    rows[5] = {"id": "empty-text", "text": ""}
+    rows[7] = {
+        "id": "bad-role",
+        "messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    }
+    # Line 4 of the file (row 4) is not JSON at all; the file then has 11 rows.
+    data = write_jsonl(tmp_path / "data.jsonl", rows, raw_lines={4: '{"id": "broken", "messages": [ '})
+    out = tmp_path / "out"
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
+         "--layers", "2,4", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "4 bad rows" in " ".join(cli.stderr.split())
+
+    store = OutputStore.open_existing(out)
+    errors = {e["row"]: e for e in store.errors()}
+    assert sorted(errors) == [2, 4, 6, 8]  # file rows: the malformed line shifted rows 4.. by one
+    assert "JSON" in errors[4]["reason"]
+    assert "assistant" in errors[2]["reason"] and errors[2]["sample_id"] == "no-assistant"
+    assert "empty" in errors[6]["reason"]
+    assert "wizard" in errors[8]["reason"]
+    assert all(e["kind"] == "row" for e in errors.values())
+    check = verify_store(out)
+    assert check.ok, check.problems
+    assert check.samples == 7
+
+
+def test_overlong_truncate_and_skip_are_counted(tiny_llama, tmp_path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=2, max_words=80))
+    base = {"model": tiny_llama, "data": data, "layers": (1, 2), "max_length": 240}
+    factory = hf_engine_factory(tiny_llama, "cpu", 4096)
+
+    skipped = run_extraction(ExtractionSpec(**base, overlong="skip"), tmp_path / "skip", factory)
+    truncated = run_extraction(ExtractionSpec(**base, overlong="truncate"), tmp_path / "trunc", factory)
+
+    assert skipped.skipped_overlong > 0 and skipped.row_errors == 0
+    assert len(skipped.computed) + skipped.skipped_overlong == 12
+    assert {e["kind"] for e in OutputStore.open_existing(tmp_path / "skip").errors()} == {"overlong"}
+    assert truncated.truncated == skipped.skipped_overlong and len(truncated.computed) == 12
+    records = OutputStore.open_existing(tmp_path / "trunc").records().values()
+    assert max(r.num_tokens for r in records) == 240
+    assert sum(r.truncated for r in records) == truncated.truncated
+
+
+def test_broken_template_stops_the_run(tiny_llama, tmp_path) -> None:
+    model = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(tiny_llama), str(model)], check=True)
+    # A template that renders user turns only: every assistant token vanishes, the mask is all 0.
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(4))
+    with pytest.raises(DatasetError, match="all 0"):
+        run_extraction(
+            ExtractionSpec(model=model, data=data, layers=(1,)), tmp_path / "out", hf_engine_factory(model, "cpu", 4096)
+        )
+
+
+def test_duplicate_ids_are_refused_before_anything_is_written(tiny_llama, tmp_path) -> None:
+    rows = conversation_rows(5)
+    rows[3]["id"] = rows[1]["id"]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(DatasetError, match="conv-1"):
+        run_extraction(
+            ExtractionSpec(model=tiny_llama, data=data, layers=(1,)),
+            tmp_path / "out",
+            hf_engine_factory(tiny_llama, "cpu", 4096),
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_command_runs_end_to_end(tmp_path) -> None:
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "demo", "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "clean" in cli.stdout and "rows_0-2000/data_0.ckpt" in cli.stdout
+    assert verify_store(tmp_path / "demo" / "states-specforge").samples == 24
