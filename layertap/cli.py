@@ -34,6 +34,17 @@ def hf_engine_factory(model: Path, device: str, batch_tokens: int):
 @click.group()
 def main() -> None:
     """Extract intermediate hidden states for speculative-decoding drafter training."""
+    _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """Our progress bar is the one to watch: silence transformers/datasets bars and warnings."""
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 @main.command()

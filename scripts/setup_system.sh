@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Debian packages the tests need (each installed only if missing).
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v gcc >/dev/null || need+=(gcc)
+if ((${#need[@]})); then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+fi

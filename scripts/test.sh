@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh machine: installs what it needs, then runs pytest.
+# Tests start their own Redis, Celery workers, uvicorn and CPU SGLang servers on free ports.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+bash scripts/setup_system.sh
+bash scripts/setup_sglang_cpu.sh >/dev/null
+exec .venv/bin/python -m pytest "$@"
