@@ -1,15 +1,18 @@
 """One extraction run: dataset rows -> tokenized samples -> engine -> validated, committed files.
 
-The same pieces serve the CLI (one process, the whole dataset) and a Celery worker (one shard,
-``rows[start:stop]``): ``prepare_run`` resolves the spec and opens the store, ``tokenized_samples``
-streams what still needs doing, ``commit_all`` commits what the engine returns.
+The same function serves the CLI (one process, the whole dataset) and a Celery worker (one shard,
+``rows[start:stop]``): ``run_shard`` skips what the store verifiably holds, streams the rest through
+the engine, retries failing samples alone a bounded number of times, and reports each outcome to a
+``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -21,7 +24,7 @@ from layertap.data.reader import iter_rows
 from layertap.data.rows import parse_row, sample_id_of
 from layertap.data.scan import scan_dataset
 from layertap.engines.base import Engine
-from layertap.errors import OverlongRow, RowError, SampleError
+from layertap.errors import LayertapError, OverlongRow, RowError, SampleError
 from layertap.models.tiny import model_dims
 from layertap.sample import TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec
@@ -29,6 +32,7 @@ from layertap.store.manifest import build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
 EngineFactory = Callable[[CaptureSpec], Engine]
+log = logging.getLogger(__name__)
 
 
 class ProgressSink(Protocol):
@@ -37,6 +41,42 @@ class ProgressSink(Protocol):
     def start(self, total: int, already_done: int) -> None: ...
 
     def advance(self, samples: int, tokens: int) -> None: ...
+
+
+class ShardEvents(Protocol):
+    """What ``run_shard`` reports as it goes; called after the store has recorded each outcome."""
+
+    def start(self, total: int, already_done: int) -> None: ...
+
+    def committed(self, sample: TokenizedSample) -> None: ...
+
+    def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None: ...
+
+    def keep_going(self) -> bool:
+        """False once the run should stop at the next sample (job cancelled, shard taken away)."""
+        ...
+
+
+class ProgressEvents:
+    """``ShardEvents`` for a progress bar (or nothing): every outcome advances it, nothing stops it."""
+
+    def __init__(self, progress: ProgressSink | None = None) -> None:
+        self.progress = progress
+
+    def start(self, total: int, already_done: int) -> None:
+        if self.progress is not None:
+            self.progress.start(total, already_done)
+
+    def committed(self, sample: TokenizedSample) -> None:
+        if self.progress is not None:
+            self.progress.advance(1, sample.num_tokens)
+
+    def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
+        if self.progress is not None:
+            self.progress.advance(1, 0)
+
+    def keep_going(self) -> bool:
+        return True
 
 
 @dataclass
@@ -54,6 +94,9 @@ class RunReport:
     row_errors: int = 0
     failed: int = 0
     seconds: float = 0.0
+    shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
+    stopped: bool = False  # the run was told to stop before its rows were all handled
+    engine: dict = field(default_factory=dict)
 
     def save(self) -> Path:
         path = Path(self.out) / "reports" / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9}.json"
@@ -62,10 +105,14 @@ class RunReport:
         return path
 
 
-def verified_done(store: OutputStore, level: CheckLevel, report: RunReport) -> set[str]:
-    """Sample ids whose committed files pass ``store.check``; the rest are redone."""
+def verified_done(
+    store: OutputStore, level: CheckLevel, report: RunReport, *, start: int = 0, stop: int | None = None
+) -> set[str]:
+    """Sample ids of rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
     done = set()
     for rec in store.records().values():
+        if rec.index < start or (stop is not None and rec.index >= stop):
+            continue
         if store.check(rec, level):
             report.redone.append(rec.sample_id)
         else:
@@ -81,9 +128,10 @@ def tokenized_samples(
     *,
     start: int = 0,
     stop: int | None = None,
-    progress: ProgressSink | None = None,
+    events: ShardEvents | None = None,
 ) -> Iterator[TokenizedSample]:
     """Rows ``[start, stop)`` that still need capturing, tokenized; bad rows are recorded, not raised."""
+    events = events or ProgressEvents()
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model))
     for number, row in iter_rows(spec.data, start=start, stop=stop):
         try:
@@ -99,29 +147,123 @@ def tokenized_samples(
             overlong = isinstance(err, OverlongRow)
             report.skipped_overlong += overlong
             report.row_errors += not overlong
-            store.record_error(
-                row=err.row, sample_id=err.sample_id, reason=err.reason, kind="overlong" if overlong else "row"
-            )
-            if progress is not None:
-                progress.advance(1, 0)
+            kind = "overlong" if overlong else "row"
+            store.record_error(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=kind)
+            events.failed(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=kind)
             continue
         report.truncated += sample.truncated
         yield sample
 
 
-def commit_all(store: OutputStore, captured: Iterable, report: RunReport, progress: ProgressSink | None = None) -> None:
-    """Commit each captured sample; a sample that fails validation is recorded as failed."""
-    for cap in captured:
-        try:
-            store.commit(cap)
-        except SampleError as err:
-            report.failed += 1
-            store.record_error(row=cap.sample.index, sample_id=cap.sample.sample_id, reason=str(err), kind="capture")
-            continue
-        report.computed.append(cap.sample.sample_id)
-        report.tokens += cap.sample.num_tokens
-        if progress is not None:
-            progress.advance(1, cap.sample.num_tokens)
+class _Capture:
+    """Engine -> store for one stream of samples, with poison samples isolated and retried alone.
+
+    When the engine raises (anything but a ``LayertapError`` other than ``SampleError``), every
+    sample it was holding becomes a suspect and is captured again on its own, so one bad sample
+    never fails its batch-mates. A capture that fails on its own, or whose commit is refused
+    (``SampleError``: non-finite values, wrong shapes), costs that sample one attempt; after
+    ``attempts`` it is recorded as failed and the run goes on.
+    """
+
+    def __init__(
+        self, store: OutputStore, engine: Engine, report: RunReport, events: ShardEvents, attempts: int
+    ) -> None:
+        self.store, self.engine, self.report, self.events = store, engine, report, events
+        self.attempts = attempts
+        self.tries: Counter[str] = Counter()
+        self.alone: list[TokenizedSample] = []
+
+    def run(self, samples: Iterator[TokenizedSample]) -> None:
+        while (failure := self._stream(samples)) is not None:
+            self.alone.extend(failure[0])  # suspects: captured again alone, not blamed yet
+        while self.alone and self.events.keep_going():
+            sample = self.alone.pop(0)
+            if (failure := self._stream(iter([sample]))) is not None:
+                self._attempt_failed(sample, failure[1])
+
+    def _stream(self, samples: Iterator[TokenizedSample]) -> tuple[list[TokenizedSample], str] | None:
+        """Capture and commit until ``samples`` runs out (None) or the engine raises: (held samples, reason)."""
+        held: dict[str, TokenizedSample] = {}
+        source_error: BaseException | None = None
+
+        def feed() -> Iterator[TokenizedSample]:
+            nonlocal source_error
+            while self.events.keep_going():
+                try:
+                    sample = next(samples)
+                except StopIteration:
+                    return
+                except BaseException as exc:  # the dataset or the store, not the engine: never a suspect
+                    source_error = exc
+                    raise
+                held[sample.sample_id] = sample
+                yield sample
+
+        captured = self.engine.capture(feed())
+        while True:
+            try:
+                cap = next(captured)
+            except StopIteration:
+                return None
+            except Exception as exc:
+                if source_error is not None or (isinstance(exc, LayertapError) and not isinstance(exc, SampleError)):
+                    raise
+                log.warning("engine failed with %d samples in flight: %s: %s", len(held), type(exc).__name__, exc)
+                return list(held.values()), f"{type(exc).__name__}: {exc}"
+            held.pop(cap.sample.sample_id, None)
+            try:
+                self.store.commit(cap)
+            except SampleError as err:
+                self._attempt_failed(cap.sample, str(err))
+                continue
+            self.report.computed.append(cap.sample.sample_id)
+            self.report.tokens += cap.sample.num_tokens
+            self.events.committed(cap.sample)
+
+    def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:
+        self.tries[sample.sample_id] += 1
+        n = self.tries[sample.sample_id]
+        log.warning(
+            "sample %s (row %d, %d tokens): attempt %d/%d failed: %s",
+            sample.sample_id, sample.index, sample.num_tokens, n, self.attempts, reason,
+        )  # fmt: skip
+        if n < self.attempts:
+            self.alone.append(sample)
+            return
+        self.report.failed += 1
+        reason = f"{reason} (failed all {n} attempts)"
+        self.store.record_error(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
+        self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
+
+
+def run_shard(
+    spec: ExtractionSpec,
+    store: OutputStore,
+    engine: Engine,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    events: ShardEvents | None = None,
+    attempts: int = 1,
+    check_level: CheckLevel = "full",
+) -> RunReport:
+    """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``.
+
+    Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows and samples
+    that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
+    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Does not finalize.
+    """
+    events = events or ProgressEvents()
+    end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
+    shard = None if (start, stop) == (0, None) else (start, stop)
+    report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
+    done = verified_done(store, check_level, report, start=start, stop=stop)
+    report.already_done = len(done)
+    events.start(end - start, len(done))
+    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events)
+    _Capture(store, engine, report, events, attempts).run(samples)
+    report.stopped = not events.keep_going()
+    return report
 
 
 def run_extraction(
@@ -149,14 +291,7 @@ def run_extraction(
         )
         store = OutputStore.create_or_resume(out, manifest)
         store.sweep_temp_files()
-        report = RunReport(out=str(out), rows=scan.num_rows)
-        done = verified_done(store, check_level, report)
-        report.already_done = len(done)
-        if progress is not None:
-            progress.start(scan.num_rows, len(done))
-        commit_all(
-            store, engine.capture(tokenized_samples(spec, store, done, report, progress=progress)), report, progress
-        )
+        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level)
         store.finalize(complete=True)
         store.close()
     finally:
