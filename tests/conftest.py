@@ -6,6 +6,8 @@ import pytest
 
 from layertap.models import build_tiny_model
 
+pytest_plugins = ["tests.sglang_fixtures"]
+
 # --- Tiny models (layertap.models): built once per session, treat the folders as read-only. ---
 
 

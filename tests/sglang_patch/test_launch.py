@@ -1,0 +1,208 @@
+"""Launcher flag handling: capture flags and env, forced SGLang flags per version, refusals, hook specs.
+
+The ``ServerArgs`` field lists of sglang 0.5.10.post1 and 0.5.14 in ``assets/`` were read from each
+version's ``server_args.py``; `test_installed_fields_match_asset` keeps the installed one honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_patch.launch import forced_flags, hook_specs, parse_launch_args, unsafe_settings
+from sglang_patch.settings import CaptureSettings
+from tests.sglang_fixtures import REPO_ROOT, SGLANG_PYTHON
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def fields_of(version: str) -> set[str]:
+    return set((ASSETS / f"server_args_fields_{version}.txt").read_text().split())
+
+
+def test_capture_flags_are_split_from_sglang_flags(tmp_path: Path) -> None:
+    sglang_argv = ["--model-path", "/m", "--chunked-prefill-size", "64", "--disable-radix-cache", "--tp", "8"]
+    options = parse_launch_args(
+        ["--dump-root", str(tmp_path), *sglang_argv[:2], "--capture-layers", "3,31,59", "--capture-final", "post",
+         *sglang_argv[2:], "--rid-prefix", "cap", "--max-pending-writes", "4"],
+        environ={},
+    )  # fmt: skip
+    assert options.sglang_argv == sglang_argv
+    assert options.settings == CaptureSettings(
+        dump_root=str(tmp_path), layers=(3, 31, 59), finals=("post",), rid_prefix="cap", max_pending_writes=4
+    )
+    assert not options.dry_run
+
+
+def test_environment_fills_in_and_flags_win(tmp_path: Path) -> None:
+    env = {
+        "LAYERTAP_DUMP_ROOT": str(tmp_path / "env"),
+        "LAYERTAP_CAPTURE_LAYERS": "2,4",
+        "LAYERTAP_CAPTURE_FINAL": "both",
+        "LAYERTAP_MAX_IDLE_PASSES": "9",
+    }
+    options = parse_launch_args(["--capture-layers", "1", "--model-path", "/m"], environ=env)
+    assert options.settings.dump_root == str(tmp_path / "env")
+    assert options.settings.layers == (1,)
+    assert options.settings.finals == ("post", "pre")
+    assert options.settings.max_idle_passes == 9
+    assert options.settings.rid_prefix == "hscap"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--capture-layers", "1", "--capture-final", "post"], "--dump-root"),
+        (["--dump-root", "/d", "--capture-layers", "1,x", "--capture-final", "post"], "comma-separated"),
+        (["--dump-root", "/d", "--capture-layers", "1", "--capture-final", "last"], "final must be"),
+        (["--dump-root", "/d", "--capture-layers", "0,2", "--capture-final", "post"], ">= 1"),
+        (["--dump-root", "/d", "--capture-layers", "1", "--capture-final", "post", "--rid-prefix", "a:b"], "':'"),
+    ],
+)
+def test_bad_capture_flags(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_launch_args(argv, environ={})
+
+
+def test_forced_flags_in_each_version_spelling() -> None:
+    assert forced_flags(fields_of("0.5.10.post1")) == [
+        "--disable-piecewise-cuda-graph",
+        "--enforce-disable-flashinfer-allreduce-fusion",
+    ]
+    assert forced_flags(fields_of("0.5.14")) == [
+        "--cuda-graph-backend-prefill",
+        "disabled",
+        "--enforce-disable-flashinfer-allreduce-fusion",
+    ]
+
+
+def v0510_args(**overrides: object) -> SimpleNamespace:
+    """The relevant ServerArgs fields of a safe 0.5.10 capture server (as the launcher leaves them)."""
+    base = dict(
+        speculative_algorithm=None, pp_size=1, disable_piecewise_cuda_graph=True, enforce_piecewise_cuda_graph=False,
+        enable_flashinfer_allreduce_fusion=False, enable_aiter_allreduce_fusion=False, enable_two_batch_overlap=False,
+        moe_a2a_backend="none", enable_attn_tp_input_scattered=False, disable_radix_cache=False,
+    )  # fmt: skip
+    assert set(base) <= fields_of("0.5.10.post1")
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def v0514_args(prefill_backend: str = "disabled", **overrides: object) -> SimpleNamespace:
+    """The same for 0.5.14, where graph settings live in `cuda_graph_config` per phase."""
+    base = dict(
+        speculative_algorithm=None, pp_size=1, enable_flashinfer_allreduce_fusion=False,
+        flashinfer_allreduce_fusion_backend=None, enable_aiter_allreduce_fusion=False, enable_two_batch_overlap=False,
+        moe_a2a_backend="none", enable_attn_tp_input_scattered=False,
+        cuda_graph_config=SimpleNamespace(
+            prefill=SimpleNamespace(backend=prefill_backend), decode=SimpleNamespace(backend="full")
+        ),
+    )  # fmt: skip
+    assert set(base) <= fields_of("0.5.14")
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_safe_settings_pass_in_both_versions() -> None:
+    assert unsafe_settings(v0510_args()) == []
+    assert unsafe_settings(v0514_args()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (v0510_args(disable_piecewise_cuda_graph=False), "prefill CUDA graphs"),
+        (v0514_args(prefill_backend="tc_piecewise"), "prefill CUDA graphs"),
+        (v0514_args(prefill_backend="breakable"), "prefill CUDA graphs"),
+        (v0510_args(enable_flashinfer_allreduce_fusion=True), "all-reduce fusion"),
+        (v0514_args(flashinfer_allreduce_fusion_backend="auto"), "all-reduce fusion"),
+        (v0510_args(speculative_algorithm="EAGLE3"), "speculative"),
+        (v0514_args(pp_size=2), "pipeline"),
+        (v0510_args(enable_two_batch_overlap=True), "two-batch"),
+        (v0514_args(moe_a2a_backend="deepep"), "all-to-all"),
+        (v0510_args(enable_attn_tp_input_scattered=True), "scattered"),
+    ],
+)
+def test_unsafe_settings_are_refused(args: SimpleNamespace, reason: str) -> None:
+    problems = unsafe_settings(args)
+    assert len(problems) == 1 and reason in problems[0]
+
+
+def test_hook_specs_target_the_layer_before_each_index() -> None:
+    settings = CaptureSettings(dump_root="/d", layers=(3, 31, 59), finals=("post", "pre"))
+    specs = hook_specs(settings, num_layers=61)
+    targets = {s["config"]["role"]: s["target_modules"] for s in specs}
+    assert targets == {
+        "aux:3": ["model.layers.2", "language_model.model.layers.2"],
+        "aux:31": ["model.layers.30", "language_model.model.layers.30"],
+        "aux:59": ["model.layers.58", "language_model.model.layers.58"],
+        "final_post": ["logits_processor", "language_model.logits_processor"],
+        "final_pre": ["model.layers.60", "language_model.model.layers.60"],
+    }
+    assert {s["hook_factory"] for s in specs} == {"sglang_patch.hook:hook_factory"}
+    assert all(CaptureSettings.from_config(s["config"]["capture"]) == settings for s in specs)
+    json.dumps(specs)  # goes through SGLang's JSON flag parsing unchanged
+
+
+def test_hook_specs_refuse_indices_outside_the_model() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        hook_specs(CaptureSettings(dump_root="/d", layers=(2, 6), finals=("post",)), num_layers=6)
+
+
+needs_sglang = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"no SGLang venv at {SGLANG_PYTHON}")
+
+
+def run_launcher(args: list[str], cuda_stub_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "LD_LIBRARY_PATH": str(cuda_stub_dir),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    return subprocess.run(
+        [str(SGLANG_PYTHON), "-m", "sglang_patch.launch", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@needs_sglang
+@pytest.mark.sglang
+def test_installed_fields_match_asset() -> None:
+    code = "import dataclasses; from sglang.srt.server_args import ServerArgs; print(*[f.name for f in dataclasses.fields(ServerArgs)])"
+    out = subprocess.run([str(SGLANG_PYTHON), "-c", code], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run(
+        [str(SGLANG_PYTHON), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert set(out.split()) == fields_of(version)
+
+
+CPU_ARGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native", "--disable-cuda-graph",
+            "--max-total-tokens", "4096", "--dtype", "float32"]  # fmt: skip
+
+
+@needs_sglang
+@pytest.mark.sglang
+def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stub_dir: Path) -> None:
+    capture = ["--dump-root", str(tmp_path), "--capture-layers", "1,4", "--capture-final", "both", "--dry-run"]
+    done = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS], cuda_stub_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = json.loads(done.stdout)
+    assert args["disable_piecewise_cuda_graph"] is True
+    assert args["enforce_disable_flashinfer_allreduce_fusion"] is True
+    assert args["enable_flashinfer_allreduce_fusion"] is False
+    assert [h["target_modules"][0] for h in args["forward_hooks"]] == [
+        "model.layers.0", "model.layers.3", "model.layers.4", "logits_processor"
+    ]  # fmt: skip
+
+    refused = run_launcher(
+        [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, "--enforce-piecewise-cuda-graph"], cuda_stub_dir
+    )
+    assert refused.returncode != 0
+    assert "prefill CUDA graphs are on" in refused.stderr
+
+    too_deep = ["--dump-root", str(tmp_path), "--capture-layers", "5", "--capture-final", "post", "--dry-run"]
+    refused = run_launcher([*too_deep, "--model-path", str(tiny_kimi), *CPU_ARGS], cuda_stub_dir)
+    assert refused.returncode != 0 and "outside [1, 4]" in refused.stderr
