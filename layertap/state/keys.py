@@ -1,0 +1,84 @@
+"""Every Redis key layertap uses, and the names the coordinator and the workers must agree on.
+
+The whole schema, under one prefix (default ``layertap``):
+
+    {p}:jobs                          ZSET  job id -> creation time (ms)
+    {p}:seq                           STR   counter; each dispatch takes the next value as its token
+    {p}:job:{job}                     HASH  state, spec (JSON), out, num_rows, num_shards, created_ms,
+                                            finished_ms, finalize_token, error
+    {p}:job:{job}:open                SET   shard numbers not done yet
+    {p}:job:{job}:failed              SET   shard numbers that gave up (a subset of open)
+    {p}:job:{job}:workers             HASH  "<worker>:samples" / "<worker>:tokens" -> committed by that worker
+    {p}:job:{job}:shard:{n}           HASH  start, stop, state, token, worker, done, tokens, failed,
+                                            attempts, dispatches, queued_ms, claimed_ms, finished_ms, error
+    {p}:job:{job}:shard:{n}:lease     STR   token of the attempt that holds the shard; expires unless
+                                            its worker heart-beats
+    {p}:job:{job}:shard:{n}:errors    HASH  row -> JSON {sample_id, reason, kind, attempts}
+    {p}:job:{job}:finalize:lease      STR   token of the finalizer; expires unless it heart-beats
+    {p}:workers                       SET   worker names ever seen (pruned when their key is gone)
+    {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat
+
+Shard states: ``pending`` (needs a message) -> ``queued`` (a message carries its token) -> ``running``
+(a worker holds the lease) -> ``done``; ``failed`` after the task gave up. Job states: ``running``,
+``cancelled``, ``failed``, ``finalizing``, ``done``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Celery names shared by the coordinator (which sends by name) and the worker (which registers them);
+# the broker list holding waiting shard messages is named after the queue.
+SHARD_QUEUE = "layertap.shards"
+RUN_SHARD_TASK = "layertap.run_shard"
+FINALIZE_TASK = "layertap.finalize_job"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Builds every key; one instance per process, from its settings' prefix."""
+
+    prefix: str = "layertap"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    @property
+    def seq(self) -> str:
+        return f"{self.prefix}:seq"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def open(self, job_id: str) -> str:
+        return f"{self.job(job_id)}:open"
+
+    def failed(self, job_id: str) -> str:
+        return f"{self.job(job_id)}:failed"
+
+    def job_workers(self, job_id: str) -> str:
+        return f"{self.job(job_id)}:workers"
+
+    def shard(self, job_id: str, shard: int) -> str:
+        return f"{self.job(job_id)}:shard:{shard}"
+
+    def lease(self, job_id: str, shard: int) -> str:
+        return f"{self.shard(job_id, shard)}:lease"
+
+    def errors(self, job_id: str, shard: int) -> str:
+        return f"{self.shard(job_id, shard)}:errors"
+
+    def finalize_lease(self, job_id: str) -> str:
+        return f"{self.job(job_id)}:finalize:lease"
+
+    def job_pattern(self, job_id: str) -> str:
+        """Matches every key of one job (for deleting it)."""
+        return f"{self.job(job_id)}:*"

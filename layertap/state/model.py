@@ -1,0 +1,114 @@
+"""The job as the user asks for it (``JobSpec``) and the records the state functions return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from layertap.spec import ExtractionSpec
+
+JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
+ShardState = Literal["pending", "queued", "running", "done", "failed"]
+JOB_FILE = "job.json"  # written beside the manifest at submit time; `rebuild-state` reads it back
+
+
+class EngineOptions(BaseModel):
+    """Per-job engine tuning; ``None`` leaves the worker's own setting in force."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch_tokens: int | None = Field(default=None, gt=0, description="HF engine: padded tokens per forward.")
+    batch_size: int | None = Field(default=None, gt=0, description="HF engine: samples per forward.")
+    in_flight: int | None = Field(default=None, gt=0, description="SGLang engine: requests in flight.")
+
+
+class JobSpec(ExtractionSpec):
+    """An extraction plus how to spread it: output folder, shard size, engine options, retry budget.
+
+    ``out`` is relative to the coordinator's output root (default: the job id); once planned it is
+    stored resolved and absolute. ``model`` and ``data`` must be absolute paths that every worker sees.
+    """
+
+    out: Path | None = Field(default=None, description="Output folder, relative to the output root.")
+    shard_size: int = Field(default=100, gt=0, le=100_000, description="Dataset rows per shard (one task each).")
+    engine: EngineOptions = EngineOptions()
+    sample_attempts: int = Field(
+        default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
+    )
+
+    def extraction(self) -> ExtractionSpec:
+        """The plain extraction spec (what the manifest and the pipeline need)."""
+        return ExtractionSpec(**{name: getattr(self, name) for name in ExtractionSpec.model_fields})
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A worker's claim on a shard: ``status`` is ``ok`` or why it must not run it."""
+
+    status: Literal["ok", "missing", "stale", "done", "inactive", "busy"]
+    spec: JobSpec | None = None
+    start: int = 0
+    stop: int = 0
+    attempts: int = 0  # claims of this shard so far, this one included
+
+
+@dataclass(frozen=True, slots=True)
+class SampleFailure:
+    """One row that produced no sample, as ``/jobs/{id}/errors`` lists it."""
+
+    row: int
+    sample_id: str | None
+    reason: str
+    kind: str  # "row" (bad row), "overlong" (skipped), "capture" (failed every attempt)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """One worker's share of a job: totals committed, and its live rate while it heart-beats."""
+
+    name: str
+    samples: int = 0
+    tokens: int = 0
+    alive: bool = False
+    shard: int | None = None
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(slots=True)
+class JobView:
+    """A job's progress, summed over its shards in one read."""
+
+    job_id: str
+    state: JobState
+    out: str
+    created_ms: int
+    finished_ms: int | None
+    num_rows: int
+    num_shards: int
+    samples_done: int = 0
+    samples_failed: int = 0
+    tokens_done: int = 0
+    shards: dict[str, int] = field(default_factory=dict)  # shard state -> count
+    workers: list[WorkerView] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(w.samples_per_s for w in self.workers if w.alive)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(w.tokens_per_s for w in self.workers if w.alive)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the live rate; None when nothing is moving."""
+        left = self.num_rows - self.samples_done - self.samples_failed
+        if left <= 0:
+            return 0.0
+        rate = self.samples_per_s
+        return left / rate if rate > 0 else None

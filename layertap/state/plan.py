@@ -1,0 +1,93 @@
+"""Planning a job at submit time: check everything a worker would trip on, create the store, cut shards.
+
+All checks run before anything is enqueued, so a bad spec or an unreadable dataset never leaves
+half a job behind. The store (manifest) is created here, once, so every worker writes into the same
+consistent folder; ``job.json`` beside it lets ``rebuild-state`` recreate the job if Redis loses it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from layertap.data.scan import scan_dataset
+from layertap.errors import SpecError, StoreError
+from layertap.models.tiny import model_dims
+from layertap.state.model import JOB_FILE, JobSpec
+from layertap.store.atomic import atomic_write_json
+from layertap.store.manifest import build_manifest
+from layertap.store.store import OutputStore
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedJob:
+    """A job ready to be written to Redis: its resolved spec and its shards' row ranges."""
+
+    job_id: str
+    spec: JobSpec
+    shards: list[tuple[int, int]]
+
+
+def plan_shards(num_rows: int, shard_size: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` row ranges of at most ``shard_size`` rows covering every row."""
+    return [(start, min(start + shard_size, num_rows)) for start in range(0, num_rows, shard_size)]
+
+
+def resolve_out(out: Path | None, output_root: Path, job_id: str) -> Path:
+    """The job's output folder: relative to the output root, and never outside it."""
+    root = output_root.resolve()
+    path = (root / (out if out is not None else job_id)).resolve()
+    if not path.is_relative_to(root) or path == root:
+        raise SpecError(f"out {str(out)!r} resolves to {path}, outside the output root {root}")
+    return path
+
+
+def config_dtype(model_dir: Path) -> str:
+    """The dtype the model computes in when loaded with dtype "auto" (what the manifest records)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def job_of_store(out: Path) -> tuple[str, JobSpec] | None:
+    """(job id, spec) recorded in an output folder, if a job created it."""
+    path = out / JOB_FILE
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    return doc["job_id"], JobSpec.model_validate(doc["spec"])
+
+
+def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
+    """Validate ``spec`` against the filesystem, create the output store, and cut the dataset into shards.
+
+    Raises SpecError (bad paths, layers outside the model, out outside the root), DatasetError (the
+    dataset cannot be read, has no rows or repeats ids) or StoreError (the folder holds another run
+    or belongs to another job).
+    """
+    for name in ("model", "data"):
+        if not getattr(spec, name).is_absolute():
+            raise SpecError(f"{name} must be an absolute path that every worker can read, got {getattr(spec, name)}")
+    if not (spec.model / "config.json").is_file():
+        raise SpecError(f"model {spec.model} is not a model folder (no config.json)")
+    out = resolve_out(spec.out, output_root, job_id)
+    if (existing := job_of_store(out)) is not None:
+        raise StoreError(
+            f"{out} already belongs to job {existing[0]}: resume that job, or rebuild its state "
+            "(layertap rebuild-state) if Redis lost it"
+        )
+    num_layers, hidden_size = model_dims(spec.model)
+    capture = spec.resolve(num_layers)
+    scan = scan_dataset(spec.data)
+    resolved = spec.model_copy(update={"out": out})
+    manifest = build_manifest(
+        resolved.extraction(),
+        capture,
+        hidden_size=hidden_size,
+        compute_dtype=config_dtype(spec.model),
+        dataset_rows=scan.num_rows,
+        engine={"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"},
+    )
+    OutputStore.create_or_resume(out, manifest).close()
+    atomic_write_json(out / JOB_FILE, {"job_id": job_id, "spec": json.loads(resolved.model_dump_json())})
+    return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(scan.num_rows, spec.shard_size))

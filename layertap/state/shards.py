@@ -1,0 +1,146 @@
+"""A worker's state changes for one shard attempt, each one round trip.
+
+An attempt is named by its token (given when the shard was dispatched). The order is: ``claim`` ->
+``start`` (counters set from what the store already holds) -> ``sample_done`` / ``sample_failed``
+after each commit or failure (the file is in place before Redis hears of it) -> ``complete`` (or
+``release`` / ``fail``). ``heartbeat`` keeps the lease alive from a side thread meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from redis import Redis
+
+from layertap.state import scripts
+from layertap.state.keys import Keys
+from layertap.state.model import Claim, JobSpec, SampleFailure
+
+
+class ShardAttempt:
+    """One worker's attempt at one shard: the keys and token every call needs."""
+
+    def __init__(self, redis: Redis, keys: Keys, job_id: str, shard: int, token: str, worker: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.job_id = job_id
+        self.shard = shard
+        self.token = token
+        self.worker = worker
+
+    def claim(self, lease_ms: int) -> Claim:
+        """Take the shard if this attempt's token is current and nobody live holds it."""
+        k = self.keys
+        reply = scripts.CLAIM(
+            [k.job(self.job_id), k.shard(self.job_id, self.shard), k.lease(self.job_id, self.shard)],
+            [self.token, self.worker, lease_ms],
+            client=self.redis,
+        )
+        if reply[0] != "ok":
+            return Claim(status=reply[0])
+        spec = JobSpec.model_validate_json(reply[1])
+        return Claim(status="ok", spec=spec, start=int(reply[2]), stop=int(reply[3]), attempts=int(reply[4]))
+
+    def start(self, done: int, tokens: int) -> bool:
+        """Reset the shard's counters to what the store verifiably holds; forget the last attempt's errors."""
+        k = self.keys
+        return bool(
+            scripts.START(
+                [k.shard(self.job_id, self.shard), k.errors(self.job_id, self.shard)],
+                [self.token, done, tokens],
+                client=self.redis,
+            )
+        )
+
+    def sample_done(self, tokens: int) -> str:
+        """Count one committed sample; returns the job state, or ``lost`` if the shard moved on."""
+        k = self.keys
+        return scripts.SAMPLE_DONE(
+            [k.job(self.job_id), k.shard(self.job_id, self.shard), k.job_workers(self.job_id)],
+            [self.token, tokens, self.worker],
+            client=self.redis,
+        )
+
+    def sample_failed(self, failure: SampleFailure) -> str:
+        """Record a row that produced no sample; returns the job state, or ``lost``."""
+        k = self.keys
+        return scripts.SAMPLE_FAILED(
+            [k.job(self.job_id), k.shard(self.job_id, self.shard), k.errors(self.job_id, self.shard)],
+            [self.token, failure.row, json.dumps(asdict(failure))],
+            client=self.redis,
+        )
+
+    def complete(self, *, done: int, tokens: int, failed: int, lease_ms: int) -> str:
+        """Mark the shard done with its exact counts: ``finalize`` (this was the last one), ``done`` or ``lost``."""
+        k, j = self.keys, self.job_id
+        return scripts.COMPLETE(
+            [k.job(j), k.shard(j, self.shard), k.lease(j, self.shard), k.open(j), k.failed(j), k.finalize_lease(j)],
+            [self.token, done, tokens, failed, lease_ms, self.shard],
+            client=self.redis,
+        )
+
+    def release(self, *, retry: bool) -> bool:
+        """Give the shard back: to ``queued`` under the same token (a Celery retry follows) or to ``pending``."""
+        k = self.keys
+        return bool(
+            scripts.RELEASE(
+                [k.shard(self.job_id, self.shard), k.lease(self.job_id, self.shard)],
+                [self.token, "queued" if retry else "pending"],
+                client=self.redis,
+            )
+        )
+
+    def fail(self, error: str) -> str:
+        """Give up on the shard (retries exhausted, or an error no retry fixes)."""
+        k, j = self.keys, self.job_id
+        return scripts.FAIL(
+            [k.job(j), k.shard(j, self.shard), k.lease(j, self.shard), k.open(j), k.failed(j)],
+            [self.token, error[:2000], self.shard],
+            client=self.redis,
+        )
+
+
+class FinalizeAttempt:
+    """The one process allowed to finalize a job's store, named by its finalize token."""
+
+    def __init__(self, redis: Redis, keys: Keys, job_id: str, token: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.job_id = job_id
+        self.token = token
+
+    def claim(self, lease_ms: int) -> JobSpec | None:
+        reply = scripts.CLAIM_FINALIZE(
+            [self.keys.job(self.job_id), self.keys.finalize_lease(self.job_id)],
+            [self.token, lease_ms],
+            client=self.redis,
+        )
+        return None if reply is None else JobSpec.model_validate_json(reply)
+
+    def finish(self) -> bool:
+        """Mark the job done; written after the store's manifest says complete."""
+        return bool(
+            scripts.FINISH(
+                [self.keys.job(self.job_id), self.keys.finalize_lease(self.job_id)], [self.token], client=self.redis
+            )
+        )
+
+
+def renew_lease(redis: Redis, keys: Keys, job_id: str, shard: int | None, token: str, lease_ms: int) -> bool:
+    """Heartbeat: renew a shard lease (``shard`` given) or the job's finalize lease; False if no longer ours."""
+    if shard is None:
+        hash_key, lease, state, field = keys.job(job_id), keys.finalize_lease(job_id), "finalizing", "finalize_token"
+    else:
+        hash_key, lease, state, field = keys.shard(job_id, shard), keys.lease(job_id, shard), "running", "token"
+    return bool(scripts.HEARTBEAT([hash_key, lease], [token, lease_ms, state, field], client=redis))
+
+
+def publish_worker(redis: Redis, keys: Keys, name: str, info: dict[str, str | int | float], ttl_ms: int) -> None:
+    """A worker's live record (what it runs, its rates); it vanishes ``ttl_ms`` after the last heartbeat."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.delete(keys.worker(name))
+    pipe.hset(keys.worker(name), mapping=info)
+    pipe.pexpire(keys.worker(name), ttl_ms)
+    pipe.sadd(keys.workers, name)
+    pipe.execute()

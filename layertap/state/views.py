@@ -1,0 +1,93 @@
+"""Read-only views of jobs for the API and the CLI: progress summed over shards, per-worker, errors.
+
+Each view costs a fixed number of round trips (pipelines), whatever the job's size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from redis import Redis
+
+from layertap.state.keys import Keys
+from layertap.state.model import JobSpec, JobView, SampleFailure, WorkerView
+
+
+def list_job_ids(redis: Redis, keys: Keys, *, limit: int = 100) -> list[str]:
+    """Newest first."""
+    return list(redis.zrevrange(keys.jobs, 0, limit - 1))
+
+
+def job_spec(redis: Redis, keys: Keys, job_id: str) -> JobSpec | None:
+    raw = redis.hget(keys.job(job_id), "spec")
+    return None if raw is None else JobSpec.model_validate_json(raw)
+
+
+def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
+    """A job's progress and workers in two round trips; None if the job is unknown."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hgetall(keys.job(job_id))
+    pipe.zscore(keys.jobs, job_id)
+    pipe.hgetall(keys.job_workers(job_id))
+    pipe.smembers(keys.workers)
+    job, created, per_worker, names = pipe.execute()
+    if not job:
+        return None
+    num_shards = int(job["num_shards"])
+    names = sorted(names)
+    pipe = redis.pipeline(transaction=False)
+    for n in range(num_shards):
+        pipe.hmget(keys.shard(job_id, n), "state", "done", "tokens", "failed")
+    for name in names:
+        pipe.hgetall(keys.worker(name))
+    replies = pipe.execute()
+    view = JobView(
+        job_id=job_id,
+        state=job["state"],
+        out=job["out"],
+        created_ms=int(created or 0),
+        finished_ms=int(job["finished_ms"]) if job.get("finished_ms") else None,
+        num_rows=int(job["num_rows"]),
+        num_shards=num_shards,
+        error=job.get("error") or None,
+    )
+    states: Counter[str] = Counter()
+    for state, done, tokens, failed in replies[:num_shards]:
+        states[state or "missing"] += 1
+        view.samples_done += int(done or 0)
+        view.tokens_done += int(tokens or 0)
+        view.samples_failed += int(failed or 0)
+    view.shards = dict(states)
+    view.workers = _workers(job_id, per_worker, names, replies[num_shards:])
+    return view
+
+
+def _workers(job_id: str, per_worker: dict[str, str], names: list[str], live: list[dict]) -> list[WorkerView]:
+    """Workers that committed samples of this job, or are working on it now."""
+    views: dict[str, WorkerView] = {}
+    for field, value in per_worker.items():
+        name, _, what = field.rpartition(":")
+        view = views.setdefault(name, WorkerView(name=name))
+        setattr(view, what, int(value))
+    for name, info in zip(names, live, strict=True):
+        if not info or info.get("job") != job_id:
+            continue
+        view = views.setdefault(name, WorkerView(name=name))
+        view.alive = True
+        view.shard = int(info["shard"]) if info.get("shard", "") != "" else None
+        view.samples_per_s = float(info.get("samples_per_s", 0.0))
+        view.tokens_per_s = float(info.get("tokens_per_s", 0.0))
+    return sorted(views.values(), key=lambda w: w.name)
+
+
+def job_errors(redis: Redis, keys: Keys, job_id: str) -> list[SampleFailure] | None:
+    """Every row of the job that produced no sample, by row number; None if the job is unknown."""
+    num_shards = redis.hget(keys.job(job_id), "num_shards")
+    if num_shards is None:
+        return None
+    pipe = redis.pipeline(transaction=False)
+    for n in range(int(num_shards)):
+        pipe.hvals(keys.errors(job_id, n))
+    failures = [SampleFailure(**json.loads(raw)) for values in pipe.execute() for raw in values]
+    return sorted(failures, key=lambda f: f.row)

@@ -1,0 +1,71 @@
+"""Rebuilding a job's Redis state from its store after Redis lost everything."""
+
+from pathlib import Path
+
+import pytest
+
+from layertap.engines.hf import HFEngine
+from layertap.errors import StoreError
+from layertap.pipeline import ProgressEvents, run_shard
+from layertap.sample import TokenizedSample
+from layertap.state.model import JobSpec
+from layertap.state.plan import plan_job
+from layertap.state.rebuild import rebuild_job
+from layertap.state.views import job_errors, job_view
+from layertap.store.store import OutputStore
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.state.support import KEYS
+
+
+class StopAfter(ProgressEvents):
+    """Stops a shard after ``n`` commits, as a cancel or a lost lease would."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.left = n
+
+    def committed(self, sample: TokenizedSample) -> None:
+        self.left -= 1
+
+    def keep_going(self) -> bool:
+        return self.left > 0
+
+
+def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_llama, tmp_path, redis_client) -> None:
+    rows = conversation_rows(30, seed=4)
+    rows[13] = {"id": "no-assistant", "messages": [{"role": "user", "content": "hello?"}]}
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3), out=Path("job"), shard_size=10)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="job7")
+    store = OutputStore.open_existing(planned.spec.out)
+    engine = HFEngine(tiny_llama, spec.resolve(6), max_batch_size=1)
+    run_shard(spec.extraction(), store, engine, start=0, stop=10)
+    run_shard(spec.extraction(), store, engine, start=10, stop=20)  # row 13 is bad
+    partial = run_shard(spec.extraction(), store, engine, start=20, stop=30, events=StopAfter(4))
+    assert partial.stopped and 4 <= len(partial.computed) < 10  # the sample in flight may finish too
+    store.close()
+    tokens = {r.sample_id: r.num_tokens for r in store.records().values()}
+
+    rebuilt = rebuild_job(redis_client, KEYS, planned.spec.out)
+    done = 10 + 9 + len(partial.computed)
+    assert (rebuilt.job_id, rebuilt.state, rebuilt.shards_done, rebuilt.samples_done) == ("job7", "running", 2, done)
+    view = job_view(redis_client, KEYS, "job7")
+    assert (view.samples_done, view.samples_failed, view.tokens_done) == (done, 1, sum(tokens.values()))
+    assert view.shards == {"done": 2, "pending": 1}
+    assert redis_client.smembers(KEYS.open("job7")) == {"2"}
+    [error] = job_errors(redis_client, KEYS, "job7")
+    assert (error.row, error.sample_id, error.kind) == (13, "no-assistant", "row")
+
+    with pytest.raises(StoreError, match="still holds job job7"):
+        rebuild_job(redis_client, KEYS, planned.spec.out)
+    # A corrupted file is not counted: its shard goes back to pending when rebuilt again.
+    first = min(store.records().values(), key=lambda r: r.index)
+    (planned.spec.out / first.file).write_bytes(b"garbage")
+    again = rebuild_job(redis_client, KEYS, planned.spec.out, replace=True)
+    assert (again.shards_done, again.samples_done) == (1, done - 1)
+    assert redis_client.smembers(KEYS.open("job7")) == {"0", "2"}
+
+
+def test_rebuild_refuses_a_folder_not_made_by_a_job(tmp_path, redis_client) -> None:
+    with pytest.raises(StoreError, match="no job.json"):
+        rebuild_job(redis_client, KEYS, tmp_path)
