@@ -46,9 +46,7 @@ def test_plan_creates_the_store_and_job_file_and_cuts_shards(tiny_llama, data, t
         ({"data": Path("/nonexistent/data.jsonl")}, DatasetError, "dataset not found"),
     ],
 )
-def test_bad_specs_are_refused_before_anything_is_written(
-    tiny_llama, data, tmp_path, change, error, message
-) -> None:
+def test_bad_specs_are_refused_before_anything_is_written(tiny_llama, data, tmp_path, change, error, message) -> None:
     root = tmp_path / "outputs"
     spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3), out=Path("a")).model_copy(update=change)
     with pytest.raises(error, match=message.replace("[", r"\[")):

@@ -67,5 +67,5 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
 
 
 def test_rebuild_refuses_a_folder_not_made_by_a_job(tmp_path, redis_client) -> None:
-    with pytest.raises(StoreError, match="no job.json"):
+    with pytest.raises(StoreError, match=r"no job\.json"):
         rebuild_job(redis_client, KEYS, tmp_path)
