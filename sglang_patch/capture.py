@@ -111,7 +111,8 @@ class Accumulator:
 
     One instance per capturing process; not thread-safe (SGLang runs forward passes, and so the hooks,
     on one thread). Memory stays bounded: completed and failed requests are dropped at once, and a
-    request that gets no rows for `max_idle_passes` passes (aborted by its client) is dropped too.
+    request that gets no rows for `max_idle_passes` calls of `add_pass` (aborted by its client) is
+    dropped too.
     """
 
     def __init__(self, *, alloc: Allocator, max_idle_passes: int) -> None:
@@ -130,7 +131,7 @@ class Accumulator:
 
         Copies are issued with ``non_blocking=True``: from a GPU into pinned buffers they are
         asynchronous, so the caller must record an event after this call and have the consumer of a
-        `Completed` wait on it. Every pass (also one without pieces) counts towards idle eviction.
+        `Completed` wait on it. Each call counts towards idle eviction.
         """
         self._pass += 1
         needed = max((p.row_start + p.num_rows for p in pieces), default=0)

@@ -28,6 +28,15 @@ state is the ``hidden_states`` argument of SGLang's ``logits_processor``; the pr
 
 An error dump (status "error", no tensors file) tells the client quickly that an attempt is
 useless, e.g. a prefix-cache hit (the first pass of the rid started past token 0) or missing rows.
+
+What a client should know (measured on sglang 0.5.10.post1):
+- The HTTP reply can come before the dump is renamed into place: wait for the folder (bounded).
+- An aborted request (``POST /abort_request`` or a client disconnect) still has its remaining
+  prefill chunks run and so may leave a complete "ok" dump: trust a dump only with a reply whose
+  ``finish_reason`` is not "abort", ``cached_tokens == 0`` and ``prompt_tokens`` equal to the sent length.
+- SGLang aborts by rid *prefix* (``rid.startswith``): aborting attempt 1 of a sample also aborts its
+  attempts 10-19, so keep one attempt per sample in flight.
+- A dump folder is never replaced: a retry must use a new attempt number.
 """
 
 from __future__ import annotations

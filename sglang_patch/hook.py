@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_patch.capture import Accumulator, Completed, plan_pass
+from sglang_patch.capture import Accumulator, Completed, Piece, plan_pass
 from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostStaging
@@ -117,10 +117,11 @@ class _Capturer:
             max_pending=settings.max_pending_writes,
         )
         atexit.register(self._writer.close, 30.0)
+        # Created at the first captured pass, when the device of the rows is known.
         self._staging: HostStaging | None = None
         self._accumulator: Accumulator | None = None
         self._batch: ForwardBatch | None = None
-        self._pieces: list = []
+        self._pieces: list[Piece] = []
         self._rows: dict[str, torch.Tensor] = {}
 
     def take(self, role: str, batch: ForwardBatch, rows: Callable[[], torch.Tensor]) -> None:
@@ -137,12 +138,13 @@ class _Capturer:
                 getattr(batch, PROMPT_LENS_ATTR, None),
                 rid_prefix=self.settings.rid_prefix,
             )
+            if self._pieces and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # Host-side work would run once at capture and never at replay: capture nothing.
+                logger.error("layertap: captured rids in a pass under CUDA graph capture; skipped")
+                self._pieces = []
         if not self._pieces:
             return
-        tensor = rows()
-        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
-            return
-        self._rows[role] = tensor
+        self._rows[role] = rows()
         if len(self._rows) == len(self._roles):
             self._finish_pass(batch)
 
@@ -155,13 +157,13 @@ class _Capturer:
             AUX: torch.stack([captured[aux_role(i)][:needed] for i in self.settings.layers], dim=1),
         }
         rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed]) for f in self.settings.finals)
-        if self._accumulator is None:
+        if self._staging is None or self._accumulator is None:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
         outcomes = self._accumulator.add_pass(self._pieces, rows)
         if not outcomes:
             return
-        ready = self._staging.record() if self._staging is not None else None
+        ready = self._staging.record()
         for outcome in outcomes:
             if isinstance(outcome, Completed):
                 self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready))

@@ -3,7 +3,7 @@
 Usage (in the server's environment, with this repository's root on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
-        --capture-final post [--rid-prefix hscap] [--dry-run] <any sglang server flags>
+        --capture-final post [--rid-prefix hscap] [--keep-radix-cache] [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
 ``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``,
@@ -19,9 +19,12 @@ parser, then the launcher
 - refuses what it cannot make safe, checked on the final ``ServerArgs`` (after SGLang derived its
   own settings): speculative decoding, PP > 1, two-batch overlap, an all-to-all MoE backend,
   scattered attention-TP input, and any prefill graph or all-reduce fusion still on;
-- keeps the radix cache if asked: clients must send a unique ``extra_key`` per request (the layertap
-  worker does), so no prompt is ever served from the cache; a hit would anyway be caught by the
-  plugin (an error dump) and by ``cached_tokens > 0`` in the response;
+- turns the radix (prefix) cache off (``--disable-radix-cache``): a cache hit means the hooks never
+  see the first rows of a prompt, and caching gains nothing when every prompt must be computed in
+  full. A unique ``extra_key`` per request is not enough on sglang 0.5.10.post1: its scheduler does
+  not pass ``extra_key`` on to the request (measured: a different key still got 199 of 200 tokens
+  from the cache; 0.5.14 passes it). ``--keep-radix-cache`` keeps it for servers that honour
+  ``extra_key``; a hit is then still caught (an error dump, and ``cached_tokens > 0`` in the reply);
 - adds one ``--forward-hooks`` spec per captured role (see `sglang_patch.hook`), for both the plain
   module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper.
 
@@ -53,6 +56,7 @@ class LaunchOptions:
 
     settings: CaptureSettings
     dry_run: bool
+    keep_radix_cache: bool
     sglang_argv: list[str]
 
 
@@ -66,6 +70,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
     parser.add_argument("--max-pending-writes", type=int, default=env_default(environ, "max_pending_writes"))
     parser.add_argument("--max-idle-passes", type=int, default=env_default(environ, "max_idle_passes"))
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--keep-radix-cache", action="store_true")
     ns, rest = parser.parse_known_args(list(argv))
     missing = [name for name in ("dump_root", "capture_layers", "capture_final") if getattr(ns, name) is None]
     if missing:
@@ -83,11 +88,12 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
         rid_prefix=ns.rid_prefix,
         **tuning,
     )
-    return LaunchOptions(settings=settings, dry_run=ns.dry_run, sglang_argv=rest)
+    return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache, sglang_argv=rest)
 
 
-def forced_flags(server_arg_fields: Collection[str]) -> list[str]:
-    """SGLang flags that turn prefill CUDA graphs and all-reduce fusion off, in this version's spelling.
+def forced_flags(server_arg_fields: Collection[str], *, keep_radix_cache: bool = False) -> list[str]:
+    """SGLang flags that turn prefill CUDA graphs, all-reduce fusion and (unless kept) the radix cache
+    off, in this version's spelling.
 
     `server_arg_fields` are the field names of the installed ``ServerArgs``. The flags go after the
     user's, so they win over the user's per-phase settings (an explicit ``--cuda-graph-config`` JSON
@@ -100,6 +106,8 @@ def forced_flags(server_arg_fields: Collection[str]) -> list[str]:
         flags += ["--disable-piecewise-cuda-graph"]
     if "enforce_disable_flashinfer_allreduce_fusion" in server_arg_fields:
         flags += ["--enforce-disable-flashinfer-allreduce-fusion"]
+    if not keep_radix_cache:
+        flags += ["--disable-radix-cache"]
     return flags
 
 
@@ -175,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_plugins()
 
     field_names = {f.name for f in dataclasses.fields(ServerArgs)}
-    server_args = prepare_server_args([*options.sglang_argv, *forced_flags(field_names)])
+    forced = forced_flags(field_names, keep_radix_cache=options.keep_radix_cache)
+    server_args = prepare_server_args([*options.sglang_argv, *forced])
     problems = unsafe_settings(server_args)
     if problems:
         sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))

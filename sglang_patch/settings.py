@@ -24,8 +24,9 @@ class CaptureSettings:
     `layers`: capture indices (index i = input of decoder layer i = HF output_hidden_states[i]),
     in the order the dump's ``aux`` tensor stores them. `finals`: subset of ("post", "pre").
     `max_pending_writes`: dumps queued for the writer thread before the forward pass blocks
-    (backpressure). `max_idle_passes`: EXTEND passes a half-captured request may go without new
-    rows before its state is dropped (an aborted request).
+    (backpressure). `max_idle_passes`: passes with captured rows that a half-captured request may go
+    without rows of its own before its state is dropped (an aborted request; SGLang otherwise
+    continues a chunked prompt in the very next prefill pass).
     """
 
     dump_root: str

@@ -36,7 +36,12 @@ def test_capture_flags_are_split_from_sglang_flags(tmp_path: Path) -> None:
     assert options.settings == CaptureSettings(
         dump_root=str(tmp_path), layers=(3, 31, 59), finals=("post",), rid_prefix="cap", max_pending_writes=4
     )
-    assert not options.dry_run
+    assert not options.dry_run and not options.keep_radix_cache
+    kept = parse_launch_args(["--keep-radix-cache", "--model-path", "/m"], environ=ENV)
+    assert kept.keep_radix_cache and kept.sglang_argv == ["--model-path", "/m"]
+
+
+ENV = {"LAYERTAP_DUMP_ROOT": "/d", "LAYERTAP_CAPTURE_LAYERS": "1", "LAYERTAP_CAPTURE_FINAL": "pre"}
 
 
 def test_environment_fills_in_and_flags_win(tmp_path: Path) -> None:
@@ -73,8 +78,9 @@ def test_forced_flags_in_each_version_spelling() -> None:
     assert forced_flags(fields_of("0.5.10.post1")) == [
         "--disable-piecewise-cuda-graph",
         "--enforce-disable-flashinfer-allreduce-fusion",
+        "--disable-radix-cache",
     ]
-    assert forced_flags(fields_of("0.5.14")) == [
+    assert forced_flags(fields_of("0.5.14"), keep_radix_cache=True) == [
         "--cuda-graph-backend-prefill",
         "disabled",
         "--enforce-disable-flashinfer-allreduce-fusion",
@@ -193,6 +199,7 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     assert args["disable_piecewise_cuda_graph"] is True
     assert args["enforce_disable_flashinfer_allreduce_fusion"] is True
     assert args["enable_flashinfer_allreduce_fusion"] is False
+    assert args["disable_radix_cache"] is True
     assert [h["target_modules"][0] for h in args["forward_hooks"]] == [
         "model.layers.0", "model.layers.3", "model.layers.4", "logits_processor"
     ]  # fmt: skip
@@ -202,7 +209,3 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     )
     assert refused.returncode != 0
     assert "prefill CUDA graphs are on" in refused.stderr
-
-    too_deep = ["--dump-root", str(tmp_path), "--capture-layers", "5", "--capture-final", "post", "--dry-run"]
-    refused = run_launcher([*too_deep, "--model-path", str(tiny_kimi), *CPU_ARGS], cuda_stub_dir)
-    assert refused.returncode != 0 and "outside [1, 4]" in refused.stderr
