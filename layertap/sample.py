@@ -39,3 +39,12 @@ class CapturedSample:
     aux: torch.Tensor
     final_post: torch.Tensor | None
     final_pre: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class FailedCapture:
+    """An engine's word that one sample's attempt failed (e.g. a prefix-cache hit, a dump that never
+    came) while the rest of its batch went on; the pipeline counts it against the sample's attempts."""
+
+    sample: TokenizedSample
+    reason: str

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from layertap.sample import CapturedSample, TokenizedSample
+from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 
 
@@ -14,14 +14,15 @@ class Engine(ABC):
     """Runs prefills and returns captured states for each sample.
 
     ``capture`` may reorder and batch internally but yields exactly one result per input sample
-    (or raises); results are ``CapturedSample`` on the CPU, so the store never touches a device.
+    (or raises): a ``CapturedSample`` on the CPU, so the store never touches a device, or a
+    ``FailedCapture`` when only that sample's attempt went wrong.
     """
 
     spec: CaptureSpec
 
     @abstractmethod
-    def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample]:
-        """Yield one ``CapturedSample`` per input sample, in completion order."""
+    def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
+        """Yield one result per input sample, in completion order."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
