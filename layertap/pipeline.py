@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +26,7 @@ from layertap.data.scan import scan_dataset
 from layertap.engines.base import Engine
 from layertap.errors import LayertapError, OverlongRow, RowError, SampleError
 from layertap.models.tiny import model_dims
-from layertap.sample import TokenizedSample
+from layertap.sample import FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.manifest import build_manifest
 from layertap.store.store import CheckLevel, OutputStore
@@ -46,7 +46,7 @@ class ProgressSink(Protocol):
 class ShardEvents(Protocol):
     """What ``run_shard`` reports as it goes; called after the store has recorded each outcome."""
 
-    def start(self, total: int, already_done: int) -> None: ...
+    def start(self, total: int, already_done: int, already_tokens: int) -> None: ...
 
     def committed(self, sample: TokenizedSample) -> None: ...
 
@@ -63,7 +63,7 @@ class ProgressEvents:
     def __init__(self, progress: ProgressSink | None = None) -> None:
         self.progress = progress
 
-    def start(self, total: int, already_done: int) -> None:
+    def start(self, total: int, already_done: int, already_tokens: int) -> None:
         if self.progress is not None:
             self.progress.start(total, already_done)
 
@@ -107,23 +107,23 @@ class RunReport:
 
 def verified_done(
     store: OutputStore, level: CheckLevel, report: RunReport, *, start: int = 0, stop: int | None = None
-) -> set[str]:
-    """Sample ids of rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
-    done = set()
+) -> dict[str, int]:
+    """Sample id -> tokens for rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
+    done = {}
     for rec in store.records().values():
         if rec.index < start or (stop is not None and rec.index >= stop):
             continue
         if store.check(rec, level):
             report.redone.append(rec.sample_id)
         else:
-            done.add(rec.sample_id)
+            done[rec.sample_id] = rec.num_tokens
     return done
 
 
 def tokenized_samples(
     spec: ExtractionSpec,
     store: OutputStore,
-    done: set[str],
+    done: Container[str],
     report: RunReport,
     *,
     start: int = 0,
@@ -211,6 +211,9 @@ class _Capture:
                 log.warning("engine failed with %d samples in flight: %s: %s", len(held), type(exc).__name__, exc)
                 return list(held.values()), f"{type(exc).__name__}: {exc}"
             held.pop(cap.sample.sample_id, None)
+            if isinstance(cap, FailedCapture):
+                self._attempt_failed(cap.sample, cap.reason)
+                continue
             try:
                 self.store.commit(cap)
             except SampleError as err:
@@ -259,7 +262,7 @@ def run_shard(
     report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
     done = verified_done(store, check_level, report, start=start, stop=stop)
     report.already_done = len(done)
-    events.start(end - start, len(done))
+    events.start(end - start, len(done), sum(done.values()))
     samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events)
     _Capture(store, engine, report, events, attempts).run(samples)
     report.stopped = not events.keep_going()
