@@ -9,6 +9,7 @@ import click
 from pydantic import ValidationError
 from rich.console import Console
 
+from layertap.cli_jobs import register_job_commands
 from layertap.errors import LayertapError
 from layertap.spec import CaptureSpec, ExtractionSpec, parse_layer_list
 
@@ -177,3 +178,6 @@ def demo(out: Path, fmt: str) -> None:
         run_demo(out, fmt, console)
     except LayertapError as exc:
         _fail(str(exc))
+
+
+register_job_commands(main)

@@ -1,0 +1,1 @@
+"""The FastAPI coordinator: plans jobs into shards, enqueues them, reports progress, requeues lost work."""

@@ -1,0 +1,84 @@
+"""``/jobs``: submit, list, inspect, errors, cancel, resume. Handlers stay short; the work is in layertap.state."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, HTTPException, Query, status
+from redis import Redis
+
+from coordinator.api.deps import DispatcherDep, KeysDep, RedisDep, SettingsDep, require_token
+from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
+from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
+from layertap.state.keys import Keys
+from layertap.state.model import JobSpec
+from layertap.state.plan import plan_job
+from layertap.state.views import job_errors, job_view, list_job_ids
+
+router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
+
+
+def _job(redis: Redis, keys: Keys, job_id: str) -> JobPublic:
+    view = job_view(redis, keys, job_id)
+    if view is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return JobPublic.of(view)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def submit_job(
+    body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
+) -> JobPublic:
+    """Check the spec and the dataset, create the output store, cut shards and enqueue one task per shard."""
+    job_id = uuid.uuid4().hex[:12]
+    planned = plan_job(JobSpec(**body.model_dump()), output_root=settings.output_root, job_id=job_id)
+    create_job(redis, keys, job_id, planned.spec, planned.shards)
+    dispatch_pending(redis, keys, job_id, dispatcher.send)
+    return _job(redis, keys, job_id)
+
+
+@router.get("")
+def list_jobs(redis: RedisDep, keys: KeysDep, limit: int = Query(default=50, ge=1, le=1000)) -> JobsPublic:
+    """Jobs, newest first."""
+    jobs = [
+        JobPublic.of(v) for job_id in list_job_ids(redis, keys, limit=limit) if (v := job_view(redis, keys, job_id))
+    ]
+    return JobsPublic(count=len(jobs), jobs=jobs)
+
+
+@router.get("/{job_id}")
+def get_job(job_id: str, redis: RedisDep, keys: KeysDep) -> JobPublic:
+    """State, samples and tokens done/failed/total, rate, ETA and per-worker progress."""
+    return _job(redis, keys, job_id)
+
+
+@router.get("/{job_id}/errors")
+def get_job_errors(job_id: str, redis: RedisDep, keys: KeysDep) -> JobErrorsPublic:
+    """Every row that produced no sample, with the reason (bad row, too long, capture failed N times)."""
+    failures = job_errors(redis, keys, job_id)
+    if failures is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    errors = [SampleErrorPublic(row=f.row, sample_id=f.sample_id, kind=f.kind, reason=f.reason) for f in failures]
+    return JobErrorsPublic(job_id=job_id, count=len(errors), errors=errors)
+
+
+@router.post("/{job_id}/cancel")
+def cancel(job_id: str, redis: RedisDep, keys: KeysDep) -> JobPublic:
+    """Stop dispatching; queued shards are skipped, running ones stop at their next sample and are released."""
+    before = cancel_job(redis, keys, job_id)
+    if before == "missing":
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    if before in ("done", "finalizing"):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {before}; there is nothing to cancel")
+    return _job(redis, keys, job_id)
+
+
+@router.post("/{job_id}/resume")
+def resume(job_id: str, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep) -> JobPublic:
+    """Dispatch again every shard that is not done (or finalize, if all are); committed samples are kept."""
+    outcome = resume_job(redis, keys, job_id, dispatcher.send, lease_ms=settings.queued_grace_ms)
+    if outcome == "missing":
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    if outcome == "done":
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already done")
+    return _job(redis, keys, job_id)

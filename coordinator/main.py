@@ -1,0 +1,63 @@
+"""Builds the FastAPI app: settings, Redis, the Celery client and the watchdog live for the app's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+from fastapi import FastAPI, Request, status
+from fastapi.responses import JSONResponse
+from redis import Redis
+
+from coordinator.api.routes import health, jobs
+from coordinator.config import CoordinatorSettings
+from coordinator.dispatch import Dispatcher, reaper_loop
+from layertap import __version__
+from layertap.errors import DatasetError, SpecError, StoreError
+from layertap.state.keys import Keys
+
+log = logging.getLogger("coordinator")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings = CoordinatorSettings()
+    app.state.settings = settings
+    app.state.redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    app.state.keys = Keys(settings.key_prefix)
+    app.state.dispatcher = Dispatcher(settings.broker_url)
+    if settings.api_token is None:
+        log.warning("LAYERTAP_API_TOKEN is not set: the API is open to anyone who can reach it")
+    reaper = asyncio.create_task(reaper_loop(app.state.redis, app.state.keys, app.state.dispatcher, settings))
+    try:
+        yield
+    finally:
+        reaper.cancel()
+        with suppress(asyncio.CancelledError):
+            await reaper
+        app.state.dispatcher.close()
+        app.state.redis.close()
+
+
+def _error(code: int):
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=code, content={"detail": str(exc)})
+
+    return handler
+
+
+app = FastAPI(
+    title="layertap coordinator",
+    version=__version__,
+    description="Distributed hidden-state extraction: submit a job, follow its shards, cancel or resume it.",
+    lifespan=lifespan,
+)
+# Errors named by who acts, mapped once: the user's spec or dataset (422), an output folder that
+# belongs to another run or job (409).
+app.add_exception_handler(SpecError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
+app.add_exception_handler(DatasetError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
+app.add_exception_handler(StoreError, _error(status.HTTP_409_CONFLICT))
+app.include_router(health.router)
+app.include_router(jobs.router)

@@ -1,0 +1,230 @@
+"""Commands for distributed runs: ``coordinator``, ``submit``, ``status``, ``cancel``, ``resume``, ``rebuild-state``.
+
+All but ``coordinator`` and ``rebuild-state`` are thin wrappers over the coordinator's HTTP API
+(``--api``/``LAYERTAP_API_URL``, bearer ``--token``/``LAYERTAP_API_TOKEN``). ``rebuild-state`` talks
+to Redis directly: it is what you run when Redis lost the job, whether or not a coordinator is up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from layertap.spec import parse_layer_list
+
+console = Console(stderr=True)
+TERMINAL = {"done", "failed", "cancelled"}
+
+api_option = click.option(
+    "--api", envvar="LAYERTAP_API_URL", default="http://127.0.0.1:8000", show_default=True, help="Coordinator URL."
+)
+token_option = click.option("--token", envvar="LAYERTAP_API_TOKEN", default=None, help="Bearer token, if required.")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    sys.exit(2)
+
+
+def _call(api: str, token: str | None, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
+    """One API call; HTTP errors become a readable message and exit code 2."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        reply = httpx.request(method, api.rstrip("/") + path, json=body, headers=headers, timeout=600)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the coordinator at {api}: {exc}")
+    if reply.status_code >= 400:
+        try:
+            detail = reply.json().get("detail", reply.text)
+        except ValueError:
+            detail = reply.text
+        if isinstance(detail, list):  # pydantic's validation errors: one line each
+            detail = "; ".join(f"{'.'.join(str(p) for p in d['loc'][1:])}: {d['msg']}" for d in detail)
+        _fail(f"{reply.status_code}: {detail}")
+    return reply.json()
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def _show(job: dict[str, Any]) -> None:
+    table = Table(title=f"job {job['job_id']}", show_header=False)
+    table.add_row("state", job["state"] + (f" ({job['error']})" if job.get("error") else ""))
+    table.add_row(
+        "samples", f"{job['samples_done']:,} done, {job['samples_failed']:,} failed of {job['samples_total']:,}"
+    )
+    estimate = job["tokens_total_estimate"]
+    table.add_row("tokens", f"{job['tokens_done']:,} done" + (f" of ~{estimate:,}" if estimate else ""))
+    table.add_row("rate", f"{job['samples_per_s']:.1f} samples/s, {job['tokens_per_s']:,.0f} tokens/s")
+    table.add_row("ETA", _duration(job["eta_s"]))
+    table.add_row("shards", ", ".join(f"{n} {state}" for state, n in sorted(job["shards"].items())))
+    table.add_row("output", job["out"])
+    for w in job["workers"]:
+        live = f"shard {w['shard']}, {w['samples_per_s']:.1f} samples/s" if w["alive"] else "not working on it now"
+        table.add_row(f"worker {w['name']}", f"{w['samples']:,} samples, {w['tokens']:,} tokens; {live}")
+    Console().print(table)
+
+
+def _follow(api: str, token: str | None, job_id: str, every: float) -> dict[str, Any]:
+    """Poll until the job reaches a terminal state; one line of progress per poll on stderr."""
+    while True:
+        job = _call(api, token, "GET", f"/jobs/{job_id}")
+        console.print(
+            f"{job['state']}: {job['samples_done']:,}/{job['samples_total']:,} samples, "
+            f"{job['samples_failed']:,} failed, {job['tokens_per_s']:,.0f} tok/s, ETA {_duration(job['eta_s'])}"
+        )
+        if job["state"] in TERMINAL:
+            return job
+        time.sleep(every)
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+def coordinator(host: str, port: int) -> None:
+    """Run the coordinator API (settings from LAYERTAP_* variables; same as `uvicorn coordinator.app:app`)."""
+    import uvicorn
+
+    uvicorn.run("coordinator.app:app", host=host, port=port)
+
+
+@click.command()
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True)
+@click.option("--data", type=click.Path(path_type=Path, exists=True), required=True)
+@click.option("--layers", required=True, help="Comma-separated layer ids, e.g. 3,31,59.")
+@click.option("--layer-convention", type=click.Choice(["capture", "sglang-eagle3", "vllm"]), default="capture")
+@click.option("--final", type=click.Choice(["post", "pre", "both"]), default=None)
+@click.option("--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge")
+@click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16")
+@click.option("--max-length", type=int, default=None)
+@click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate")
+@click.option("--out", default=None, help="Output folder relative to the coordinator's output root (default: job id).")
+@click.option("--shard-size", type=int, default=100, show_default=True)
+@click.option("--batch-tokens", type=int, default=None, help="HF engine: padded tokens per forward.")
+@click.option("--batch-size", type=int, default=None, help="HF engine: samples per forward.")
+@click.option("--in-flight", type=int, default=None, help="SGLang engine: requests in flight per worker.")
+@click.option("--attempts", type=int, default=3, show_default=True, help="Captures per sample before it fails.")
+@click.option("--wait", is_flag=True, help="Follow the job until it ends; exit 1 unless it is done.")
+@api_option
+@token_option
+def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, out, shard_size,
+           batch_tokens, batch_size, in_flight, attempts, wait, api, token) -> None:  # fmt: skip
+    """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
+    engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
+    body = {
+        "model": str(model.resolve()),
+        "data": str(data.resolve()),
+        "layers": parse_layer_list(layers),
+        "layer_convention": layer_convention,
+        "final": final,
+        "format": fmt,
+        "store_dtype": store_dtype,
+        "max_length": max_length,
+        "overlong": overlong,
+        "out": out,
+        "shard_size": shard_size,
+        "engine": {k: v for k, v in engine.items() if v is not None},
+        "sample_attempts": attempts,
+    }
+    job = _call(api, token, "POST", "/jobs", body)
+    console.print(
+        f"job {job['job_id']}: {job['samples_total']:,} samples in {job['num_shards']} shards -> {job['out']}"
+    )
+    click.echo(job["job_id"])
+    if wait:
+        job = _follow(api, token, job["job_id"], every=2.0)
+        _show(job)
+        sys.exit(0 if job["state"] == "done" else 1)
+
+
+@click.command()
+@click.argument("job_id", required=False)
+@click.option("--watch", is_flag=True, help="Follow the job until it ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
+@api_option
+@token_option
+def status(job_id: str | None, watch: bool, as_json: bool, api: str, token: str | None) -> None:
+    """Show a job's progress (or list jobs when JOB_ID is left out)."""
+    if job_id is None:
+        jobs = _call(api, token, "GET", "/jobs")["jobs"]
+        if as_json:
+            click.echo(json.dumps(jobs, indent=1))
+            return
+        table = Table("job", "state", "samples done", "failed", "total", "output")
+        for j in jobs:
+            table.add_row(j["job_id"], j["state"], f"{j['samples_done']:,}", f"{j['samples_failed']:,}",
+                          f"{j['samples_total']:,}", j["out"])  # fmt: skip
+        Console().print(table)
+        return
+    job = _follow(api, token, job_id, every=2.0) if watch else _call(api, token, "GET", f"/jobs/{job_id}")
+    if as_json:
+        click.echo(json.dumps(job, indent=1))
+    else:
+        _show(job)
+
+
+@click.command()
+@click.argument("job_id")
+@api_option
+@token_option
+def cancel(job_id: str, api: str, token: str | None) -> None:
+    """Stop dispatching a job; running shards stop at their next sample."""
+    click.echo(_call(api, token, "POST", f"/jobs/{job_id}/cancel")["state"])
+
+
+@click.command()
+@click.argument("job_id")
+@api_option
+@token_option
+def resume(job_id: str, api: str, token: str | None) -> None:
+    """Dispatch every unfinished shard of a job again (committed samples are kept)."""
+    click.echo(_call(api, token, "POST", f"/jobs/{job_id}/resume")["state"])
+
+
+@click.command("rebuild-state")
+@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--redis-url", envvar="LAYERTAP_REDIS_URL", required=True, help="The Redis the coordinator uses.")
+@click.option("--key-prefix", envvar="LAYERTAP_KEY_PREFIX", default="layertap", show_default=True)
+@click.option("--replace", is_flag=True, help="Overwrite the job if Redis still holds it.")
+@click.option("--full", is_flag=True, help="Re-hash every committed file instead of checking size, shapes and ids.")
+def rebuild_state(out: Path, redis_url: str, key_prefix: str, replace: bool, full: bool) -> None:
+    """Recreate the Redis state of the job that wrote OUT from its index; the coordinator then resumes it."""
+    from redis import Redis
+
+    from layertap.errors import LayertapError
+    from layertap.state.keys import Keys
+    from layertap.state.rebuild import rebuild_job
+
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        rebuilt = rebuild_job(
+            redis, Keys(key_prefix), out.resolve(), check_level="full" if full else "quick", replace=replace
+        )
+    except LayertapError as exc:
+        _fail(str(exc))
+    console.print(
+        f"job {rebuilt.job_id}: {rebuilt.state}; {rebuilt.shards_done}/{rebuilt.num_shards} shards done, "
+        f"{rebuilt.samples_done:,} samples committed, {rebuilt.samples_failed:,} failed. "
+        + ("The coordinator dispatches the rest." if rebuilt.state != "done" else "")
+    )
+    click.echo(rebuilt.job_id)
+
+
+def register_job_commands(group: click.Group) -> None:
+    """Add the distributed-run commands to the ``layertap`` group."""
+    for command in (coordinator, submit, status, cancel, resume, rebuild_state):
+        group.add_command(command)

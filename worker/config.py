@@ -1,0 +1,67 @@
+"""``WorkerSettings``: everything a worker process is told, read once from ``LAYERTAP_*`` variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    """One worker process (``celery -A worker worker``): where state lives, which engine, how leases work.
+
+    ``visibility_timeout_s`` must exceed the longest shard: a message not acked by then is delivered
+    again (harmless: its token is stale by then, or the shard is done), but it costs a wasted claim.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LAYERTAP_", extra="ignore")
+
+    redis_url: str = Field(description="Redis holding job/shard/sample state.")
+    broker_url: str | None = Field(default=None, description="Celery broker; default: redis_url.")
+    key_prefix: str = "layertap"
+    worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    engine: Literal["hf", "sglang"] = "hf"
+    device: str = Field(default="cpu", description="HF engine: torch device.")
+    hf_batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
+    hf_batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
+    in_flight: int = Field(default=8, gt=0, description="SGLang engine: requests in flight.")
+    server_url: str | None = Field(default=None, description="SGLang engine: attach to this server.")
+    dump_root: Path | None = Field(default=None, description="SGLang engine: where the capture plugin dumps.")
+
+    lease_ttl_s: float = Field(
+        default=30.0, gt=0, description="A shard is requeued this long after its last heartbeat."
+    )
+    heartbeat_s: float | None = Field(default=None, gt=0, description="Default: a third of lease_ttl_s.")
+    visibility_timeout_s: int = Field(default=6 * 3600, gt=0)
+    task_max_retries: int = Field(default=5, ge=0, description="Celery retries of a shard after a server/IO error.")
+    retry_backoff_s: float = Field(default=5.0, gt=0, description="First retry delay; doubles each retry.")
+    retry_backoff_max_s: float = Field(default=300.0, gt=0)
+    max_shard_attempts: int = Field(
+        default=10, gt=0, description="Claims of one shard (each a worker that died or gave it back) before it fails."
+    )
+    resume_check: Literal["full", "quick"] = Field(
+        default="full", description="How a shard re-checks the samples it finds committed before skipping them."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerSettings:
+        if self.broker_url is None:
+            self.broker_url = self.redis_url
+        if self.heartbeat_s is None:
+            self.heartbeat_s = self.lease_ttl_s / 3
+        if self.heartbeat_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_ttl_s ({self.lease_ttl_s})"
+            )
+        if self.engine == "sglang" and self.dump_root is None:
+            raise ValueError("engine 'sglang' needs LAYERTAP_DUMP_ROOT (where the capture plugin writes dumps)")
+        return self
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_ttl_s * 1000)

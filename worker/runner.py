@@ -1,0 +1,173 @@
+"""What a worker process keeps between tasks, and the work behind each task (no Celery here).
+
+``WorkerContext`` is built once per process: the Redis client (retrying through a short Redis
+restart), the engine cache, the heartbeat thread. ``run_shard`` claims a shard attempt, runs the
+shared pipeline over its rows into the job's store, and completes it; the attempt that completes
+the last shard finalizes the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from layertap.errors import ServerError
+from layertap.pipeline import run_shard
+from layertap.sample import TokenizedSample
+from layertap.state.keys import Keys
+from layertap.state.model import SampleFailure
+from layertap.state.shards import FinalizeAttempt, ShardAttempt
+from layertap.store.store import OutputStore
+from worker.config import WorkerSettings
+from worker.engines import EngineCache
+from worker.heartbeat import Heartbeat, RateMeter
+
+log = logging.getLogger(__name__)
+
+
+def connect_redis(url: str, *, patience_s: float = 60.0) -> Redis:
+    """A client whose commands retry with backoff for about ``patience_s`` while Redis is unreachable."""
+    retries = max(1, int(patience_s / 2))
+    return Redis.from_url(
+        url,
+        decode_responses=True,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        socket_connect_timeout=5,
+    )
+
+
+class RedisEvents:
+    """``ShardEvents`` that count each outcome in Redis (one round trip) and stop once the job or shard moves on."""
+
+    def __init__(self, attempt: ShardAttempt, meter: RateMeter) -> None:
+        self.attempt = attempt
+        self.meter = meter
+        self.already_tokens = 0
+        self.job_state = "running"
+
+    def start(self, total: int, already_done: int, already_tokens: int) -> None:
+        self.already_tokens = already_tokens
+        if not self.attempt.start(already_done, already_tokens):
+            self.job_state = "lost"
+
+    def committed(self, sample: TokenizedSample) -> None:
+        self.meter.add(sample.num_tokens)
+        self.job_state = self.attempt.sample_done(sample.num_tokens)
+
+    def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
+        self.job_state = self.attempt.sample_failed(SampleFailure(row, sample_id, reason, kind))
+
+    def keep_going(self) -> bool:
+        return self.job_state == "running"
+
+
+class WorkerContext:
+    """Per-process resources and the two kinds of work: run a shard, finalize a job."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.pid = os.getpid()
+        self.redis = connect_redis(settings.redis_url)
+        self.keys = Keys(settings.key_prefix)
+        self.engines = EngineCache(settings)
+        self.meter = RateMeter()
+        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter)
+
+    def attempt(self, job_id: str, shard: int, token: str) -> ShardAttempt:
+        return ShardAttempt(self.redis, self.keys, job_id, shard, token, self.settings.worker_name)
+
+    def run_shard(self, job_id: str, shard: int, token: str) -> str:
+        """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
+        t0 = time.monotonic()
+        attempt = self.attempt(job_id, shard, token)
+        claim = attempt.claim(self.settings.lease_ms)
+        if claim.status != "ok":
+            log.info("job %s shard %d token %s: not run (%s)", job_id, shard, token, claim.status)
+            return claim.status
+        if claim.attempts > self.settings.max_shard_attempts:
+            attempt.fail(f"claimed {claim.attempts - 1} times before without finishing (its workers died?)")
+            return "failed"
+        spec = claim.spec
+        assert spec is not None and spec.out is not None
+        with self.heartbeat.holding(job_id, shard, token):
+            store = OutputStore.open_existing(spec.out)
+            store.writer_id = f"{self.settings.worker_name}-s{shard}-t{token}"
+            capture = spec.resolve(store.manifest.num_layers)
+            engine = self.engines.get(spec, capture)
+            dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
+            if dtype != store.manifest.compute_dtype:
+                raise ServerError(
+                    f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
+                    f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
+                )
+            events = RedisEvents(attempt, self.meter)
+            try:
+                report = run_shard(
+                    spec.extraction(),
+                    store,
+                    engine,
+                    start=claim.start,
+                    stop=claim.stop,
+                    events=events,
+                    attempts=spec.sample_attempts,
+                    check_level=self.settings.resume_check,
+                )
+            finally:
+                store.close()
+            report.seconds = time.monotonic() - t0
+            report.save()
+        if report.stopped:
+            attempt.release(retry=False)
+            log.info(
+                "job %s shard %d: stopped (%s) after %d samples", job_id, shard, events.job_state, len(report.computed)
+            )
+            return "released"
+        outcome = attempt.complete(
+            done=report.already_done + len(report.computed),
+            tokens=events.already_tokens + report.tokens,
+            failed=report.row_errors + report.skipped_overlong + report.failed,
+            lease_ms=self.settings.lease_ms,
+        )
+        log.info(
+            "job %s shard %d [%d, %d): %s; %d computed (%d tokens), %d already done, %d failed in %.1fs",
+            job_id, shard, claim.start, claim.stop, outcome, len(report.computed), report.tokens,
+            report.already_done, report.row_errors + report.skipped_overlong + report.failed, report.seconds,
+        )  # fmt: skip
+        if outcome == "finalize":
+            return self.finalize(job_id, token)
+        return outcome
+
+    def finalize(self, job_id: str, token: str) -> str:
+        """Build the format's extra files and mark the manifest complete, then the job done (in that order)."""
+        attempt = FinalizeAttempt(self.redis, self.keys, job_id, token)
+        spec = attempt.claim(self.settings.lease_ms)
+        if spec is None or spec.out is None:
+            log.info("job %s: finalize token %s is not current; skipped", job_id, token)
+            return "stale"
+        with self.heartbeat.holding(job_id, None, token):
+            store = OutputStore.open_existing(spec.out)
+            swept = store.sweep_temp_files()  # every shard is done: temp files are from killed writers
+            records = store.finalize(complete=True)
+        attempt.finish()
+        log.info("job %s: finalized, %d samples (%d stale temp files removed)", job_id, len(records), swept)
+        return "finalized"
+
+    def release_for_retry(self, job_id: str, shard: int, token: str) -> None:
+        self.attempt(job_id, shard, token).release(retry=True)
+
+    def give_up(self, job_id: str, shard: int, token: str, error: BaseException) -> None:
+        outcome = self.attempt(job_id, shard, token).fail(f"{type(error).__name__}: {error}")
+        log.error("job %s shard %d: failed (%s): %s", job_id, shard, outcome, error)
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        self.engines.close()
+        self.redis.close()

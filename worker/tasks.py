@@ -1,0 +1,60 @@
+"""Thin Celery tasks: map errors to retry-or-give-up and call ``WorkerContext`` (one per process)."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Task, signals
+
+from layertap.errors import DatasetError, SpecError, StoreError
+from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK
+from worker.celery import app, settings
+from worker.runner import WorkerContext
+
+# The job or its output folder is wrong: a person has to act, so no retry can help.
+_NO_RETRY = (SpecError, DatasetError, StoreError)
+
+_context: WorkerContext | None = None
+
+
+def context() -> WorkerContext:
+    """This process's context, made on first use (after a prefork child was forked, not before)."""
+    global _context
+    if _context is None or _context.pid != os.getpid():
+        _context = WorkerContext(settings)
+    return _context
+
+
+@signals.worker_process_shutdown.connect
+@signals.worker_shutdown.connect
+def _close_context(**_: object) -> None:
+    if _context is not None and _context.pid == os.getpid():
+        _context.close()
+
+
+def retry_delay(retries: int) -> float:
+    """Exponential backoff: base, 2x base, 4x base... capped."""
+    return min(settings.retry_backoff_s * 2**retries, settings.retry_backoff_max_s)
+
+
+@app.task(bind=True, name=RUN_SHARD_TASK, max_retries=settings.task_max_retries)
+def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
+    """Run one attempt at a shard; server, disk or Redis errors retry with backoff, then fail the shard."""
+    ctx = context()
+    try:
+        return ctx.run_shard(job_id, shard, token)
+    except _NO_RETRY as exc:
+        ctx.give_up(job_id, shard, token, exc)
+        return "failed"
+    except Exception as exc:
+        if self.request.retries >= self.max_retries:
+            ctx.give_up(job_id, shard, token, exc)
+            return "failed"
+        ctx.release_for_retry(job_id, shard, token)
+        raise self.retry(exc=exc, countdown=retry_delay(self.request.retries)) from exc
+
+
+@app.task(name=FINALIZE_TASK)
+def finalize_job(job_id: str, token: str) -> str:
+    """Finalize a job whose shards are all done (sent when the worker that completed the last one died)."""
+    return context().finalize(job_id, token)
