@@ -6,7 +6,7 @@ import pytest
 
 from layertap.models import build_tiny_model
 
-pytest_plugins = ["tests.sglang_fixtures"]
+pytest_plugins = ["tests.sglang_fixtures", "tests.service_fixtures"]
 
 # --- Tiny models (layertap.models): built once per session, treat the folders as read-only. ---
 

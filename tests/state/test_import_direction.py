@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "layertap": {"fastapi", "starlette", "celery", "kombu", "uvicorn", "coordinator", "worker"},
+    "layertap": {"fastapi", "starlette", "celery", "kombu", "coordinator", "worker"},
     "coordinator": {"worker"},
     "worker": {"coordinator", "fastapi", "starlette"},
 }

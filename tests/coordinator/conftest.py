@@ -1,0 +1,42 @@
+"""The coordinator app in-process (``TestClient``) over the session's real Redis; no workers run, so
+messages it sends stay in the broker queue where the tests can count them."""
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.main import app
+from tests.core.datasets import conversation_rows, write_jsonl
+
+
+@pytest.fixture
+def make_api(redis_server, redis_client, tmp_path, monkeypatch) -> Iterator[Callable[..., TestClient]]:
+    """``make_api(token=None)`` -> a started TestClient; outputs go under ``tmp_path / "outputs"``."""
+    clients: list[TestClient] = []
+
+    def make(token: str | None = None) -> TestClient:
+        monkeypatch.setenv("LAYERTAP_REDIS_URL", redis_server.url)
+        monkeypatch.setenv("LAYERTAP_OUTPUT_ROOT", str(tmp_path / "outputs"))
+        monkeypatch.setenv("LAYERTAP_REAPER_INTERVAL_S", "3600")
+        monkeypatch.setenv("LAYERTAP_API_TOKEN", token or "")
+        client = TestClient(app)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def api(make_api) -> TestClient:
+    return make_api()
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    """45 conversations: 5 shards of 10 rows at shard_size 10."""
+    return write_jsonl(tmp_path / "data.jsonl", conversation_rows(45, seed=1))

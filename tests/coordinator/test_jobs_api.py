@@ -1,0 +1,124 @@
+"""``/jobs`` over HTTP: validation before anything is enqueued, planning, progress, cancel/resume, auth."""
+
+from pathlib import Path
+
+import pytest
+
+from layertap.state.keys import SHARD_QUEUE, Keys
+
+
+def job_body(model: Path, data: Path, **extra) -> dict:
+    return {"model": str(model), "data": str(data), "layers": [1, 3], "shard_size": 10, **extra}
+
+
+def nothing_enqueued(redis_client, tmp_path: Path) -> bool:
+    return (
+        redis_client.llen(SHARD_QUEUE) == 0
+        and not redis_client.keys("layertap:*")
+        and not any((tmp_path / "outputs").glob("*"))
+    )
+
+
+def test_submit_plans_shards_creates_the_store_and_enqueues_one_task_per_shard(
+    api, tiny_llama, dataset, redis_client, tmp_path
+) -> None:
+    reply = api.post("/jobs", json=job_body(tiny_llama, dataset, out="runs/first"))
+    assert reply.status_code == 201, reply.text
+    job = reply.json()
+    assert job["state"] == "running" and job["samples_total"] == 45 and job["num_shards"] == 5
+    assert job["shards"] == {"queued": 5} and job["samples_done"] == 0 and job["eta_s"] is None
+    assert job["out"] == str((tmp_path / "outputs" / "runs" / "first").resolve())
+    assert (Path(job["out"]) / "manifest.json").exists() and (Path(job["out"]) / "job.json").exists()
+    assert redis_client.llen(SHARD_QUEUE) == 5
+
+    assert api.get(f"/jobs/{job['job_id']}").json()["num_shards"] == 5
+    listed = api.get("/jobs").json()
+    assert listed["count"] == 1 and listed["jobs"][0]["job_id"] == job["job_id"]
+    assert api.get(f"/jobs/{job['job_id']}/errors").json() == {"job_id": job["job_id"], "count": 0, "errors": []}
+    assert api.get("/jobs/nope").status_code == 404
+    assert api.get("/jobs/nope/errors").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("change", "detail"),
+    [
+        ({"layers": [1, 9]}, "outside [1, 5]"),
+        ({"out": "../../escape"}, "outside the output root"),
+        ({"data": "/no/such/data.jsonl"}, "dataset not found"),
+        ({"model": "models/tiny"}, "model must be an absolute path"),
+        ({"format": "speculators", "final": "post"}, "speculators"),
+        ({"shard_size": 0}, "greater than 0"),
+        ({"layer_ids": [1]}, "Extra inputs are not permitted"),
+        ({"engine": {"in_flight": 0}}, "greater than 0"),
+    ],
+)
+def test_a_bad_spec_gets_422_with_a_precise_message_and_nothing_is_enqueued(
+    api, tiny_llama, dataset, redis_client, tmp_path, change, detail
+) -> None:
+    reply = api.post("/jobs", json=job_body(tiny_llama, dataset) | change)
+    assert reply.status_code == 422, reply.text
+    assert detail in str(reply.json()["detail"])
+    assert nothing_enqueued(redis_client, tmp_path)
+
+
+def test_an_unreadable_dataset_is_rejected_before_anything_is_enqueued(api, tiny_llama, redis_client, tmp_path) -> None:
+    for name, content, detail in [
+        ("rows.csv", "a,b\n1,2\n", "unknown dataset format"),
+        ("broken.parquet", "not parquet", "not a readable Parquet file"),
+        ("empty.jsonl", "\n\n", "has no rows"),
+        ("damaged.jsonl.gz", "\x1f\x8b\x08 not really gzip", "damaged.jsonl.gz"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content.encode("latin-1"))
+        reply = api.post("/jobs", json=job_body(tiny_llama, path))
+        assert reply.status_code == 422 and detail in reply.json()["detail"], reply.text
+    assert nothing_enqueued(redis_client, tmp_path)
+
+
+def test_an_output_folder_of_another_job_is_a_conflict(api, tiny_llama, dataset) -> None:
+    first = api.post("/jobs", json=job_body(tiny_llama, dataset, out="shared")).json()
+    again = api.post("/jobs", json=job_body(tiny_llama, dataset, out="shared"))
+    assert again.status_code == 409 and f"already belongs to job {first['job_id']}" in again.json()["detail"]
+
+
+def test_cancel_then_resume_sends_every_unfinished_shard_again(api, tiny_llama, dataset, redis_client) -> None:
+    job_id = api.post("/jobs", json=job_body(tiny_llama, dataset)).json()["job_id"]
+    keys = Keys()
+    first_tokens = {redis_client.hget(keys.shard(job_id, n), "token") for n in range(5)}
+    cancelled = api.post(f"/jobs/{job_id}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+
+    resumed = api.post(f"/jobs/{job_id}/resume").json()
+    assert resumed["state"] == "running" and resumed["shards"] == {"queued": 5}
+    new_tokens = {redis_client.hget(keys.shard(job_id, n), "token") for n in range(5)}
+    assert not first_tokens & new_tokens  # the old messages are now stale
+    assert redis_client.llen(SHARD_QUEUE) == 10
+    assert api.post("/jobs/nope/resume").status_code == 404
+    assert api.post("/jobs/nope/cancel").status_code == 404
+
+
+def test_with_a_token_every_endpoint_but_health_needs_it(make_api, tiny_llama, dataset) -> None:
+    api = make_api(token="s3cret")
+    assert api.get("/health").json() == {"status": "ok"}
+    calls = [("post", "/jobs"), ("get", "/jobs"), ("get", "/jobs/x"), ("get", "/jobs/x/errors"),
+             ("post", "/jobs/x/cancel"), ("post", "/jobs/x/resume")]  # fmt: skip
+    for method, path in calls:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            reply = api.request(method, path, headers=headers, json=job_body(tiny_llama, dataset))
+            assert reply.status_code == 401, (method, path, headers)
+    good = {"Authorization": "Bearer s3cret"}
+    assert api.post("/jobs", headers=good, json=job_body(tiny_llama, dataset)).status_code == 201
+    assert api.get("/jobs", headers=good).json()["count"] == 1
+
+
+def test_openapi_docs_are_served(api) -> None:
+    schema = api.get("/openapi.json").json()
+    assert {
+        "/jobs",
+        "/jobs/{job_id}",
+        "/jobs/{job_id}/errors",
+        "/jobs/{job_id}/cancel",
+        "/jobs/{job_id}/resume",
+    } <= set(schema["paths"])
+    assert "shard_size" in schema["components"]["schemas"]["JobCreate"]["properties"]
+    assert api.get("/docs").status_code == 200

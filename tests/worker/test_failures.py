@@ -1,0 +1,148 @@
+"""Jobs with bad input or a broken model, on real services: failures are reported, never block the rest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.service_fixtures import REPO_ROOT
+from tests.worker.conftest import NUM_SAMPLES, check_output
+from tests.worker.test_distributed import layertap
+
+POISON_TOKEN = 1534  # "ĠFibonacci" in the tiny tokenizer: never produced from the conversation words
+
+
+@pytest.fixture
+def poisoned_llama(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny Llama with one embedding row set to NaN: any sample holding that token has non-finite states."""
+    model = tmp_path / "poisoned-llama"
+    shutil.copytree(tiny_llama, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"][POISON_TOKEN] = torch.nan
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_bad_rows_and_poison_samples_are_reported_and_everything_else_is_done(
+    start_cluster, poisoned_llama, tmp_path
+) -> None:
+    rows = conversation_rows(60, seed=9, max_words=18)
+    rows[17] = {"id": "no-assistant", "messages": [{"role": "user", "content": "anyone there?"}]}
+    rows[30] = {
+        "id": "bad-role",
+        "messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    }
+    for i in (41, 52):
+        rows[i] = {"id": f"poison-{i}", "input_ids": [1, 40, POISON_TOKEN, 50, 60, 70], "loss_mask": [0, 0, 1, 1, 1, 1]}
+    # File line 5 is not JSON: every later row number shifts by one (61 rows in all).
+    data = write_jsonl(tmp_path / "data.jsonl", rows, raw_lines={5: '{"id": "broken", "messages": ['})
+    cluster = start_cluster()
+    job_id = cluster.submit(poisoned_llama, data, sample_attempts=3, engine={"batch_size": 4})
+
+    job = cluster.wait_state(job_id, "done")
+    assert (job["samples_total"], job["samples_done"], job["samples_failed"]) == (61, 56, 5)
+    with cluster.api() as api:
+        errors = {e["row"]: e for e in api.get(f"/jobs/{job_id}/errors").json()["errors"]}
+    assert {row: e["kind"] for row, e in errors.items()} == {
+        5: "row",
+        18: "row",
+        31: "row",
+        42: "capture",
+        53: "capture",
+    }
+    assert "malformed JSON" in errors[5]["reason"] and errors[18]["sample_id"] == "no-assistant"
+    assert "wizard" in errors[31]["reason"]
+    for row in (42, 53):
+        assert "non-finite" in errors[row]["reason"] and "failed all 3 attempts" in errors[row]["reason"]
+    # The API's view is the store's own error log.
+    out = Path(job["out"])
+    assert {e["row"]: e["kind"] for e in OutputStore.open_existing(out).errors()} == {
+        row: e["kind"] for row, e in errors.items()
+    }
+    report = verify_store(out)
+    assert report.ok and report.complete and report.samples == 56, report.problems
+
+
+def test_a_model_no_worker_can_load_fails_the_job_after_retries_and_resume_completes_it(
+    start_cluster, services, tiny_llama, corpus, reference, tmp_path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    cluster = start_cluster(workers=0)
+    for name in ("w1", "w2"):
+        cluster.add_worker(name, LAYERTAP_TASK_MAX_RETRIES="2")
+    weights.write_bytes(b"truncated")  # planning reads config.json only: the job is accepted
+    job_id = cluster.submit(model, corpus)
+
+    job = cluster.wait_state(job_id, "failed", timeout=120)
+    assert job["shards"] == {"failed": NUM_SAMPLES // 25} and job["samples_done"] == 0
+    assert f"cannot load the hf engine for {model}" in job["error"] and "SafetensorError" in job["error"]
+    shard = cluster.shards(job_id)[0]
+    assert int(shard["attempts"]) == 3  # the first try and two retries with backoff
+
+    weights.write_bytes(good)  # the operator fixes the model
+    with cluster.api() as api:
+        assert api.post(f"/jobs/{job_id}/resume").json()["state"] == "running"
+    job = cluster.wait_state(job_id, "done")
+    check_output(Path(job["out"]), reference)
+
+
+def test_after_redis_lost_everything_rebuild_state_resumes_the_job(
+    start_cluster, services, redis_server, tiny_llama, corpus, reference
+) -> None:
+    cluster = start_cluster()
+    job_id = cluster.submit(tiny_llama, corpus)
+    cluster.freeze_mid_shard(job_id, all_workers=True)
+    out = Path(cluster.job(job_id)["out"])
+    services.stop_all()  # every process goes down ...
+    state = cluster.state
+    state.flushall()  # ... and Redis comes back empty
+    assert not state.keys("*")
+
+    rebuilt = layertap("rebuild-state", str(out), env={"LAYERTAP_REDIS_URL": redis_server.url})
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert rebuilt.stdout.strip() == job_id and "shards done" in rebuilt.stderr
+    committed = len(OutputStore.open_existing(out).records())
+    assert 0 < cluster.samples_done(job_id) == committed < NUM_SAMPLES
+
+    cluster.workers = {}
+    cluster.restart_coordinator()
+    cluster.add_worker("w1")
+    cluster.add_worker("w2")
+    cluster.wait_state(job_id, "done")
+    check_output(out, reference)
+
+
+SGLANG_ENGINE = REPO_ROOT / "worker" / "sglang_engine.py"
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_ENGINE.exists(), reason="worker/sglang_engine.py is not written yet (capture issue)")
+def test_a_job_through_the_cpu_sglang_server_completes_exactly_once(
+    start_cluster, sglang_llama, tiny_llama, corpus, reference
+) -> None:
+    """The hook for the SGLang engine: the same job, with workers attached to a CPU SGLang server.
+
+    Compared with the HF reference by values, not bytes (different kernels): every sample present
+    once, verify clean. Worker settings follow worker/config.py (LAYERTAP_ENGINE=sglang, server URL,
+    dump root); adjust here if the SGLang engine needs more.
+    """
+    cluster = start_cluster(workers=0)
+    engine_env = {"LAYERTAP_ENGINE": "sglang", "LAYERTAP_SERVER_URL": sglang_llama.url,
+                  "LAYERTAP_DUMP_ROOT": str(sglang_llama.dump_root)}  # fmt: skip
+    cluster.add_worker("w1", **engine_env)
+    cluster.add_worker("w2", **engine_env)
+    job_id = cluster.submit(tiny_llama, corpus)
+    job = cluster.wait_state(job_id, "done")
+    report = verify_store(Path(job["out"]))
+    assert report.ok and report.samples == len(reference), report.problems
+    assert set(OutputStore.open_existing(Path(job["out"])).records()) == set(reference)
