@@ -13,7 +13,8 @@ tensor slices into host buffers that its caller allocates, so both are tested wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +39,48 @@ class Piece:
     prompt_len: int
 
 
+class PromptLengths(Mapping[str, int]):
+    """Full prompt length of each captured rid, recorded when SGLang builds a pass from its requests.
+
+    A forward batch says where each request's rows sit but not where its prompt ends, and sglang
+    0.5.14 copies the batch into static buffers (dropping any attribute added to it), so lengths are
+    kept here, keyed by rid. Only rids in the `rid_prefix` namespace are kept, at most `capacity`
+    (the oldest go first: a request that keeps generating after its prompt may be recorded again
+    and is never looked up).
+    """
+
+    def __init__(self, rid_prefix: str, capacity: int = 4096) -> None:
+        self._rid_prefix = rid_prefix
+        self._capacity = capacity
+        self._lengths: OrderedDict[str, int] = OrderedDict()
+
+    def record(self, rid: str | None, prompt_len: int) -> None:
+        if rid is None or not rid_matches(rid, self._rid_prefix):
+            return
+        self._lengths[rid] = prompt_len
+        self._lengths.move_to_end(rid)
+        while len(self._lengths) > self._capacity:
+            self._lengths.popitem(last=False)
+
+    def forget(self, rid: str) -> None:
+        self._lengths.pop(rid, None)
+
+    def __getitem__(self, rid: str) -> int:
+        return self._lengths[rid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lengths)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+
 def plan_pass(
     mode: str,
     rids: Sequence[str] | None,
     extend_seq_lens: Sequence[int] | None,
     extend_prefix_lens: Sequence[int] | None,
-    prompt_lens: Sequence[int] | None,
+    prompt_lens: Mapping[str, int],
     *,
     rid_prefix: str,
 ) -> list[Piece]:
@@ -51,27 +88,30 @@ def plan_pass(
 
     Empty for passes that are not EXTEND/MIXED (decode), for passes SGLang builds itself
     (``rids is None``: graph capture, dummy runs) and when no rid matches (warmup, health checks).
-    Rows past a request's prompt (generated tokens) are dropped. `prompt_lens[j]` is the full prompt
-    length of request j; a matching request without it is a wiring error (ValueError).
+    Rows past a request's prompt (generated tokens) are dropped. `prompt_lens[rid]` is the full
+    prompt length of a captured rid; a captured rid without one is a wiring error (ValueError).
     """
     if mode not in CAPTURED_MODES or rids is None:
         return []
     wanted = [j for j, rid in enumerate(rids) if rid_matches(rid, rid_prefix)]
     if not wanted:
         return []
-    if extend_seq_lens is None or extend_prefix_lens is None or prompt_lens is None:
-        raise ValueError("an EXTEND pass with captured rids lacks extend lengths or prompt lengths")
-    if not len(rids) == len(extend_seq_lens) == len(extend_prefix_lens) == len(prompt_lens):
+    if extend_seq_lens is None or extend_prefix_lens is None:
+        raise ValueError(f"a {mode} pass with captured rids has no extend_seq_lens_cpu/extend_prefix_lens_cpu")
+    if not len(rids) == len(extend_seq_lens) == len(extend_prefix_lens):
         raise ValueError(
             f"pass lists disagree in length: {len(rids)} rids, {len(extend_seq_lens)} extend lengths, "
-            f"{len(extend_prefix_lens)} prefix lengths, {len(prompt_lens)} prompt lengths"
+            f"{len(extend_prefix_lens)} prefix lengths"
         )
+    unknown = [rids[j] for j in wanted if rids[j] not in prompt_lens]
+    if unknown:
+        raise ValueError(f"no prompt length recorded for captured rids {unknown}")
     starts = [0]
     for n in extend_seq_lens[:-1]:
         starts.append(starts[-1] + n)
     pieces = []
     for j in wanted:
-        position, prompt_len = extend_prefix_lens[j], prompt_lens[j]
+        position, prompt_len = extend_prefix_lens[j], prompt_lens[rids[j]]
         num_rows = min(extend_seq_lens[j], prompt_len - position)
         if num_rows > 0:
             pieces.append(Piece(rids[j], starts[j], num_rows, position, prompt_len))

@@ -14,11 +14,13 @@ host (`capture.Accumulator`) and queues complete requests for the writer thread.
 holds full hidden states captures (attention-TP rank 0: TP rank 0, or rank 0 of each DP-attention
 group); the factory returns None elsewhere, so other ranks run no hook at all.
 
-Importing this module (SGLang does so in every scheduler process, which it starts with "spawn")
-also applies two small runtime additions, no SGLang file is edited:
-- `ForwardBatch.init_new` is wrapped to record each request's full prompt length
-  (``len(req.origin_input_ids)``): the forward batch alone does not say when a prompt ends.
-- On the CPU engine only, a ``torch_native`` MLA attention handler for DeepseekV3 models.
+Two small runtime additions, no SGLang file is edited:
+- On the writer rank, `ForwardBatch.init_new` is wrapped to record each captured request's full
+  prompt length (``len(req.origin_input_ids)``) in `capture.PromptLengths`, keyed by rid: the
+  forward batch does not say where a prompt ends, and sglang 0.5.14 copies it into static buffers
+  before the model runs, so nothing can ride on the batch object itself.
+- On import (SGLang imports this module in every scheduler process, which it starts with "spawn"),
+  on the CPU engine only, a ``torch_native`` MLA attention handler for DeepseekV3 models.
 """
 
 from __future__ import annotations
@@ -32,33 +34,28 @@ from typing import Any
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_patch.capture import Accumulator, Completed, Piece, plan_pass
+from sglang_patch.capture import Accumulator, Completed, Piece, PromptLengths, plan_pass
 from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostStaging
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LENS_ATTR = "layertap_prompt_lens"
-
 Hook = Callable[[torch.nn.Module, tuple[Any, ...], Any], None]
 
 
-def _install_prompt_lengths() -> None:
-    original = ForwardBatch.init_new
-    if getattr(original, "_layertap_wrapped", False):
-        return
-    func = original.__func__
+def _record_prompt_lengths(lengths: PromptLengths) -> None:
+    """Wrap `ForwardBatch.init_new` so every prefill batch records its requests' prompt lengths."""
+    func = ForwardBatch.init_new.__func__
 
     @functools.wraps(func)
     def init_new(cls: type[ForwardBatch], batch: Any, *args: Any, **kwargs: Any) -> ForwardBatch:
-        forward_batch = func(cls, batch, *args, **kwargs)
-        reqs = getattr(batch, "reqs", None)
-        if reqs is not None:
-            setattr(forward_batch, PROMPT_LENS_ATTR, [len(req.origin_input_ids) for req in reqs])
-        return forward_batch
+        mode = getattr(batch, "forward_mode", None)
+        if mode is not None and mode.is_extend():
+            for req in batch.reqs:
+                lengths.record(req.rid, len(req.origin_input_ids))
+        return func(cls, batch, *args, **kwargs)
 
-    init_new._layertap_wrapped = True  # type: ignore[attr-defined]
     ForwardBatch.init_new = classmethod(init_new)  # type: ignore[method-assign, assignment]
 
 
@@ -117,6 +114,8 @@ class _Capturer:
             max_pending=settings.max_pending_writes,
         )
         atexit.register(self._writer.close, 30.0)
+        self._prompt_lens = PromptLengths(settings.rid_prefix)
+        _record_prompt_lengths(self._prompt_lens)
         # Created at the first captured pass, when the device of the rows is known.
         self._staging: HostStaging | None = None
         self._accumulator: Accumulator | None = None
@@ -135,7 +134,7 @@ class _Capturer:
                 batch.rids,
                 batch.extend_seq_lens_cpu,
                 batch.extend_prefix_lens_cpu,
-                getattr(batch, PROMPT_LENS_ATTR, None),
+                self._prompt_lens,
                 rid_prefix=self.settings.rid_prefix,
             )
             if self._pieces and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -161,6 +160,9 @@ class _Capturer:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
         outcomes = self._accumulator.add_pass(self._pieces, rows)
+        for piece in self._pieces:
+            if piece.position + piece.num_rows >= piece.prompt_len:
+                self._prompt_lens.forget(piece.rid)
         if not outcomes:
             return
         ready = self._staging.record()
@@ -168,6 +170,7 @@ class _Capturer:
             if isinstance(outcome, Completed):
                 self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready))
             else:
+                self._prompt_lens.forget(outcome.rid)
                 logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)
                 self._writer.submit(DumpJob(outcome.rid, error=outcome.reason))
 
@@ -206,5 +209,4 @@ def hook_factory(config: dict[str, Any]) -> Hook | None:
     return hook
 
 
-_install_prompt_lengths()
 _register_cpu_mla_handler()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patch.capture import Accumulator, Completed, Failed, Outcome, Piece, plan_pass
+from sglang_patch.capture import Accumulator, Completed, Failed, Outcome, Piece, PromptLengths, plan_pass
 from sglang_patch.contract import format_rid
 
 H, K = 8, 2
@@ -56,7 +56,7 @@ def run_pass(
         [s[0] for s in segments],
         [s[2] for s in segments],
         [s[1] for s in segments],
-        [prompt_lens.get(s[0], s[1] + s[2]) for s in segments],
+        {r: n for r, n in prompt_lens.items() if r in [s[0] for s in segments]},
         rid_prefix="hscap",
     )
     return acc.add_pass(pieces, pass_rows(segments, truth))
@@ -88,31 +88,48 @@ def new_accumulator(max_idle_passes: int = 100) -> Accumulator:
 
 def test_plan_pass_offsets_and_filters() -> None:
     rids = ["4687d4f7a1", rid("a"), "HEALTH_CHECK_1795938259.08", rid("b:c"), "other:job:x:0"]
-    pieces = plan_pass("EXTEND", rids, [3, 22, 1, 42, 5], [0, 128, 0, 0, 0], [3, 150, 1, 90, 5], rid_prefix="hscap")
+    lengths = {rid("a"): 150, rid("b:c"): 90}
+    pieces = plan_pass("EXTEND", rids, [3, 22, 1, 42, 5], [0, 128, 0, 0, 0], lengths, rid_prefix="hscap")
     assert pieces == [Piece(rid("a"), 3, 22, 128, 150), Piece(rid("b:c"), 26, 42, 0, 90)]
 
 
 @pytest.mark.parametrize("mode", ["DECODE", "IDLE", "TARGET_VERIFY"])
 def test_plan_pass_ignores_other_modes(mode: str) -> None:
-    assert plan_pass(mode, [rid("a")], [1], [5], [10], rid_prefix="hscap") == []
+    assert plan_pass(mode, [rid("a")], [1], [5], {rid("a"): 10}, rid_prefix="hscap") == []
 
 
 def test_plan_pass_ignores_internal_passes() -> None:
-    assert plan_pass("EXTEND", None, None, None, None, rid_prefix="hscap") == []
-    assert plan_pass("EXTEND", ["6c1f0e", "HEALTH_CHECK_1"], [3, 1], [0, 0], None, rid_prefix="hscap") == []
+    assert plan_pass("EXTEND", None, None, None, {}, rid_prefix="hscap") == []
+    assert plan_pass("EXTEND", ["6c1f0e", "HEALTH_CHECK_1"], [3, 1], [0, 0], {}, rid_prefix="hscap") == []
 
 
 def test_plan_pass_clips_rows_past_the_prompt() -> None:
     # MIXED: running decode requests join an extend pass with one row each, past their prompt.
-    pieces = plan_pass("MIXED", [rid("a"), rid("b")], [1, 10], [20, 0], [20, 8], rid_prefix="hscap")
+    pieces = plan_pass("MIXED", [rid("a"), rid("b")], [1, 10], [20, 0], {rid("a"): 20, rid("b"): 8}, rid_prefix="hscap")
     assert pieces == [Piece(rid("b"), 1, 8, 0, 8)]
 
 
 def test_plan_pass_needs_prompt_lengths_for_captured_rids() -> None:
-    with pytest.raises(ValueError, match="prompt lengths"):
-        plan_pass("EXTEND", [rid("a")], [4], [0], None, rid_prefix="hscap")
+    with pytest.raises(ValueError, match="no prompt length"):
+        plan_pass("EXTEND", [rid("a"), "warmup"], [4, 3], [0, 0], {rid("b"): 4}, rid_prefix="hscap")
     with pytest.raises(ValueError, match="disagree"):
-        plan_pass("EXTEND", [rid("a"), rid("b")], [4, 2], [0, 0], [4], rid_prefix="hscap")
+        plan_pass("EXTEND", [rid("a"), rid("b")], [4, 2], [0], {rid("a"): 4, rid("b"): 2}, rid_prefix="hscap")
+
+
+def test_prompt_lengths_keep_only_captured_rids_and_stay_bounded() -> None:
+    lengths = PromptLengths("hscap", capacity=3)
+    lengths.record("4687d4f7a1", 3)
+    lengths.record("HEALTH_CHECK_17", 1)
+    lengths.record(None, 5)
+    assert len(lengths) == 0
+    for i in range(5):
+        lengths.record(rid(str(i)), 10 + i)
+    lengths.record(rid("2"), 12)  # recorded again by a later pass: now the newest
+    assert dict(lengths) == {rid("4"): 14, rid("2"): 12} | {rid("3"): 13}
+    assert list(lengths) == [rid("3"), rid("4"), rid("2")]
+    lengths.forget(rid("3"))
+    lengths.forget(rid("never"))
+    assert list(lengths) == [rid("4"), rid("2")]
 
 
 def test_chunked_multi_request_passes_reassemble_exactly() -> None:
