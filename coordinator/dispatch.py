@@ -18,17 +18,23 @@ log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    """Puts task messages on the shard queue of the broker."""
+    """Puts task messages on the shard queue of the broker (a Redis: the queue is a list named after it)."""
 
     def __init__(self, broker_url: str) -> None:
         self.celery = Celery("layertap-coordinator", broker=broker_url)
         self.celery.conf.update(task_serializer="json", broker_connection_retry_on_startup=True)
+        self.broker = Redis.from_url(broker_url)
 
     def send(self, task: str, args: list) -> None:
         self.celery.send_task(task, args=args, queue=SHARD_QUEUE)
 
+    def queue_length(self) -> int:
+        """Messages waiting in the shard queue (not those a worker has taken)."""
+        return self.broker.llen(SHARD_QUEUE)
+
     def close(self) -> None:
         self.celery.close()
+        self.broker.close()
 
 
 def reap_once(redis: Redis, keys: Keys, dispatcher: Dispatcher, settings: CoordinatorSettings) -> None:
@@ -37,7 +43,7 @@ def reap_once(redis: Redis, keys: Keys, dispatcher: Dispatcher, settings: Coordi
         redis,
         keys,
         dispatcher.send,
-        queue_len=redis.llen(SHARD_QUEUE),
+        queue_len=dispatcher.queue_length(),
         queued_grace_ms=settings.queued_grace_ms,
         lease_ms=settings.queued_grace_ms,
     )

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from redis import Redis
+from redis.exceptions import RedisError
 
 from coordinator.api.routes import health, jobs
 from coordinator.config import CoordinatorSettings
@@ -55,9 +56,10 @@ app = FastAPI(
     lifespan=lifespan,
 )
 # Errors named by who acts, mapped once: the user's spec or dataset (422), an output folder that
-# belongs to another run or job (409).
+# belongs to another run or job (409), the state store being unreachable (503: try again).
 app.add_exception_handler(SpecError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(DatasetError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(StoreError, _error(status.HTTP_409_CONFLICT))
+app.add_exception_handler(RedisError, _error(status.HTTP_503_SERVICE_UNAVAILABLE))  # Redis restarting
 app.include_router(health.router)
 app.include_router(jobs.router)

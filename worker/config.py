@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +21,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = Field(description="Redis holding job/shard/sample state.")
     broker_url: str | None = Field(default=None, description="Celery broker; default: redis_url.")
     key_prefix: str = "layertap"
-    worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    worker_name: str | None = Field(
+        default=None, description="Name in progress reports; default <host>-<pid>. Give it only to one-process workers."
+    )
 
     engine: Literal["hf", "sglang"] = "hf"
     device: str = Field(default="cpu", description="HF engine: torch device.")

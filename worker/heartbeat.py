@@ -63,8 +63,8 @@ class Held:
 class Heartbeat:
     """Renews the held lease and refreshes the worker record every ``settings.heartbeat_s`` seconds."""
 
-    def __init__(self, redis: Redis, keys: Keys, settings: WorkerSettings, meter: RateMeter) -> None:
-        self.redis, self.keys, self.settings, self.meter = redis, keys, settings, meter
+    def __init__(self, redis: Redis, keys: Keys, settings: WorkerSettings, meter: RateMeter, name: str) -> None:
+        self.redis, self.keys, self.settings, self.meter, self.name = redis, keys, settings, meter, name
         self._held: Held | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="layertap-heartbeat", daemon=True)
@@ -97,7 +97,7 @@ class Heartbeat:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        publish_worker(self.redis, self.keys, self.settings.worker_name, info, self.settings.lease_ms)
+        publish_worker(self.redis, self.keys, self.name, info, self.settings.lease_ms)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):

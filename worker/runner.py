@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 
 from redis import Redis
@@ -75,14 +76,16 @@ class WorkerContext:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.pid = os.getpid()
+        # Named here, not in the settings: prefork children are forked after the settings were read.
+        self.name = settings.worker_name or f"{socket.gethostname()}-{self.pid}"
         self.redis = connect_redis(settings.redis_url)
         self.keys = Keys(settings.key_prefix)
         self.engines = EngineCache(settings)
         self.meter = RateMeter()
-        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter)
+        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter, self.name)
 
     def attempt(self, job_id: str, shard: int, token: str) -> ShardAttempt:
-        return ShardAttempt(self.redis, self.keys, job_id, shard, token, self.settings.worker_name)
+        return ShardAttempt(self.redis, self.keys, job_id, shard, token, self.name)
 
     def run_shard(self, job_id: str, shard: int, token: str) -> str:
         """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
@@ -99,7 +102,7 @@ class WorkerContext:
         assert spec is not None and spec.out is not None
         with self.heartbeat.holding(job_id, shard, token):
             store = OutputStore.open_existing(spec.out)
-            store.writer_id = f"{self.settings.worker_name}-s{shard}-t{token}"
+            store.writer_id = f"{self.name}-s{shard}-t{token}"
             capture = spec.resolve(store.manifest.num_layers)
             engine = self.engines.get(spec, capture)
             dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")

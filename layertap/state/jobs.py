@@ -160,6 +160,7 @@ def reap(redis: Redis, keys: Keys, send: Send, *, queue_len: int, queued_grace_m
     queue is empty); pending shards are dispatched. A finalizing job whose finalizer is gone gets
     a new finalize message.
     """
+    prune_workers(redis, keys)
     job_ids = redis.zrange(keys.jobs, 0, -1)
     if not job_ids:
         return
@@ -180,6 +181,20 @@ def reap(redis: Redis, keys: Keys, send: Send, *, queue_len: int, queued_grace_m
             if token is not None:
                 log.info("job %s: finalizer gone, finalize dispatched again", job_id)
                 send(FINALIZE_TASK, [job_id, token])
+
+
+def prune_workers(redis: Redis, keys: Keys) -> int:
+    """Forget workers whose record expired (they stopped heart-beating); their per-job totals stay."""
+    names = sorted(redis.smembers(keys.workers))
+    if not names:
+        return 0
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.worker(name))
+    gone = [name for name, alive in zip(names, pipe.execute(), strict=True) if not alive]
+    if gone:
+        redis.srem(keys.workers, *gone)
+    return len(gone)
 
 
 def delete_job(redis: Redis, keys: Keys, job_id: str) -> int:
