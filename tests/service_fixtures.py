@@ -190,9 +190,17 @@ class Services:
         return env
 
     def coordinator(
-        self, redis_url: str, output_root: Path, *, port: int | None = None, token: str | None = None, **env: str
+        self,
+        redis_url: str,
+        output_root: Path,
+        *,
+        port: int | None = None,
+        token: str | None = None,
+        cli: bool = False,
+        **env: str,
     ) -> Coordinator:
-        """A uvicorn coordinator; the watchdog runs every 0.5 s and a lost message is resent after 5 s."""
+        """A coordinator (``uvicorn coordinator.app:app``, or ``layertap coordinator`` with ``cli``); its
+        watchdog runs every 0.5 s and a lost message is resent after 5 s."""
         port = port or free_port()
         settings = {
             "LAYERTAP_REDIS_URL": redis_url,
@@ -203,6 +211,8 @@ class Services:
             **env,
         }
         cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host", "127.0.0.1", "--port", str(port)]
+        if cli:
+            cmd = [sys.executable, "-m", "layertap", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
         proc = Proc(f"coordinator:{port}", cmd, self._env(settings), self.logs / f"coordinator-{port}.log").start()
         self.procs.append(proc)
         coordinator = Coordinator(proc, f"http://127.0.0.1:{port}", token)

@@ -74,9 +74,10 @@ class Cluster:
         return self.workers[name]
 
     def restart_coordinator(self) -> None:
+        """Start a coordinator on the same port, through ``layertap coordinator`` this time."""
         port = int(self.coordinator.url.rsplit(":", 1)[1])
         self.coordinator = self.services.coordinator(
-            self.redis.url, self.output_root, port=port, token=self.coordinator.token
+            self.redis.url, self.output_root, port=port, token=self.coordinator.token, cli=True
         )
 
     def submit(self, model: Path, data: Path, **extra) -> str:

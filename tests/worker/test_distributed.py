@@ -20,8 +20,6 @@ from layertap.store.store import OutputStore
 from tests.service_fixtures import REPO_ROOT, wait_for
 from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output
 
-SGLANG_ENGINE = REPO_ROOT / "worker" / "sglang_engine.py"
-
 
 def layertap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -40,7 +38,19 @@ def test_a_job_submitted_with_the_cli_completes_exactly_once_over_two_workers(
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
 
-    job = cluster.wait_state(job_id, "done")
+    # While it runs, the live workers' rates give a rate and an ETA.
+    seen = []
+
+    def done_watching_rates() -> dict | None:
+        job = cluster.job(job_id)
+        if job["state"] == "running" and job["samples_per_s"] > 0:
+            seen.append(job)
+        return job if job["state"] == "done" else None
+
+    job = wait_for(done_watching_rates, timeout=240, what="the job to be done", every=0.1)
+    assert seen, "no rate was reported while the job ran"
+    assert all(j["eta_s"] is not None and j["tokens_per_s"] > 0 for j in seen)
+    assert any(w["alive"] and w["shard"] is not None for j in seen for w in j["workers"])
     assert (job["samples_done"], job["samples_failed"], job["samples_total"]) == (NUM_SAMPLES, 0, NUM_SAMPLES)
     assert job["shards"] == {"done": NUM_SAMPLES // SHARD_SIZE} and job["eta_s"] == 0
     workers = {w["name"]: w for w in job["workers"]}
