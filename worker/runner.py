@@ -128,7 +128,7 @@ class WorkerContext:
             report.seconds = time.monotonic() - t0
             report.save()
         if report.stopped:
-            attempt.release(retry=False)
+            attempt.release()
             log.info(
                 "job %s shard %d: stopped (%s) after %d samples", job_id, shard, events.job_state, len(report.computed)
             )
@@ -163,8 +163,8 @@ class WorkerContext:
         log.info("job %s: finalized, %d samples (%d stale temp files removed)", job_id, len(records), swept)
         return "finalized"
 
-    def release_for_retry(self, job_id: str, shard: int, token: str) -> None:
-        self.attempt(job_id, shard, token).release(retry=True)
+    def release_for_retry(self, job_id: str, shard: int, token: str, delay_s: float) -> None:
+        self.attempt(job_id, shard, token).release(retry_in_s=delay_s)
 
     def give_up(self, job_id: str, shard: int, token: str, error: BaseException) -> None:
         outcome = self.attempt(job_id, shard, token).fail(f"{type(error).__name__}: {error}")

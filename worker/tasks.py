@@ -50,8 +50,9 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
         if self.request.retries >= self.max_retries:
             ctx.give_up(job_id, shard, token, exc)
             return "failed"
-        ctx.release_for_retry(job_id, shard, token)
-        raise self.retry(exc=exc, countdown=retry_delay(self.request.retries)) from exc
+        delay = retry_delay(self.request.retries)
+        ctx.release_for_retry(job_id, shard, token, delay)
+        raise self.retry(exc=exc, countdown=delay) from exc
 
 
 @app.task(name=FINALIZE_TASK)

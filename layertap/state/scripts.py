@@ -115,13 +115,14 @@ return 'failed'
 """)
 
 # KEYS: shard, lease. ARGV: token, 'pending' (forget the token: cancel, lease lost) or 'queued'
-# (keep it: the same message comes back as a Celery retry).
+# (keep it: the same message comes back as a Celery retry), retry delay ms. A retried shard counts
+# as queued from when its message is due, so the reaper's lost-message grace starts then.
 RELEASE = _script("""
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 if ARGV[2] == 'pending' then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'token', '')
 else
-  redis.call('HSET', KEYS[1], 'state', 'queued')
+  redis.call('HSET', KEYS[1], 'state', 'queued', 'queued_ms', now_ms() + tonumber(ARGV[3]))
 end
 redis.call('DEL', KEYS[2])
 return 1

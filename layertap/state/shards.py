@@ -80,13 +80,15 @@ class ShardAttempt:
             client=self.redis,
         )
 
-    def release(self, *, retry: bool) -> bool:
-        """Give the shard back: to ``queued`` under the same token (a Celery retry follows) or to ``pending``."""
+    def release(self, *, retry_in_s: float | None = None) -> bool:
+        """Give the shard back: to ``pending`` (dispatched again later), or with ``retry_in_s`` to
+        ``queued`` under the same token, because a Celery retry of this message is due then."""
         k = self.keys
+        mode = "pending" if retry_in_s is None else "queued"
         return bool(
             scripts.RELEASE(
                 [k.shard(self.job_id, self.shard), k.lease(self.job_id, self.shard)],
-                [self.token, "queued" if retry else "pending"],
+                [self.token, mode, int((retry_in_s or 0) * 1000)],
                 client=self.redis,
             )
         )

@@ -72,7 +72,7 @@ def test_cancel_stops_dispatch_and_resume_sends_every_unfinished_shard_with_new_
     assert cancel_job(redis_client, KEYS, "j1") == "running"
     assert cancel_job(redis_client, KEYS, "j1") == "cancelled"  # idempotent
     assert running.sample_done(10) == "cancelled"  # the worker stops at this sample ...
-    assert running.release(retry=False)  # ... and gives the shard back
+    assert running.release()  # ... and gives the shard back
     assert ShardAttempt(redis_client, KEYS, "j1", 1, tokens[1], "w2").claim(60_000).status == "inactive"
     outbox = Outbox()
     reap(redis_client, KEYS, outbox, queue_len=0, queued_grace_ms=0, lease_ms=1000)
@@ -123,3 +123,18 @@ def test_job_view_sums_shards_and_shows_live_workers_with_their_rates(redis_clie
     assert view.samples_per_s == 2.5 and view.eta_s == (25 - 5) / 2.5
     assert set(list_job_ids(redis_client, KEYS)) == {"j0", "j1"}
     assert job_view(redis_client, KEYS, "nope") is None
+
+
+def test_a_shard_released_for_a_celery_retry_waits_for_that_retry_before_counting_as_lost(redis_client) -> None:
+    tokens = new_job(redis_client, rows=20)
+    early, late = (ShardAttempt(redis_client, KEYS, "j1", n, tokens[n], "w1") for n in (0, 1))
+    for attempt in (early, late):
+        attempt.claim(10_000)
+    assert late.release(retry_in_s=60) and early.release(retry_in_s=0)
+    assert redis_client.hmget(KEYS.shard("j1", 1), "state", "token") == ["queued", tokens[1]]
+    outbox = Outbox()
+    reap(redis_client, KEYS, outbox, queue_len=0, queued_grace_ms=0, lease_ms=1000)
+    # The retry of shard 1 is due in a minute: still its own. Shard 0's was due now and is not in the
+    # queue: lost, so it is dispatched again under a new token.
+    assert [args[1] for _, args in outbox.take()] == [0]
+    assert ShardAttempt(redis_client, KEYS, "j1", 1, tokens[1], "w2").claim(10_000).status == "ok"
