@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,8 +23,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = Field(description="Redis holding job/shard/sample state.")
     broker_url: str | None = Field(default=None, description="Celery broker; default: redis_url.")
     key_prefix: str = "layertap"
-    worker_name: str | None = Field(
-        default=None, description="Name in progress reports; default <host>-<pid>. Give it only to one-process workers."
+    worker_name: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Name in progress reports; a prefork child adds its own pid to it.",
     )
 
     engine: Literal["hf", "sglang"] = "hf"
@@ -32,6 +35,9 @@ class WorkerSettings(BaseSettings):
     in_flight: int = Field(default=8, gt=0, description="SGLang engine: requests in flight.")
     server_url: str | None = Field(default=None, description="SGLang engine: attach to this server.")
     dump_root: Path | None = Field(default=None, description="SGLang engine: where the capture plugin dumps.")
+    sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
+    sglang_args: str = Field(default="", description="SGLang engine: extra server flags (shell-quoted).")
+    rid_prefix: str = Field(default="hscap", description="SGLang engine: request-id prefix the plugin captures.")
 
     lease_ttl_s: float = Field(
         default=30.0, gt=0, description="A shard is requeued this long after its last heartbeat."
@@ -47,6 +53,8 @@ class WorkerSettings(BaseSettings):
     resume_check: Literal["full", "quick"] = Field(
         default="full", description="How a shard re-checks the samples it finds committed before skipping them."
     )
+
+    _read_in_pid: int = PrivateAttr(default_factory=os.getpid)
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSettings:
@@ -65,3 +73,8 @@ class WorkerSettings(BaseSettings):
     @property
     def lease_ms(self) -> int:
         return int(self.lease_ttl_s * 1000)
+
+    def process_name(self) -> str:
+        """This process's worker name: prefork children were forked after the settings were read."""
+        pid = os.getpid()
+        return self.worker_name if pid == self._read_in_pid else f"{self.worker_name}-{pid}"

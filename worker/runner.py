@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 
 from redis import Redis
@@ -19,11 +18,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from layertap.engines.base import Engine
 from layertap.errors import ServerError
 from layertap.pipeline import run_shard
 from layertap.sample import TokenizedSample
 from layertap.state.keys import Keys
-from layertap.state.model import SampleFailure
+from layertap.state.model import JobSpec, SampleFailure
 from layertap.state.shards import FinalizeAttempt, ShardAttempt
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
@@ -76,8 +76,7 @@ class WorkerContext:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.pid = os.getpid()
-        # Named here, not in the settings: prefork children are forked after the settings were read.
-        self.name = settings.worker_name or f"{socket.gethostname()}-{self.pid}"
+        self.name = settings.process_name()
         self.redis = connect_redis(settings.redis_url)
         self.keys = Keys(settings.key_prefix)
         self.engines = EngineCache(settings)
@@ -100,19 +99,12 @@ class WorkerContext:
             return "failed"
         spec = claim.spec
         assert spec is not None and spec.out is not None
+        events = RedisEvents(attempt, self.meter)
         with self.heartbeat.holding(job_id, shard, token):
             store = OutputStore.open_existing(spec.out)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
-            capture = spec.resolve(store.manifest.num_layers)
-            engine = self.engines.get(spec, capture)
-            dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
-            if dtype != store.manifest.compute_dtype:
-                raise ServerError(
-                    f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
-                    f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
-                )
-            events = RedisEvents(attempt, self.meter)
             try:
+                engine = self._engine(spec, store)
                 report = run_shard(
                     spec.extraction(),
                     store,
@@ -123,6 +115,9 @@ class WorkerContext:
                     attempts=spec.sample_attempts,
                     check_level=self.settings.resume_check,
                 )
+            except ServerError:
+                self.engines.close()  # the next task starts a fresh engine (and server)
+                raise
             finally:
                 store.close()
             report.seconds = time.monotonic() - t0
@@ -133,32 +128,53 @@ class WorkerContext:
                 "job %s shard %d: stopped (%s) after %d samples", job_id, shard, events.job_state, len(report.computed)
             )
             return "released"
+        failed = report.row_errors + report.skipped_overlong + report.failed
         outcome = attempt.complete(
             done=report.already_done + len(report.computed),
             tokens=events.already_tokens + report.tokens,
-            failed=report.row_errors + report.skipped_overlong + report.failed,
+            failed=failed,
             lease_ms=self.settings.lease_ms,
         )
         log.info(
             "job %s shard %d [%d, %d): %s; %d computed (%d tokens), %d already done, %d failed in %.1fs",
             job_id, shard, claim.start, claim.stop, outcome, len(report.computed), report.tokens,
-            report.already_done, report.row_errors + report.skipped_overlong + report.failed, report.seconds,
+            report.already_done, failed, report.seconds,
         )  # fmt: skip
         if outcome == "finalize":
             return self.finalize(job_id, token)
         return outcome
 
+    def _engine(self, spec: JobSpec, store: OutputStore) -> Engine:
+        """This process's engine for the job, refused if it would not compute in the manifest's dtype."""
+        engine = self.engines.get(spec, spec.resolve(store.manifest.num_layers))
+        dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
+        if dtype != store.manifest.compute_dtype:
+            raise ServerError(
+                f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
+                f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
+            )
+        return engine
+
     def finalize(self, job_id: str, token: str) -> str:
-        """Build the format's extra files and mark the manifest complete, then the job done (in that order)."""
+        """Build the format's extra files and mark the manifest complete, then the job done (in that order).
+
+        A failure is recorded on the job and left to the coordinator's watchdog, which sends the
+        finalize again once this attempt's lease has expired.
+        """
         attempt = FinalizeAttempt(self.redis, self.keys, job_id, token)
         spec = attempt.claim(self.settings.lease_ms)
         if spec is None or spec.out is None:
             log.info("job %s: finalize token %s is not current; skipped", job_id, token)
             return "stale"
         with self.heartbeat.holding(job_id, None, token):
-            store = OutputStore.open_existing(spec.out)
-            swept = store.sweep_temp_files()  # every shard is done: temp files are from killed writers
-            records = store.finalize(complete=True)
+            try:
+                store = OutputStore.open_existing(spec.out)
+                swept = store.sweep_temp_files()  # every shard is done: temp files are from killed writers
+                records = store.finalize(complete=True)
+            except Exception as exc:
+                log.exception("job %s: finalize failed", job_id)
+                attempt.note_error(f"finalize failed: {type(exc).__name__}: {exc}")
+                return "finalize-failed"
         attempt.finish()
         log.info("job %s: finalized, %d samples (%d stale temp files removed)", job_id, len(records), swept)
         return "finalized"

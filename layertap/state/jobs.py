@@ -132,7 +132,8 @@ def _requeue(
     running_too: bool = False,
     older_than_ms: int | None = None,
 ) -> int:
-    """Move open shards in ``states`` (and running shards whose lease expired) back to pending."""
+    """Move open shards in ``states`` (queued ones only if queued at or before ``older_than_ms``), and
+    with ``running_too`` running shards whose lease expired, back to pending."""
     shards = _open_shards(redis, keys, job_id)
     pipe = redis.pipeline(transaction=False)
     moved = []
@@ -140,7 +141,7 @@ def _requeue(
         if alive:
             continue
         dead_runner = running_too and state == "running"
-        lost = state in states and (older_than_ms is None or state != "queued" or queued_ms < older_than_ms)
+        lost = state in states and (older_than_ms is None or state != "queued" or queued_ms <= older_than_ms)
         if dead_runner or lost:
             scripts.REQUEUE([keys.shard(job_id, n), keys.lease(job_id, n)], [token, state], client=pipe)
             moved.append(n)

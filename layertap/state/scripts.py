@@ -177,7 +177,7 @@ return j[3]
 FINISH = _script("""
 local j = redis.call('HMGET', KEYS[1], 'state', 'finalize_token')
 if j[1] ~= 'finalizing' or j[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'done', 'finished_ms', now_ms())
+redis.call('HSET', KEYS[1], 'state', 'done', 'finished_ms', now_ms(), 'error', '')
 redis.call('DEL', KEYS[2])
 return 1
 """)

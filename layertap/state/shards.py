@@ -120,6 +120,10 @@ class FinalizeAttempt:
         )
         return None if reply is None else JobSpec.model_validate_json(reply)
 
+    def note_error(self, error: str) -> None:
+        """Say on the job why finalizing failed (its lease then expires and the watchdog tries again)."""
+        self.redis.hset(self.keys.job(self.job_id), "error", error[:2000])
+
     def finish(self) -> bool:
         """Mark the job done; written after the store's manifest says complete."""
         return bool(

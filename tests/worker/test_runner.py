@@ -1,0 +1,62 @@
+"""``WorkerContext`` in this process (no Celery): a shard attempt end to end, and a finalize that fails
+and is sent again by the watchdog. Real Redis, real store, the HF engine."""
+
+from pathlib import Path
+
+import pytest
+
+from layertap.state.jobs import create_job, reap
+from layertap.state.keys import FINALIZE_TASK, Keys
+from layertap.state.model import JobSpec
+from layertap.state.plan import plan_job
+from layertap.state.views import job_view
+from layertap.verify import verify_store
+from tests.core.datasets import conversation_rows, write_jsonl
+from worker.config import WorkerSettings
+from worker.runner import WorkerContext
+
+
+@pytest.fixture
+def context(redis_server, redis_client):
+    ctx = WorkerContext(WorkerSettings(redis_url=redis_server.url, worker_name="local", lease_ttl_s=30))
+    yield ctx
+    ctx.close()
+
+
+def test_a_failed_finalize_is_reported_and_done_again_by_the_watchdog(context, tiny_llama, tmp_path, redis_client):
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=8))
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3), shard_size=10, format="speculators")
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jf")
+    keys = Keys()
+    create_job(redis_client, keys, "jf", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+    reap(redis_client, keys, lambda task, args: sent.append((task, args)), queue_len=0, queued_grace_ms=0, lease_ms=1)
+    assert [args[1] for _, args in sent] == [0, 1]
+
+    assert context.run_shard(*sent[0][1]) == "done"
+    # A committed file goes missing before the last shard completes: speculators' finalize cannot link it.
+    first = planned.spec.out / "samples" / "hs_0.safetensors"
+    saved = first.read_bytes()
+    first.unlink()
+    assert context.run_shard(*sent[1][1]) == "finalize-failed"
+    view = job_view(redis_client, keys, "jf")
+    assert view.state == "finalizing" and view.shards == {"done": 2} and "finalize failed" in view.error
+
+    first.write_bytes(saved)
+    redis_client.delete(keys.finalize_lease("jf"))  # the failed finalizer's lease runs out
+    sent.clear()
+    reap(
+        redis_client,
+        keys,
+        lambda task, args: sent.append((task, args)),
+        queue_len=0,
+        queued_grace_ms=0,
+        lease_ms=60_000,
+    )
+    [(task, args)] = sent
+    assert task == FINALIZE_TASK and context.finalize(*args) == "finalized"
+    view = job_view(redis_client, keys, "jf")
+    assert (view.state, view.error, view.samples_done) == ("done", None, 12)
+    report = verify_store(planned.spec.out)
+    assert report.ok and report.complete, report.problems
+    assert Path(planned.spec.out / "hidden_states").is_dir()  # speculators' finalize ran
