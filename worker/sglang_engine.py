@@ -1,0 +1,236 @@
+"""The SGLang engine: keeps N prefill requests in flight on a capture server and reads their dumps.
+
+For each sample: rid ``<prefix>:<job>:<sample>:<attempt>`` -> ``POST /generate`` with ``input_ids``,
+``max_new_tokens: 0`` and a unique ``extra_key`` -> the reply must say ``cached_tokens == 0`` and
+``prompt_tokens == T`` -> wait (bounded) for ``<dump_root>/<rid>/`` -> check it against the sample
+(token count, input_ids hash, capture indices, finals) -> yield it; the store then validates
+(shapes, finiteness) and commits, and the dump folder is removed.
+
+Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
+process can never be taken for a fresh one. A dead server is restarted and the requests it held are
+sent again (not counted against the samples); one sample's failure is yielded as a FailedCapture.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shlex
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from layertap.engines.base import Engine
+from layertap.errors import SampleError, ServerError
+from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
+from layertap.spec import CaptureSpec
+from layertap.validate import ids_sha256
+from sglang_patch.contract import AUX, FINAL_TENSORS, DumpError, dump_dir, format_rid, read_dump
+from worker.server import ServerConfig, SGLangServer
+
+if TYPE_CHECKING:
+    from layertap.state.model import JobSpec
+    from worker.config import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class _ServerDown(Exception):
+    """The request could not reach the server (connection refused/reset): not the sample's fault."""
+
+
+class SGLangEngine(Engine):
+    """Captures through a running (or owned) SGLang capture server."""
+
+    def __init__(
+        self,
+        server: SGLangServer,
+        spec: CaptureSpec,
+        *,
+        dump_root: Path,
+        job: str,
+        rid_prefix: str = "hscap",
+        in_flight: int = 16,
+        dump_timeout_s: float = 120.0,
+        request_timeout_s: float = 3600.0,
+        max_server_restarts: int = 3,
+    ) -> None:
+        self.spec = spec
+        self.server = server
+        self.dump_root = dump_root
+        self.job = job
+        self.rid_prefix = rid_prefix
+        self.in_flight = in_flight
+        self.dump_timeout_s = dump_timeout_s
+        self.max_server_restarts = max_server_restarts
+        self._attempts = itertools.count(time.time_ns() // 1_000_000)
+        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
+        self._server_info: dict[str, Any] | None = None
+        self._sent: set[str] = set()  # rids whose dumps may still exist on disk
+        self._server_down_tries = 3  # resends of one sample after a dropped connection, server up
+
+    def describe(self) -> dict[str, Any]:
+        if self._server_info is None:
+            info = self._client.get(self.server.url + "/get_server_info").json()
+            keep = ("version", "model_path", "tp_size", "dp_size", "dtype", "chunked_prefill_size",
+                    "disable_radix_cache", "attention_backend", "forward_hooks")  # fmt: skip
+            self._server_info = {k: info[k] for k in keep if k in info}
+        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self._server_info}
+
+    # -- one request ------------------------------------------------------------------------------
+
+    def _request(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
+        """Prefill one sample and read back its dump (and its rid); SampleError if this attempt is unusable."""
+        rid = format_rid(self.job, sample.sample_id, next(self._attempts), prefix=self.rid_prefix)
+        self._sent.add(rid)
+        body = {
+            "input_ids": sample.input_ids.tolist(),
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 0},
+            "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
+        }
+        try:
+            reply = self._client.post(self.server.url + "/generate", json=body)
+        except httpx.TransportError as exc:
+            raise _ServerDown(f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code >= 500:
+            raise _ServerDown(f"HTTP {reply.status_code}: {reply.text[:300]}")
+        if reply.status_code != 200:
+            raise SampleError(f"server refused {rid}: HTTP {reply.status_code}: {reply.text[:300]}")
+        meta = reply.json()["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            # SGLang finishes an aborted prompt's remaining chunks: its dump can look complete.
+            raise SampleError(f"server aborted {rid}: {finish.get('message', finish)}")
+        if meta.get("cached_tokens", 0) != 0:
+            raise SampleError(f"prefix-cache hit on {rid}: {meta['cached_tokens']} tokens came from the cache")
+        if meta.get("prompt_tokens") != sample.num_tokens:
+            raise SampleError(f"server saw {meta.get('prompt_tokens')} prompt tokens, sent {sample.num_tokens}")
+        return self._read_dump(rid, sample)
+
+    def _read_dump(self, rid: str, sample: TokenizedSample) -> tuple[CapturedSample, str]:
+        path = dump_dir(self.dump_root, rid)
+        deadline = time.monotonic() + self.dump_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise SampleError(f"no dump for {rid} within {self.dump_timeout_s:.0f} s of the reply")
+            time.sleep(0.002)
+        try:
+            dump = read_dump(path)
+        except DumpError as exc:
+            self._discard(rid)
+            raise SampleError(f"unreadable dump for {rid}: {exc}") from exc
+        meta = dump.meta
+        problems = []
+        if meta.status != "ok":
+            problems.append(meta.error or "error dump")
+        elif meta.num_tokens != sample.num_tokens or meta.input_ids_sha256 != ids_sha256(sample.input_ids):
+            problems.append(f"dump holds {meta.num_tokens} tokens with another input_ids hash than the sample")
+        elif meta.layers != self.spec.layers or not set(self._finals) <= set(meta.finals):
+            problems.append(
+                f"dump has layers {meta.layers} finals {meta.finals}; wanted {self.spec.layers} {self._finals}"
+            )
+        if problems:
+            self._discard(rid)
+            raise SampleError(f"{rid}: " + "; ".join(problems))
+        t = dump.tensors or {}
+        return CapturedSample(
+            sample=sample,
+            aux=t[AUX],
+            final_post=t.get(FINAL_TENSORS["post"]) if self.spec.final_post else None,
+            final_pre=t.get(FINAL_TENSORS["pre"]) if self.spec.final_pre else None,
+        ), rid
+
+    def _discard(self, rid: str) -> None:
+        """Remove a dump (used or useless) and forget its rid."""
+        shutil.rmtree(dump_dir(self.dump_root, rid), ignore_errors=True)
+        self._sent.discard(rid)
+
+    # -- many requests ----------------------------------------------------------------------------
+
+    def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
+        source = iter(samples)
+        pending: dict[Future, TokenizedSample] = {}
+        dropped: dict[str, int] = {}
+        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="sglang-req") as pool:
+            try:
+                while True:
+                    while len(pending) < self.in_flight and (nxt := next(source, None)) is not None:
+                        pending[pool.submit(self._request, nxt)] = nxt
+                    if not pending:
+                        return
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    resend: list[TokenizedSample] = []
+                    for fut in done:
+                        sample = pending.pop(fut)
+                        try:
+                            captured, rid = fut.result()
+                        except _ServerDown as exc:
+                            reason = str(exc)
+                            dropped[sample.sample_id] = dropped.get(sample.sample_id, 0) + 1
+                            if dropped[sample.sample_id] > self._server_down_tries and self.server.alive():
+                                yield FailedCapture(sample, f"server kept dropping this request: {reason}")
+                            else:
+                                resend.append(sample)
+                            continue
+                        except SampleError as exc:
+                            yield FailedCapture(sample, str(exc))
+                            continue
+                        yield captured
+                        self._discard(rid)  # the consumer has committed it by now
+                    if resend:
+                        self._recover(reason)
+                        for sample in resend:
+                            pending[pool.submit(self._request, sample)] = sample
+            finally:
+                for fut in pending:
+                    fut.cancel()
+                pool.shutdown(wait=True)
+                for rid in list(self._sent):  # dumps of requests abandoned mid-flight
+                    self._discard(rid)
+
+    def _recover(self, reason: str) -> None:
+        """The server dropped requests: restart it if it is down, within the restart budget."""
+        if self.server.alive():
+            return
+        if self.server.restarts >= self.max_server_restarts:
+            raise ServerError(f"SGLang server down again after {self.server.restarts} restarts: {reason}")
+        log.warning("SGLang server is down (%s); restarting it and resending its requests", reason)
+        self.server.restart()
+
+    def close(self) -> None:
+        self._client.close()
+        self.server.stop()
+
+
+def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> SGLangEngine:
+    """The worker's SGLang engine: attach to ``settings.server_url`` or launch a capture server that this
+    process owns (its environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited)."""
+    dump_root = Path(settings.dump_root)  # WorkerSettings requires it for the sglang engine
+    if settings.server_url:
+        server = SGLangServer(url=settings.server_url)
+    else:
+        final = "both" if capture.final_post and capture.final_pre else ("post" if capture.final_post else "pre")
+        server = SGLangServer(
+            ServerConfig(
+                python=settings.sglang_python,
+                model=spec.model,
+                dump_root=dump_root,
+                layers=capture.layers,
+                final=final,
+                rid_prefix=settings.rid_prefix,
+                log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
+                sglang_args=tuple(shlex.split(settings.sglang_args)),
+            )
+        )
+    server.start()
+    job = spec.out.name if spec.out else "job"
+    return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
+                        in_flight=settings.in_flight)  # fmt: skip
