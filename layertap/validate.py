@@ -17,6 +17,12 @@ def ids_sha256(input_ids: torch.Tensor) -> str:
     return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or +-inf anywhere. ``abs().amax()`` propagates NaN and inf, and is ~10x faster on the
+    CPU than ``isfinite(t).all()`` on bf16, which made it the slowest step of a commit."""
+    return t.numel() == 0 or bool(torch.isfinite(t.abs().amax()))
+
+
 def state_problems(captured: CapturedSample, layout: Layout, manifest: Manifest) -> list[str]:
     """What is wrong with a capture: aux [T, k, H], finals [T, H] when asked for, all finite."""
     t, h, k = captured.sample.num_tokens, layout.hidden_size, layout.num_aux
@@ -33,6 +39,6 @@ def state_problems(captured: CapturedSample, layout: Layout, manifest: Manifest)
             out.append(f"{name} missing")
         elif tuple(tensor.shape) != shape:
             out.append(f"{name} shape {tuple(tensor.shape)} != {shape}")
-        elif not torch.isfinite(tensor).all():
+        elif not all_finite(tensor):
             out.append(f"{name} has non-finite values")
     return out

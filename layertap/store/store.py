@@ -15,8 +15,6 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from layertap.errors import SampleError, StoreError
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, sha256_file
@@ -32,7 +30,7 @@ from layertap.store.index import (
     read_jsonl_dir,
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
-from layertap.validate import ids_sha256, state_problems
+from layertap.validate import all_finite, ids_sha256, state_problems
 
 CheckLevel = Literal["quick", "full"]
 
@@ -148,9 +146,7 @@ class OutputStore:
             out.append("input_ids differ from the index record")
         if level == "full":
             out += [
-                f"{k}: non-finite values"
-                for k in self.format.state_keys
-                if k in tensors and not torch.isfinite(tensors[k]).all()
+                f"{k}: non-finite values" for k in self.format.state_keys if k in tensors and not all_finite(tensors[k])
             ]
         return out
 
