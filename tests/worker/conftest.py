@@ -43,12 +43,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_llama: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """sample id -> sha256 of its file from an uninterrupted single-process run (``layertap extract``'s path)."""
+def reference_store(tiny_llama: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output of an uninterrupted single-process run (``layertap extract``'s path) over the corpus."""
     out = tmp_path_factory.mktemp("reference") / "out"
     spec = ExtractionSpec(model=tiny_llama, data=corpus, layers=LAYERS)
     run_extraction(spec, out, lambda capture: HFEngine(tiny_llama, capture, max_batch_size=1))
-    return {r.sample_id: r.sha256 for r in OutputStore.open_existing(out).records().values()}
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(reference_store: Path) -> dict[str, str]:
+    """sample id -> sha256 of its file in the reference run."""
+    return {r.sample_id: r.sha256 for r in OutputStore.open_existing(reference_store).records().values()}
 
 
 @dataclass
