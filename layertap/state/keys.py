@@ -10,7 +10,7 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:job:{job}:failed              SET   shard numbers that gave up (a subset of open)
     {p}:job:{job}:workers             HASH  "<worker>:samples" / "<worker>:tokens" -> committed by that worker
     {p}:job:{job}:shard:{n}           HASH  start, stop, state, token, worker, done, tokens, failed,
-                                            attempts, dispatches, queued_ms, claimed_ms, finished_ms, error
+                                            attempts (claims), queued_ms, claimed_ms, finished_ms, error
     {p}:job:{job}:shard:{n}:lease     STR   token of the attempt that holds the shard; expires unless
                                             its worker heart-beats
     {p}:job:{job}:shard:{n}:errors    HASH  row -> JSON {sample_id, reason, kind, attempts}

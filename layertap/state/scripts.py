@@ -28,7 +28,6 @@ if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return false end
 if redis.call('HGET', KEYS[2], 'state') ~= 'pending' then return false end
 local token = tostring(redis.call('INCR', KEYS[3]))
 redis.call('HSET', KEYS[2], 'state', 'queued', 'token', token, 'queued_ms', now_ms())
-redis.call('HINCRBY', KEYS[2], 'dispatches', 1)
 return token
 """)
 
@@ -138,13 +137,15 @@ return 1
 """)
 
 # KEYS: shard, lease. ARGV: token, state... Back to pending if the shard still has that token, is in
-# one of the given states and nobody holds its lease (the reaper's and resume's one move).
+# one of the given states and nobody holds its lease (the reaper's and resume's one move). A failed
+# shard (only resume moves those) gets its claim count back to 0.
 REQUEUE = _script("""
 local s = redis.call('HMGET', KEYS[1], 'state', 'token')
 if s[2] ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 for i = 2, #ARGV do
   if s[1] == ARGV[i] then
     redis.call('HSET', KEYS[1], 'state', 'pending', 'token', '')
+    if s[1] == 'failed' then redis.call('HSET', KEYS[1], 'attempts', 0) end
     return 1
   end
 end

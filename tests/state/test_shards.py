@@ -100,6 +100,7 @@ def test_failed_shards_fail_the_job_and_resume_dispatches_them_again(redis_clien
     assert all(args[2] not in tokens.values() for args in sent)  # fresh tokens
     assert redis_client.hget(KEYS.job("j1"), "state") == "running"
     assert not redis_client.exists(KEYS.failed("j1"))
+    assert redis_client.hget(KEYS.shard("j1", 1), "attempts") == "0"  # a fresh budget of claims
 
 
 class CountingConnection(Connection):
