@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Container, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -166,20 +167,33 @@ class _Capture:
     """
 
     def __init__(
-        self, store: OutputStore, engine: Engine, report: RunReport, events: ShardEvents, attempts: int
+        self,
+        store: OutputStore,
+        engine: Engine,
+        report: RunReport,
+        events: ShardEvents,
+        attempts: int,
+        commit_threads: int = 4,
     ) -> None:
         self.store, self.engine, self.report, self.events = store, engine, report, events
         self.attempts = attempts
         self.tries: Counter[str] = Counter()
         self.alone: list[TokenizedSample] = []
+        # Commits (serialise, hash, write, fsync) release the GIL, so a few threads keep the disk
+        # busy while the engine runs; at most 2 x threads captured samples wait in memory.
+        self.commits = ThreadPoolExecutor(commit_threads, thread_name_prefix="commit")
+        self.max_pending = 2 * commit_threads
 
     def run(self, samples: Iterator[TokenizedSample]) -> None:
-        while (failure := self._stream(samples)) is not None:
-            self.alone.extend(failure[0])  # suspects: captured again alone, not blamed yet
-        while self.alone and self.events.keep_going():
-            sample = self.alone.pop(0)
-            if (failure := self._stream(iter([sample]))) is not None:
-                self._attempt_failed(sample, failure[1])
+        try:
+            while (failure := self._stream(samples)) is not None:
+                self.alone.extend(failure[0])  # suspects: captured again alone, not blamed yet
+            while self.alone and self.events.keep_going():
+                sample = self.alone.pop(0)
+                if (failure := self._stream(iter([sample]))) is not None:
+                    self._attempt_failed(sample, failure[1])
+        finally:
+            self.commits.shutdown(wait=True)
 
     def _stream(self, samples: Iterator[TokenizedSample]) -> tuple[list[TokenizedSample], str] | None:
         """Capture and commit until ``samples`` runs out (None) or the engine raises: (held samples, reason)."""
@@ -200,28 +214,41 @@ class _Capture:
                 yield sample
 
         captured = self.engine.capture(feed())
-        while True:
-            try:
-                cap = next(captured)
-            except StopIteration:
-                return None
-            except Exception as exc:
-                if source_error is not None or (isinstance(exc, LayertapError) and not isinstance(exc, SampleError)):
-                    raise
-                log.warning("engine failed with %d samples in flight: %s: %s", len(held), type(exc).__name__, exc)
-                return list(held.values()), f"{type(exc).__name__}: {exc}"
-            held.pop(cap.sample.sample_id, None)
-            if isinstance(cap, FailedCapture):
-                self._attempt_failed(cap.sample, cap.reason)
-                continue
-            try:
-                self.store.commit(cap)
-            except SampleError as err:
-                self._attempt_failed(cap.sample, str(err))
-                continue
-            self.report.computed.append(cap.sample.sample_id)
-            self.report.tokens += cap.sample.num_tokens
-            self.events.committed(cap.sample)
+        pending: deque[tuple[Future, TokenizedSample]] = deque()
+        try:
+            while True:
+                try:
+                    cap = next(captured)
+                except StopIteration:
+                    return None
+                except Exception as exc:
+                    if source_error is not None or (
+                        isinstance(exc, LayertapError) and not isinstance(exc, SampleError)
+                    ):
+                        raise
+                    log.warning("engine failed with %d samples in flight: %s: %s", len(held), type(exc).__name__, exc)
+                    return list(held.values()), f"{type(exc).__name__}: {exc}"
+                held.pop(cap.sample.sample_id, None)
+                if isinstance(cap, FailedCapture):
+                    self._attempt_failed(cap.sample, cap.reason)
+                    continue
+                pending.append((self.commits.submit(self.store.commit, cap), cap.sample))
+                while len(pending) > self.max_pending or (pending and pending[0][0].done()):
+                    self._settle(*pending.popleft())
+        finally:
+            while pending:
+                self._settle(*pending.popleft())
+
+    def _settle(self, commit: Future, sample: TokenizedSample) -> None:
+        """Account for one finished commit (in the calling thread, so reports and events need no lock)."""
+        try:
+            commit.result()
+        except SampleError as err:
+            self._attempt_failed(sample, str(err))
+            return
+        self.report.computed.append(sample.sample_id)
+        self.report.tokens += sample.num_tokens
+        self.events.committed(sample)
 
     def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:
         self.tries[sample.sample_id] += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,6 +51,7 @@ class OutputStore:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._index_log: JsonlLog | None = None
         self._error_log: JsonlLog | None = None
+        self._log_lock = threading.Lock()
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -100,6 +102,10 @@ class OutputStore:
         self._log("errors").append(json.dumps(entry))
 
     def _log(self, which: str) -> JsonlLog:
+        with self._log_lock:  # commits run in several threads; open each log once
+            return self._open_log(which)
+
+    def _open_log(self, which: str) -> JsonlLog:
         if which == "index":
             if self._index_log is None:
                 self._index_log = JsonlLog(self.root / INDEX_DIR / f"{self.writer_id}.jsonl")
