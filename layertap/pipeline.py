@@ -276,6 +276,7 @@ def run_shard(
     events: ShardEvents | None = None,
     attempts: int = 1,
     check_level: CheckLevel = "full",
+    commit_threads: int = 4,
 ) -> RunReport:
     """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``.
 
@@ -291,7 +292,7 @@ def run_shard(
     report.already_done = len(done)
     events.start(end - start, len(done), sum(done.values()))
     samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events)
-    _Capture(store, engine, report, events, attempts).run(samples)
+    _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     report.stopped = not events.keep_going()
     return report
 
