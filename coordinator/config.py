@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import ByteSize, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,6 +25,11 @@ class CoordinatorSettings(BaseSettings):
         default=120.0,
         gt=0,
         description="A shard queued this long while the broker queue is empty lost its message and is sent again.",
+    )
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        description="Free space workers keep on the output volume (e.g. 50GiB); a job whose expected_tokens "
+        "would leave less is refused.",
     )
 
     @model_validator(mode="after")

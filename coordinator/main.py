@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse
 from redis import Redis
 from redis.exceptions import RedisError
 
-from coordinator.api.routes import health, jobs
+from coordinator.api.routes import health, jobs, metrics, status_page, workers
 from coordinator.config import CoordinatorSettings
 from coordinator.dispatch import Dispatcher, reaper_loop
+from coordinator.metrics import StateCollector, build_registry
 from layertap import __version__
+from layertap.diskspace import DiskSpaceError
 from layertap.errors import DatasetError, SpecError, StoreError
 from layertap.state.keys import Keys
 
@@ -29,6 +31,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.redis = Redis.from_url(settings.redis_url, decode_responses=True)
     app.state.keys = Keys(settings.key_prefix)
     app.state.dispatcher = Dispatcher(settings.broker_url)
+    app.state.metrics_registry = build_registry(
+        StateCollector(app.state.redis, app.state.keys, app.state.dispatcher, settings)
+    )
     if settings.api_token is None:
         log.warning("LAYERTAP_API_TOKEN is not set: the API is open to anyone who can reach it")
     reaper = asyncio.create_task(reaper_loop(app.state.redis, app.state.keys, app.state.dispatcher, settings))
@@ -60,6 +65,10 @@ app = FastAPI(
 app.add_exception_handler(SpecError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(DatasetError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(StoreError, _error(status.HTTP_409_CONFLICT))
+app.add_exception_handler(DiskSpaceError, _error(status.HTTP_507_INSUFFICIENT_STORAGE))  # before StoreError
 app.add_exception_handler(RedisError, _error(status.HTTP_503_SERVICE_UNAVAILABLE))  # Redis restarting
 app.include_router(health.router)
 app.include_router(jobs.router)
+app.include_router(workers.router)
+app.include_router(metrics.router)
+app.include_router(status_page.router)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from layertap.state.model import JobSpec, JobView
 
@@ -14,7 +14,12 @@ class JobCreate(JobSpec):
 
     ``model`` and ``data`` are absolute paths every worker can read; ``out`` is relative to the
     coordinator's output root (default: the job id). Layer ids are read in ``layer_convention``.
+    With ``expected_tokens``, the job is refused (507) unless its estimated output fits on the volume.
     """
+
+    expected_tokens: int | None = Field(
+        default=None, gt=0, description="Tokens in the dataset, roughly: checks the output fits before anything runs."
+    )
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -30,6 +35,7 @@ class JobCreate(JobSpec):
                     "out": "kimi-eagle3",
                     "shard_size": 100,
                     "engine": {"in_flight": 8},
+                    "expected_tokens": 88_000_000,
                 }
             ]
         }
@@ -111,3 +117,44 @@ class JobErrorsPublic(BaseModel):
     job_id: str
     count: int
     errors: list[SampleErrorPublic]
+
+
+class WorkerStatePublic(BaseModel):
+    """A live worker: ``state`` is idle, working or paused (``reason`` says why it paused)."""
+
+    name: str
+    state: str
+    reason: str | None
+    job: str | None
+    shard: int | None
+    samples_per_s: float
+    tokens_per_s: float
+    free_bytes: int | None
+    host: str | None
+    engine: str | None
+
+    @classmethod
+    def of(cls, name: str, record: dict[str, str]) -> WorkerStatePublic:
+        def text(field: str) -> str | None:
+            return record.get(field) or None
+
+        def number(field: str) -> int | None:
+            return int(record[field]) if record.get(field, "") != "" else None
+
+        return cls(
+            name=name,
+            state=record.get("state") or "idle",
+            reason=text("reason"),
+            job=text("job"),
+            shard=number("shard"),
+            samples_per_s=float(record.get("samples_per_s") or 0),
+            tokens_per_s=float(record.get("tokens_per_s") or 0),
+            free_bytes=number("free_bytes"),
+            host=text("host"),
+            engine=text("engine"),
+        )
+
+
+class WorkersPublic(BaseModel):
+    count: int
+    workers: list[WorkerStatePublic]

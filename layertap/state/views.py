@@ -91,3 +91,13 @@ def job_errors(redis: Redis, keys: Keys, job_id: str) -> list[SampleFailure] | N
         pipe.hvals(keys.errors(job_id, n))
     failures = [SampleFailure(**json.loads(raw)) for values in pipe.execute() for raw in values]
     return sorted(failures, key=lambda f: f.row)
+
+
+def live_workers(redis: Redis, keys: Keys) -> dict[str, dict[str, str]]:
+    """Name -> record (state, reason, job, shard, rates, host, free bytes...) of every worker that
+    heart-beats now, by name; two round trips."""
+    names = sorted(redis.smembers(keys.workers))
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.worker(name))
+    return {name: record for name, record in zip(names, pipe.execute(), strict=True) if record}

@@ -8,7 +8,9 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from redis import Redis
 
 from coordinator.api.deps import DispatcherDep, KeysDep, RedisDep, SettingsDep, require_token
+from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
+from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
 from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
 from layertap.state.keys import Keys
 from layertap.state.model import JobSpec
@@ -29,11 +31,21 @@ def _job(redis: Redis, keys: Keys, job_id: str) -> JobPublic:
 def submit_job(
     body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
 ) -> JobPublic:
-    """Check the spec and the dataset, create the output store, cut shards and enqueue one task per shard."""
+    """Check the spec, the dataset and (given expected_tokens) the free space, create the output store, cut
+    shards and enqueue one task per shard."""
     job_id = uuid.uuid4().hex[:12]
-    planned = plan_job(JobSpec(**body.model_dump()), output_root=settings.output_root, job_id=job_id)
+    spec = JobSpec(**body.model_dump(exclude={"expected_tokens"}))
+    if body.expected_tokens is not None:
+        try:
+            estimate = job_bytes_estimate(spec, body.expected_tokens)
+            check_budget(estimate, settings.output_root, min_free_bytes=settings.min_free_bytes)
+        except DiskSpaceError:
+            SUBMISSIONS.labels("no_space").inc()
+            raise
+    planned = plan_job(spec, output_root=settings.output_root, job_id=job_id)
     create_job(redis, keys, job_id, planned.spec, planned.shards)
     dispatch_pending(redis, keys, job_id, dispatcher.send)
+    SUBMISSIONS.labels("accepted").inc()
     return _job(redis, keys, job_id)
 
 

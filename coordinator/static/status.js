@@ -1,0 +1,143 @@
+// The status page: polls the coordinator's API and redraws. Plain DOM, no build step.
+// Every value from the API is set with textContent, never as HTML.
+"use strict";
+
+const REFRESH_MS = 2000;
+const ERRORS_SHOWN = 5;
+const TOKEN_KEY = "layertap-api-token";
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "style") node.style.cssText = v;
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : String(child));
+  return node;
+}
+
+const fmt = {
+  int: (n) => Number(n).toLocaleString("en-US"),
+  rate: (n) => Number(n).toLocaleString("en-US", { maximumFractionDigits: n < 10 ? 2 : 0 }),
+  pct: (r) => (100 * r).toFixed(1) + "%",
+  bytes(n) {
+    if (n === null || n === undefined || n === "") return "-";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let v = Number(n), i = 0;
+    while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+    return (i ? v.toFixed(1) : v.toFixed(0)) + " " + units[i];
+  },
+  duration(s) {
+    if (s === null || s === undefined) return "-";
+    s = Math.round(s);
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+    return h ? `${h}h${String(m).padStart(2, "0")}m` : `${m}m${String(sec).padStart(2, "0")}s`;
+  },
+};
+
+async function api(path) {
+  const token = localStorage.getItem(TOKEN_KEY);
+  const reply = await fetch(path, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  if (reply.status === 401) {
+    document.getElementById("token-form").hidden = false;
+    throw new Error("this coordinator needs an API token: enter it above");
+  }
+  if (!reply.ok) throw new Error(`${path}: HTTP ${reply.status}`);
+  return reply.json();
+}
+
+function progressBar(job) {
+  const total = job.samples_total || 1;
+  const done = job.samples_done / total, failed = job.samples_failed / total;
+  const ratio = Math.min(1, done + failed);
+  return el("div", { class: "bar", role: "progressbar", "aria-valuenow": (100 * ratio).toFixed(1),
+                     "aria-valuemin": "0", "aria-valuemax": "100" },
+    el("div", { class: "fill", style: `width:${(100 * ratio).toFixed(2)}%` }),
+    el("div", { class: "fail", style: `width:${(100 * failed).toFixed(2)}%` }),
+    el("span", { class: "label" }, fmt.pct(ratio)));
+}
+
+function stat(name, value) {
+  return el("div", {}, `${name} `, el("b", {}, value));
+}
+
+function jobCard(job, errors) {
+  const handled = job.samples_done + job.samples_failed;
+  const ratio = job.samples_total ? handled / job.samples_total : 1;
+  const shards = Object.entries(job.shards).sort().map(([s, n]) => `${n} ${s}`).join(", ");
+  const tokens = fmt.int(job.tokens_done) + (job.tokens_total_estimate ? ` of ~${fmt.int(job.tokens_total_estimate)}` : "");
+  const card = el("article", { class: `job ${job.state}`, "data-job-id": job.job_id, "data-progress": ratio.toFixed(4),
+                               "data-samples-done": job.samples_done },
+    el("div", { class: "job-head" },
+      el("span", { class: "job-id" }, job.job_id),
+      el("span", { class: `badge ${job.state}` }, job.state),
+      el("span", { class: "muted" }, job.out)),
+    progressBar(job),
+    el("div", { class: "stats" },
+      stat("samples", `${fmt.int(job.samples_done)} / ${fmt.int(job.samples_total)}`),
+      stat("failed", fmt.int(job.samples_failed)),
+      stat("tokens", tokens),
+      stat("samples/s", fmt.rate(job.samples_per_s)),
+      stat("tokens/s", fmt.rate(job.tokens_per_s)),
+      stat("ETA", job.state === "running" ? fmt.duration(job.eta_s) : "-"),
+      stat("shards", shards)));
+  if (job.error) card.append(el("div", { class: "error" }, `error: ${job.error}`));
+  if (errors && errors.count) {
+    const list = el("ul", { class: "errors" });
+    for (const e of errors.errors.slice(0, ERRORS_SHOWN)) {
+      list.append(el("li", {}, `row ${e.row} (${e.kind}): ${e.reason}`));
+    }
+    if (errors.count > ERRORS_SHOWN) list.append(el("li", {}, `... and ${errors.count - ERRORS_SHOWN} more`));
+    card.append(list);
+  }
+  const live = job.workers.filter((w) => w.alive);
+  if (job.workers.length) {
+    card.append(el("div", { class: "job-workers" }, "workers: " + job.workers.map((w) =>
+      `${w.name} ${fmt.int(w.samples)} samples` + (w.alive ? ` (shard ${w.shard ?? "-"}, ${fmt.rate(w.samples_per_s)}/s)` : "")
+    ).join(" · ") + (live.length ? "" : " (none working on it now)")));
+  }
+  return card;
+}
+
+function workerRow(w) {
+  const state = el("td", {}, el("span", { class: `badge ${w.state}` }, w.state));
+  const row = el("tr", { "data-worker": w.name },
+    el("td", {}, w.name), state,
+    el("td", {}, w.job ? `${w.job} / ${w.shard ?? "finalize"}` : "-"),
+    el("td", {}, fmt.rate(w.samples_per_s)), el("td", {}, fmt.rate(w.tokens_per_s)),
+    el("td", {}, fmt.bytes(w.free_bytes)), el("td", {}, w.host || "-"));
+  if (w.reason) state.append(el("div", { class: "reason" }, w.reason));
+  return row;
+}
+
+async function refresh() {
+  const problem = document.getElementById("problem");
+  try {
+    const [jobs, workers] = await Promise.all([api("/jobs?limit=20"), api("/workers")]);
+    const withErrors = jobs.jobs.filter((j) => j.samples_failed > 0);
+    const errors = Object.fromEntries(await Promise.all(
+      withErrors.map(async (j) => [j.job_id, await api(`/jobs/${encodeURIComponent(j.job_id)}/errors`)])));
+    const jobsBox = document.getElementById("jobs");
+    jobsBox.replaceChildren(...(jobs.count ? jobs.jobs.map((j) => jobCard(j, errors[j.job_id]))
+                                           : [el("p", { class: "muted" }, "No jobs yet.")]));
+    const body = document.querySelector("#workers tbody");
+    body.replaceChildren(...(workers.count ? workers.workers.map(workerRow)
+                                           : [el("tr", {}, el("td", { colspan: "7", class: "muted" }, "No live workers."))]));
+    problem.hidden = true;
+    document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (err) {
+    problem.textContent = String(err.message || err);
+    problem.hidden = false;
+  }
+}
+
+document.getElementById("token-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  localStorage.setItem(TOKEN_KEY, document.getElementById("token").value);
+  document.getElementById("token-form").hidden = true;
+  refresh();
+});
+
+refresh();
+setInterval(refresh, REFRESH_MS);
