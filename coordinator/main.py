@@ -65,7 +65,7 @@ app = FastAPI(
 app.add_exception_handler(SpecError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(DatasetError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
 app.add_exception_handler(StoreError, _error(status.HTTP_409_CONFLICT))
-app.add_exception_handler(DiskSpaceError, _error(status.HTTP_507_INSUFFICIENT_STORAGE))  # before StoreError
+app.add_exception_handler(DiskSpaceError, _error(status.HTTP_507_INSUFFICIENT_STORAGE))
 app.add_exception_handler(RedisError, _error(status.HTTP_503_SERVICE_UNAVAILABLE))  # Redis restarting
 app.include_router(health.router)
 app.include_router(jobs.router)

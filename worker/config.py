@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +54,14 @@ class WorkerSettings(BaseSettings):
         default="full", description="How a shard re-checks the samples it finds committed before skipping them."
     )
 
+    metrics_port: int | None = Field(default=None, gt=0, lt=65536, description="Serve Prometheus metrics here.")
+    metrics_host: str = Field(default="0.0.0.0", description="Address the metrics server listens on.")
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30), description="Pause while the output volume has less free (e.g. 50GiB)."
+    )
+    resume_free_bytes: ByteSize | None = Field(default=None, description="Resume above this; default: floor + 5%.")
+    disk_check_s: float = Field(default=2.0, gt=0, description="How often free space is read (working or paused).")
+
     _read_in_pid: int = PrivateAttr(default_factory=os.getpid)
 
     @model_validator(mode="after")
@@ -66,6 +74,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_ttl_s ({self.lease_ttl_s})"
             )
+        if self.resume_free_bytes is None:
+            self.resume_free_bytes = ByteSize(self.min_free_bytes * 21 // 20)
         if self.engine == "sglang" and self.dump_root is None:
             raise ValueError("engine 'sglang' needs LAYERTAP_DUMP_ROOT (where the capture plugin writes dumps)")
         return self

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -63,8 +63,18 @@ class Held:
 class Heartbeat:
     """Renews the held lease and refreshes the worker record every ``settings.heartbeat_s`` seconds."""
 
-    def __init__(self, redis: Redis, keys: Keys, settings: WorkerSettings, meter: RateMeter, name: str) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        settings: WorkerSettings,
+        meter: RateMeter,
+        name: str,
+        extra: Callable[[], dict[str, str | int]] | None = None,
+    ) -> None:
+        """``extra`` adds fields to the published record (the worker's state and free space)."""
         self.redis, self.keys, self.settings, self.meter, self.name = redis, keys, settings, meter, name
+        self.extra = extra
         self._held: Held | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="layertap-heartbeat", daemon=True)
@@ -96,6 +106,7 @@ class Heartbeat:
             "engine": self.settings.engine,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            **(self.extra() if self.extra else {}),
         }
         publish_worker(self.redis, self.keys, self.name, info, self.settings.lease_ms)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
@@ -28,7 +29,10 @@ from layertap.state.shards import FinalizeAttempt, ShardAttempt
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
 from worker.engines import EngineCache
+from worker.guard import DiskGuard, WorkerStatus
 from worker.heartbeat import Heartbeat, RateMeter
+from worker.instrument import MeteredStore, queue_wait_s
+from worker.metrics import WorkerMetrics, serve
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +50,17 @@ def connect_redis(url: str, *, patience_s: float = 60.0) -> Redis:
 
 
 class RedisEvents:
-    """``ShardEvents`` that count each outcome in Redis (one round trip) and stop once the job or shard moves on."""
+    """``ShardEvents`` that count each outcome in Redis (one round trip) and in the metrics, stop once the job or
+    shard moves on, and wait while the output volume is below the free-space floor."""
 
-    def __init__(self, attempt: ShardAttempt, meter: RateMeter) -> None:
+    def __init__(
+        self, attempt: ShardAttempt, meter: RateMeter, metrics: WorkerMetrics, guard: DiskGuard, out: Path
+    ) -> None:
         self.attempt = attempt
         self.meter = meter
+        self.metrics = metrics
+        self.guard = guard
+        self.out = out
         self.already_tokens = 0
         self.job_state = "running"
 
@@ -61,13 +71,25 @@ class RedisEvents:
 
     def committed(self, sample: TokenizedSample) -> None:
         self.meter.add(sample.num_tokens)
+        self.metrics.committed.inc()
+        self.metrics.tokens.inc(sample.num_tokens)
         self.job_state = self.attempt.sample_done(sample.num_tokens)
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
+        self.metrics.failed.inc()
+        self.metrics.errors[kind].inc()
         self.job_state = self.attempt.sample_failed(SampleFailure(row, sample_id, reason, kind))
 
     def keep_going(self) -> bool:
+        if self.job_state != "running":
+            return False
+        if not self.guard.wait_for_space(self.out, self._job_running):
+            self.job_state = "cancelled"
         return self.job_state == "running"
+
+    def _job_running(self) -> bool:
+        a = self.attempt
+        return a.redis.hget(a.keys.job(a.job_id), "state") == "running"
 
 
 class WorkerContext:
@@ -81,7 +103,18 @@ class WorkerContext:
         self.keys = Keys(settings.key_prefix)
         self.engines = EngineCache(settings)
         self.meter = RateMeter()
-        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter, self.name)
+        self.metrics = WorkerMetrics(self.name)
+        self.status = WorkerStatus(self.metrics)
+        self.guard = DiskGuard(
+            self.status,
+            min_free_bytes=settings.min_free_bytes,
+            resume_free_bytes=settings.resume_free_bytes or settings.min_free_bytes,
+            check_s=settings.disk_check_s,
+        )
+        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter, self.name, extra=self.status.record)
+        self.status.on_change = self.heartbeat.beat  # a pause shows in Redis at once, not at the next beat
+        if settings.metrics_port:
+            serve(settings.metrics_port, settings.metrics_host)
 
     def attempt(self, job_id: str, shard: int, token: str) -> ShardAttempt:
         return ShardAttempt(self.redis, self.keys, job_id, shard, token, self.name)
@@ -99,9 +132,11 @@ class WorkerContext:
             return "failed"
         spec = claim.spec
         assert spec is not None and spec.out is not None
-        events = RedisEvents(attempt, self.meter)
-        with self.heartbeat.holding(job_id, shard, token):
-            store = OutputStore.open_existing(spec.out)
+        if (waited := queue_wait_s(self.redis, self.keys, job_id, shard)) is not None:
+            self.metrics.stages["queue_wait"].observe(waited)
+        events = RedisEvents(attempt, self.meter, self.metrics, self.guard, spec.out)
+        with self.heartbeat.holding(job_id, shard, token), self.status.working():
+            store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             try:
                 engine = self._engine(spec, store)

@@ -19,7 +19,7 @@ import shlex
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 from layertap.validate import ids_sha256
 from sglang_patch.contract import AUX, FINAL_TENSORS, DumpError, dump_dir, format_rid, read_dump
+from worker.metrics import WorkerMetrics
 from worker.server import ServerConfig, SGLangServer
 
 if TYPE_CHECKING:
@@ -60,7 +61,9 @@ class SGLangEngine(Engine):
         dump_timeout_s: float = 120.0,
         request_timeout_s: float = 3600.0,
         max_server_restarts: int = 3,
+        observe: Callable[[str, float], None] | None = None,
     ) -> None:
+        """``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times."""
         self.spec = spec
         self.server = server
         self.dump_root = dump_root
@@ -69,6 +72,7 @@ class SGLangEngine(Engine):
         self.in_flight = in_flight
         self.dump_timeout_s = dump_timeout_s
         self.max_server_restarts = max_server_restarts
+        self.observe = observe
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
@@ -96,10 +100,12 @@ class SGLangEngine(Engine):
             "sampling_params": {"max_new_tokens": 0},
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
+        t0 = time.perf_counter()
         try:
             reply = self._client.post(self.server.url + "/generate", json=body)
         except httpx.TransportError as exc:
             raise _ServerDown(f"{type(exc).__name__}: {exc}") from exc
+        self._observe("prefill", t0)
         if reply.status_code >= 500:
             raise _ServerDown(f"HTTP {reply.status_code}: {reply.text[:300]}")
         if reply.status_code != 200:
@@ -117,11 +123,13 @@ class SGLangEngine(Engine):
 
     def _read_dump(self, rid: str, sample: TokenizedSample) -> tuple[CapturedSample, str]:
         path = dump_dir(self.dump_root, rid)
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.dump_timeout_s
         while not path.exists():
             if time.monotonic() > deadline:
                 raise SampleError(f"no dump for {rid} within {self.dump_timeout_s:.0f} s of the reply")
             time.sleep(0.002)
+        t1 = self._observe("dump_wait", t0)
         try:
             dump = read_dump(path)
         except DumpError as exc:
@@ -141,12 +149,20 @@ class SGLangEngine(Engine):
             self._discard(rid)
             raise SampleError(f"{rid}: " + "; ".join(problems))
         t = dump.tensors or {}
+        self._observe("validate", t1)
         return CapturedSample(
             sample=sample,
             aux=t[AUX],
             final_post=t.get(FINAL_TENSORS["post"]) if self.spec.final_post else None,
             final_pre=t.get(FINAL_TENSORS["pre"]) if self.spec.final_pre else None,
         ), rid
+
+    def _observe(self, stage: str, since: float) -> float:
+        """Report the time since ``since`` (perf_counter) as ``stage``; returns now."""
+        now = time.perf_counter()
+        if self.observe is not None:
+            self.observe(stage, now - since)
+        return now
 
     def _discard(self, rid: str) -> None:
         """Remove a dump (used or useless) and forget its rid."""
@@ -232,5 +248,6 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
         )
     server.start()
     job = spec.out.name if spec.out else "job"
+    stages = WorkerMetrics(settings.process_name()).observe_stage
     return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
-                        in_flight=settings.in_flight)  # fmt: skip
+                        in_flight=settings.in_flight, observe=stages)  # fmt: skip

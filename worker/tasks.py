@@ -6,7 +6,7 @@ import os
 
 from celery import Task, signals
 
-from layertap.errors import DatasetError, SpecError, StoreError
+from layertap.errors import DatasetError, ServerError, SpecError, StoreError
 from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK
 from worker.celery import app, settings
 from worker.runner import WorkerContext
@@ -23,6 +23,12 @@ def context() -> WorkerContext:
     if _context is None or _context.pid != os.getpid():
         _context = WorkerContext(settings)
     return _context
+
+
+@signals.worker_process_init.connect
+def _open_context(**_: object) -> None:
+    """Heartbeat and metrics from the start (an idle worker shows up as idle), not from the first task."""
+    context()
 
 
 @signals.worker_process_shutdown.connect
@@ -44,9 +50,11 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
     try:
         return ctx.run_shard(job_id, shard, token)
     except _NO_RETRY as exc:
+        ctx.metrics.errors["task"].inc()
         ctx.give_up(job_id, shard, token, exc)
         return "failed"
     except Exception as exc:
+        ctx.metrics.errors["server" if isinstance(exc, ServerError) else "task"].inc()
         if self.request.retries >= self.max_retries:
             ctx.give_up(job_id, shard, token, exc)
             return "failed"

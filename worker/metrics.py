@@ -1,0 +1,86 @@
+"""Every metric a worker process exports, in one place (served on ``LAYERTAP_METRICS_PORT``).
+
+All carry a ``worker`` label (the process's worker name), so dashboards name workers, not IPs.
+``WorkerMetrics`` binds that label once; code elsewhere only calls ``.inc()``/``.observe()``/``.set()``
+on its attributes. Rates (tokens/s, samples/s) are ``rate()`` of the counters in PromQL.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+State = Literal["idle", "working", "paused"]
+STATES: tuple[State, ...] = ("idle", "working", "paused")
+STAGES = ("queue_wait", "prefill", "dump_wait", "validate", "commit")
+ERROR_KINDS = ("row", "overlong", "capture", "server", "task")
+PAUSE_REASONS = ("low_disk",)
+# From a 1 ms commit to an hour in the queue: every stage fits on one scale.
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+SAMPLES = Counter(
+    "layertap_worker_samples", "Samples this worker finished, by status (committed, or failed for good).",
+    ["worker", "status"],
+)  # fmt: skip
+TOKENS = Counter("layertap_worker_tokens", "Tokens of the samples this worker committed.", ["worker"])
+WRITTEN = Counter("layertap_worker_written_bytes", "Bytes of sample files this worker committed.", ["worker"])
+ERRORS = Counter(
+    "layertap_worker_errors",
+    "Errors by kind: row (bad dataset row), overlong (skipped), capture (a sample failed every attempt), "
+    "server (the engine or its server failed a shard), task (any other shard failure).",
+    ["worker", "kind"],
+)
+SHARDS = Counter("layertap_worker_shards", "Shard attempts this worker ended, by outcome.", ["worker", "outcome"])
+STAGE = Histogram(
+    "layertap_stage_duration_seconds",
+    "Time per stage: queue_wait (per shard), prefill, dump_wait, validate and commit (per sample).",
+    ["worker", "stage"],
+    buckets=STAGE_BUCKETS,
+)
+STATE = Gauge("layertap_worker_state", "1 for the state the worker is in (idle, working, paused).", ["worker", "state"])
+PAUSED = Gauge("layertap_worker_paused", "1 while the worker is paused, labelled with why.", ["worker", "reason"])
+FREE = Gauge(
+    "layertap_worker_output_free_bytes", "Free bytes on the output volume, as this worker sees it.", ["worker"]
+)
+FLOOR = Gauge("layertap_worker_min_free_bytes", "The free-space floor below which this worker pauses.", ["worker"])
+
+
+class WorkerMetrics:
+    """This process's children of every metric, bound to its worker name (made once per process)."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self.committed = SAMPLES.labels(worker, "committed")
+        self.failed = SAMPLES.labels(worker, "failed")
+        self.tokens = TOKENS.labels(worker)
+        self.written_bytes = WRITTEN.labels(worker)
+        self.errors = {kind: ERRORS.labels(worker, kind) for kind in ERROR_KINDS}
+        self.stages = {stage: STAGE.labels(worker, stage) for stage in STAGES}
+        self.states = {state: STATE.labels(worker, state) for state in STATES}
+        self.paused = {reason: PAUSED.labels(worker, reason) for reason in PAUSE_REASONS}
+        self.free_bytes = FREE.labels(worker)
+        self.min_free_bytes = FLOOR.labels(worker)
+        self.states["idle"].set(1)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """The timing callback handed to code that must not import prometheus (the SGLang engine)."""
+        self.stages[stage].observe(seconds)
+
+    def shard_ended(self, outcome: str) -> None:
+        SHARDS.labels(self.worker, outcome).inc()
+
+
+def serve(port: int, host: str = "0.0.0.0") -> bool:
+    """Serve the default registry on ``host:port`` from a daemon thread; False if the port is taken
+    (a second process of the same worker: only the first exports)."""
+    try:
+        start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as exc:
+        log.warning("metrics: cannot listen on %s:%d (%s); this process exports no metrics", host, port, exc)
+        return False
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return True
