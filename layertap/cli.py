@@ -32,6 +32,21 @@ def hf_engine_factory(model: Path, device: str, batch_tokens: int):
     return make
 
 
+def sglang_engine_factory(model: Path, out: Path, server_url: str | None, dump_root: Path | None, in_flight: int,
+                          sglang_python: Path, sglang_args: str):  # fmt: skip
+    """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
+
+    def make(capture: CaptureSpec):
+        from worker.sglang_engine import SGLangEngine, start_server
+
+        dumps = dump_root or out.parent / f".{out.name}-dumps"
+        server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
+                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log")  # fmt: skip
+        return SGLangEngine(server, capture, dump_root=dumps, job=out.name, in_flight=in_flight)
+
+    return make
+
+
 @click.group()
 def main() -> None:
     """Extract intermediate hidden states for speculative-decoding drafter training."""
@@ -71,7 +86,23 @@ def _quiet_libraries() -> None:
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--max-length", type=int, default=None)
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True)
-@click.option("--engine", type=click.Choice(["hf"]), default="hf", show_default=True)
+@click.option("--engine", type=click.Choice(["hf", "sglang"]), default="hf", show_default=True)
+@click.option("--server-url", default=None, help="sglang: attach to this capture server instead of launching one.")
+@click.option(
+    "--dump-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="sglang: where the plugin writes dumps (tmpfs is best; must be the server's view).",
+)
+@click.option("--in-flight", type=int, default=16, show_default=True, help="sglang: requests in flight.")
+@click.option(
+    "--sglang-python",
+    type=click.Path(path_type=Path),
+    default=Path("python3"),
+    show_default=True,
+    help="sglang: the python of the server's own environment.",
+)
+@click.option("--sglang-args", default="", help="sglang: extra server flags, shell-quoted (e.g. '--tp-size 8').")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="HF engine: padded tokens per batch.")
 @click.option(
@@ -93,6 +124,11 @@ def extract(
     max_length,
     overlong,
     engine,
+    server_url,
+    dump_root,
+    in_flight,
+    sglang_python,
+    sglang_args,
     device,
     batch_tokens,
     resume_check,
@@ -117,9 +153,12 @@ def extract(
         _fail(str(exc))
     progress = RichProgress(console)
     try:
-        report = run_extraction(
-            spec, out, hf_engine_factory(model, device, batch_tokens), progress=progress, check_level=resume_check
+        factory = (
+            hf_engine_factory(model, device, batch_tokens)
+            if engine == "hf"
+            else sglang_engine_factory(model, out, server_url, dump_root, in_flight, sglang_python, sglang_args)
         )
+        report = run_extraction(spec, out, factory, progress=progress, check_level=resume_check)
     except LayertapError as exc:
         _fail(str(exc))
     finally:

@@ -226,27 +226,43 @@ class SGLangEngine(Engine):
         self.server.stop()
 
 
-def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> SGLangEngine:
-    """The worker's SGLang engine: attach to ``settings.server_url`` or launch a capture server that this
-    process owns (its environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited)."""
-    dump_root = Path(settings.dump_root)  # WorkerSettings requires it for the sglang engine
-    if settings.server_url:
-        server = SGLangServer(url=settings.server_url)
+def start_server(
+    capture: CaptureSpec,
+    model: Path,
+    *,
+    dump_root: Path,
+    server_url: str | None,
+    python: Path,
+    sglang_args: str,
+    rid_prefix: str,
+    log_path: Path,
+) -> SGLangServer:
+    """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
+    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited); returns it ready."""
+    if server_url:
+        server = SGLangServer(url=server_url)
     else:
         final = "both" if capture.final_post and capture.final_pre else ("post" if capture.final_post else "pre")
-        server = SGLangServer(
-            ServerConfig(
-                python=settings.sglang_python,
-                model=spec.model,
-                dump_root=dump_root,
-                layers=capture.layers,
-                final=final,
-                rid_prefix=settings.rid_prefix,
-                log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
-                sglang_args=tuple(shlex.split(settings.sglang_args)),
-            )
-        )
+        config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers, final=final,
+                              rid_prefix=rid_prefix, log_path=log_path, sglang_args=tuple(shlex.split(sglang_args)))  # fmt: skip
+        server = SGLangServer(config)
     server.start()
+    return server
+
+
+def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> SGLangEngine:
+    """The worker's SGLang engine, on the server its settings name or launch."""
+    dump_root = Path(settings.dump_root)  # WorkerSettings requires it for the sglang engine
+    server = start_server(
+        capture,
+        spec.model,
+        dump_root=dump_root,
+        server_url=settings.server_url,
+        python=settings.sglang_python,
+        sglang_args=settings.sglang_args,
+        rid_prefix=settings.rid_prefix,
+        log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
+    )
     job = spec.out.name if spec.out else "job"
     stages = WorkerMetrics(settings.process_name()).observe_stage
     return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,

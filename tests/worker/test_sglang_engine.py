@@ -151,3 +151,32 @@ def test_server_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_llama, cuda
         hidden, _ = ref.states(obj["input_ids"])
         assert rel(obj["hidden_state"][0], hidden[num_layers]) < REL_TOL
         assert rel(obj["aux_hidden_state"][0, :, :64], hidden[layers[0]]) < REL_TOL
+
+
+def test_cli_extract_engine_sglang_launches_its_server(tiny_llama, cuda_stub_dir, tmp_path, hf_reference):
+    import os
+    import subprocess
+    import sys
+
+    from tests.core.datasets import conversation_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "chats.jsonl", conversation_rows(20, seed=8))
+    out = tmp_path / "states"
+    sglang_args = " ".join((*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "64"))
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
+         "--layers", "1,3,5", "--out", str(out), "--format", "speculators", "--store-dtype", "float32",
+         "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON), "--sglang-args", sglang_args,
+         "--dump-root", str(tmp_path / "dumps"), "--in-flight", "8"],
+        env={**os.environ, **cpu_server_env(cuda_stub_dir)}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-4000:]
+    check = verify_store(out)
+    assert check.ok and check.samples == 20, check.problems
+    store = OutputStore.open_existing(out)
+    assert store.manifest.engine["name"] == "sglang"
+    ref = hf_reference(tiny_llama)
+    for rec in store.records().values():
+        states = store.format.load(out / rec.file)["hidden_states"]
+        hidden, pre = ref.states(store.format.load(out / rec.file)["token_ids"])
+        assert rel(states[:, 1], hidden[3]) < REL_TOL and rel(states[:, 3], pre) < REL_TOL
