@@ -1,0 +1,211 @@
+"""Monitoring on a live job (see conftest's ``stack``): the status page in headless Chromium, a real
+Prometheus scraping the coordinator and the worker, and the free-space guard on a real filesystem.
+
+``LAYERTAP_STATUS_SCREENSHOT=docs/status-page.png`` keeps the status page's screenshot there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from layertap.diskspace import free_bytes
+from layertap.verify import verify_store
+from tests.monitoring.conftest import FLOOR_BYTES, RESUME_BYTES, Stack
+from tests.monitoring.test_configs import METRIC, dashboard_queries
+from tests.service_fixtures import wait_for
+
+pytestmark = pytest.mark.services
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+N_STATUS, N_PROM, N_GUARD = 600, 300, 300  # rows per job: tens of seconds at ~40 samples/s
+
+
+def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium on ``url``; the page's scripts get 3 s of (virtual) time to fetch and draw."""
+    assert CHROMIUM, "chromium is missing: run scripts/setup_system.sh"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+           f"--user-data-dir={profile}", "--window-size=1280,900", "--virtual-time-budget=3000", *args, url]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+class _Page(HTMLParser):
+    """What the status page drew: each job card's data attributes and text, each worker row's text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jobs: dict[str, dict] = {}
+        self.workers: dict[str, str] = {}
+        self._open: list[tuple[str, str, str]] = []  # (tag, kind, key) of the cards and rows being read
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if "data-job-id" in a:
+            self.jobs[a["data-job-id"]] = {"progress": float(a["data-progress"]), "class": a["class"], "text": ""}
+            self._open.append((tag, "job", a["data-job-id"]))
+        elif "data-worker" in a:
+            self.workers[a["data-worker"]] = ""
+            self._open.append((tag, "worker", a["data-worker"]))
+        elif self._open and self._open[-1][0] == tag:
+            self._open.append((tag, "", ""))
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open and self._open[-1][0] == tag:
+            self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        for _, kind, key in self._open:
+            if kind == "job":
+                self.jobs[key]["text"] += data + " "
+            elif kind == "worker":
+                self.workers[key] += data + " "
+
+
+def render(stack: Stack, profile: Path) -> _Page:
+    page = _Page()
+    page.feed(chromium(f"{stack.coordinator.url}/status", profile, "--dump-dom").stdout)
+    return page
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_the_status_page_shows_a_live_job_advancing(stack: Stack, tiny_llama: Path, tmp_path: Path) -> None:
+    job_id = stack.submit(tiny_llama, stack.dataset(N_STATUS, seed=11), out="status-page")
+    stack.wait_job(job_id, lambda j: j["samples_done"] >= 10 and j["samples_per_s"] > 0, "the job to be moving")
+    first = render(stack, tmp_path / "profile")
+    card = first.jobs[job_id]
+    assert "running" in card["class"].split() and "samples/s" in card["text"] and "ETA" in card["text"]
+    assert re.search(r"\d+\.\d%", card["text"]), card["text"]  # the bar's label
+    assert "working" in first.workers["mon1"] and job_id in first.workers["mon1"], first.workers
+
+    # Wait until the job has moved on by a few percent, then look again.
+    stack.wait_job(job_id, lambda j: j["samples_done"] >= N_STATUS * card["progress"] + 20, "more progress")
+    second = render(stack, tmp_path / "profile")
+    assert second.jobs[job_id]["progress"] > card["progress"], (card, second.jobs[job_id])
+
+    shot = Path(os.environ.get("LAYERTAP_STATUS_SCREENSHOT", tmp_path / "status-page.png")).resolve()
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    chromium(f"{stack.coordinator.url}/status", tmp_path / "profile", f"--screenshot={shot}")
+    assert png_size(shot) == (1280, 900) and shot.stat().st_size > 20_000  # a drawn page, not a blank one
+
+    stack.wait_job(job_id, lambda j: j["state"] == "done", "the job to be done")
+    last = render(stack, tmp_path / "profile").jobs[job_id]
+    assert last["progress"] == 1.0 and "done" in last["class"].split() and "100.0%" in last["text"]
+
+
+def scraped(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url, timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
+    stack: Stack, tiny_llama: Path, tmp_path: Path
+) -> None:
+    before = scraped(stack.worker_metrics)
+    committed_before = before.get(("layertap_worker_samples_total", (("status", "committed"), ("worker", "mon1"))), 0)
+    job_id = stack.submit(tiny_llama, stack.dataset(N_PROM, seed=12), out="prometheus")
+    job = stack.wait_job(job_id, lambda j: j["state"] == "done", "the job to be done")
+
+    targets = httpx.get(f"{stack.prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    assert {t["labels"]["job"]: t["health"] for t in targets} == {"layertap-coordinator": "up", "layertap-worker": "up"}
+
+    # What Prometheus holds once it has scraped the finished job equals the API's and the store's numbers,
+    # and it also saw the job running part way.
+    def final() -> list[dict]:
+        return stack.query(f'layertap_job_state{{job_id="{job_id}",state="done"}} == 1')
+
+    wait_for(final, timeout=20, what="Prometheus to scrape the finished job")
+    assert stack.query(f'max_over_time(layertap_job_state{{job_id="{job_id}",state="running"}}[10m]) == 1')
+    partway = stack.query(f'min_over_time(layertap_job_progress_ratio{{job_id="{job_id}"}}[10m])')
+    assert float(partway[0]["value"][1]) < 1
+    rate = stack.query(f'max_over_time(layertap_job_tokens_per_second{{job_id="{job_id}"}}[10m])')
+    assert float(rate[0]["value"][1]) > 0
+    done = stack.query(f'layertap_job_samples{{job_id="{job_id}",status="done"}}')
+    assert float(done[0]["value"][1]) == job["samples_done"] == N_PROM
+    tokens = stack.query(f'layertap_job_tokens{{job_id="{job_id}",status="done"}}')
+    assert float(tokens[0]["value"][1]) == job["tokens_done"]
+    worker = scraped(stack.worker_metrics)
+    committed = worker[("layertap_worker_samples_total", (("status", "committed"), ("worker", "mon1")))]
+    assert committed - committed_before == N_PROM
+    records = [json.loads(line) for f in (Path(job["out"]) / "index").glob("*.jsonl") for line in f.open()]
+    assert len(records) == N_PROM
+    commits = worker[("layertap_stage_duration_seconds_count", (("stage", "commit"), ("worker", "mon1")))]
+    assert commits >= N_PROM and worker[("layertap_worker_written_bytes_total", (("worker", "mon1"),))] >= sum(
+        r["nbytes"] for r in records
+    )
+    assert worker[("layertap_stage_duration_seconds_count", (("stage", "queue_wait"), ("worker", "mon1")))] >= 5
+
+    # Every dashboard query is valid PromQL that Prometheus runs, and every metric it names has series.
+    for expr in dashboard_queries():
+        if expr.startswith("label_values("):
+            name, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", expr).groups()
+            assert {s["metric"][label] for s in stack.query(name)}, expr
+        else:
+            stack.query(expr.replace("$job_id", ".*").replace("$worker", ".*"))
+    for name in {n for expr in dashboard_queries() for n in METRIC.findall(expr)}:
+        assert stack.query(f"count({name})"), f"no series of {name}"
+    rules = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"][0]["rules"]
+    assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+def test_the_free_space_guard_pauses_a_worker_on_a_full_volume_and_resumes_it(stack: Stack, tiny_llama: Path) -> None:
+    if not stack.on_tmpfs:
+        pytest.skip("cannot mount a tmpfs here (needs root): no small filesystem to fill")
+    job_id = stack.submit(tiny_llama, stack.dataset(N_GUARD, seed=13), out="guarded")
+    stack.wait_job(job_id, lambda j: j["samples_done"] >= 20, "the job to be moving")
+
+    # Fill the volume to 32 MiB under the floor.
+    ballast = stack.output_root / "ballast.bin"
+    with ballast.open("wb") as f:
+        os.posix_fallocate(f.fileno(), 0, free_bytes(stack.output_root) - FLOOR_BYTES + (32 << 20))
+    assert free_bytes(stack.output_root) < FLOOR_BYTES
+
+    def paused() -> dict | None:
+        workers = {w["name"]: w for w in stack.get("/workers")["workers"]}
+        return workers["mon1"] if workers.get("mon1", {}).get("state") == "paused" else None
+
+    worker = wait_for(paused, timeout=30, what="the worker to say it paused", every=0.1)
+    assert "low disk" in worker["reason"] and worker["free_bytes"] < FLOOR_BYTES and worker["job"] == job_id
+    metrics = scraped(stack.worker_metrics)
+    assert metrics[("layertap_worker_paused", (("reason", "low_disk"), ("worker", "mon1")))] == 1
+    assert metrics[("layertap_worker_state", (("state", "paused"), ("worker", "mon1")))] == 1
+    assert metrics[("layertap_worker_state", (("state", "working"), ("worker", "mon1")))] == 0
+    assert metrics[("layertap_worker_output_free_bytes", (("worker", "mon1"),))] < FLOOR_BYTES
+    wait_for(lambda: stack.query('layertap_worker_paused{reason="low_disk"} == 1'), timeout=10,
+             what="Prometheus to see the pause")  # fmt: skip
+
+    # Paused means nothing more is committed: the count holds still while the volume stays full.
+    held = stack.get(f"/jobs/{job_id}")["samples_done"]
+    time.sleep(2)
+    job = stack.get(f"/jobs/{job_id}")
+    assert job["samples_done"] == held < N_GUARD and job["state"] == "running"
+
+    ballast.unlink()
+    assert free_bytes(stack.output_root) > RESUME_BYTES
+    job = stack.wait_job(job_id, lambda j: j["state"] == "done", "the job to finish after the pause")
+    assert job["samples_done"] == N_GUARD and job["samples_failed"] == 0
+    metrics = scraped(stack.worker_metrics)
+    assert metrics[("layertap_worker_paused", (("reason", "low_disk"), ("worker", "mon1")))] == 0
+    assert stack.get("/workers")["workers"][0]["state"] == "idle"
+    report = verify_store(Path(job["out"]))
+    assert report.ok and report.complete, report.problems
