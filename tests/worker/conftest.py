@@ -8,7 +8,10 @@ single-process reference run byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +29,7 @@ from layertap.store.index import INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import Coordinator, Proc, RedisServer, Services, wait_for
+from tests.service_fixtures import REPO_ROOT, Coordinator, Proc, RedisServer, Services, wait_for
 
 LAYERS = (1, 3, 5)
 NUM_SAMPLES = 300
@@ -168,6 +171,14 @@ def start_cluster(services: Services, redis_server: RedisServer, redis_client: R
         return cluster
 
     return start
+
+
+def layertap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the ``layertap`` command line (as a user would) with extra environment variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "layertap", *args], capture_output=True, text=True, timeout=600,
+        env={**os.environ, **(env or {})}, cwd=REPO_ROOT,
+    )  # fmt: skip
 
 
 def check_output(out: Path, reference: dict[str, str], *, missing: set[str] = frozenset()) -> None:

@@ -6,10 +6,7 @@ uninterrupted single-process run, and ``layertap verify`` clean.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,15 +14,8 @@ import pytest
 
 from layertap.store.index import INDEX_DIR
 from layertap.store.store import OutputStore
-from tests.service_fixtures import REPO_ROOT, wait_for
-from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output
-
-
-def layertap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "layertap", *args], capture_output=True, text=True, timeout=600,
-        env={**os.environ, **(env or {})}, cwd=REPO_ROOT,
-    )  # fmt: skip
+from tests.service_fixtures import wait_for
+from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
 
 def test_a_job_submitted_with_the_cli_completes_exactly_once_over_two_workers(

@@ -13,8 +13,7 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.service_fixtures import REPO_ROOT
-from tests.worker.conftest import NUM_SAMPLES, check_output
-from tests.worker.test_distributed import layertap
+from tests.worker.conftest import NUM_SAMPLES, check_output, layertap
 
 POISON_TOKEN = 1534  # "ĠFibonacci" in the tiny tokenizer: never produced from the conversation words
 
