@@ -34,6 +34,7 @@ class WorkerStatus:
         self.free_bytes: int | None = None
         self.on_change: Callable[[], None] | None = None  # e.g. an immediate heartbeat
         self._lock = threading.Lock()
+        self.set("idle")
 
     def set(self, state: State, reason: str = "") -> None:
         with self._lock:

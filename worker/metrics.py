@@ -64,7 +64,6 @@ class WorkerMetrics:
         self.paused = {reason: PAUSED.labels(worker, reason) for reason in PAUSE_REASONS}
         self.free_bytes = FREE.labels(worker)
         self.min_free_bytes = FLOOR.labels(worker)
-        self.states["idle"].set(1)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """The timing callback handed to code that must not import prometheus (the SGLang engine)."""

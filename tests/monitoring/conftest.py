@@ -40,10 +40,10 @@ class Stack:
     on_tmpfs: bool
     data_dir: Path
 
-    def dataset(self, rows: int, seed: int) -> Path:
-        return write_jsonl(
-            self.data_dir / f"data-{rows}-{seed}.jsonl", conversation_rows(rows, seed=seed, max_words=18)
-        )
+    def dataset(self, rows: int, seed: int, bad_lines: dict[int, str] | None = None) -> Path:
+        """``rows`` conversations (~20-200 tokens), plus ``bad_lines`` (position -> raw line) that fail to parse."""
+        path = self.data_dir / f"data-{rows}-{seed}.jsonl"
+        return write_jsonl(path, conversation_rows(rows, seed=seed, max_words=18), bad_lines)
 
     def submit(self, model: Path, data: Path, **extra) -> str:
         body = {"model": str(model), "data": str(data), "layers": LAYERS, "shard_size": 25,

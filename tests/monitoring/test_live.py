@@ -86,7 +86,8 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_the_status_page_shows_a_live_job_advancing(stack: Stack, tiny_llama: Path, tmp_path: Path) -> None:
-    job_id = stack.submit(tiny_llama, stack.dataset(N_STATUS, seed=11), out="status-page")
+    bad = {7: "{not json", 42: '{"id": "no-turns", "messages": []}'}  # shown as the job's errors
+    job_id = stack.submit(tiny_llama, stack.dataset(N_STATUS, seed=11, bad_lines=bad), out="status-page")
     stack.wait_job(job_id, lambda j: j["samples_done"] >= 10 and j["samples_per_s"] > 0, "the job to be moving")
     first = render(stack, tmp_path / "profile")
     card = first.jobs[job_id]
@@ -95,7 +96,7 @@ def test_the_status_page_shows_a_live_job_advancing(stack: Stack, tiny_llama: Pa
     assert "working" in first.workers["mon1"] and job_id in first.workers["mon1"], first.workers
 
     # Wait until the job has moved on by a few percent, then look again.
-    stack.wait_job(job_id, lambda j: j["samples_done"] >= N_STATUS * card["progress"] + 20, "more progress")
+    stack.wait_job(job_id, lambda j: j["samples_done"] >= (N_STATUS + 2) * card["progress"] + 20, "more progress")
     second = render(stack, tmp_path / "profile")
     assert second.jobs[job_id]["progress"] > card["progress"], (card, second.jobs[job_id])
 
@@ -107,6 +108,7 @@ def test_the_status_page_shows_a_live_job_advancing(stack: Stack, tiny_llama: Pa
     stack.wait_job(job_id, lambda j: j["state"] == "done", "the job to be done")
     last = render(stack, tmp_path / "profile").jobs[job_id]
     assert last["progress"] == 1.0 and "done" in last["class"].split() and "100.0%" in last["text"]
+    assert "row 7 (row)" in last["text"] and "row 42 (row)" in last["text"], last["text"]
 
 
 def scraped(url: str) -> dict[tuple[str, tuple], float]:
@@ -154,6 +156,8 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
         r["nbytes"] for r in records
     )
     assert worker[("layertap_stage_duration_seconds_count", (("stage", "queue_wait"), ("worker", "mon1")))] >= 5
+    states = [v for (name, _), v in worker.items() if name == "layertap_worker_state"]
+    assert sorted(states) == [0, 0, 1]  # one state at a time
 
     # Every dashboard query is valid PromQL that Prometheus runs, and every metric it names has series.
     for expr in dashboard_queries():
