@@ -130,12 +130,13 @@ class Cluster:
         """SIGSTOP the worker of a shard that has committed some but not all of its samples (or every
         worker, with ``all_workers``); returns that shard as read while frozen (``n`` = its number).
 
-        Freezing first makes "mid-shard" certain: the shard is read again while nothing can move.
+        Freezing first makes "mid-shard" certain: the shard is read again while nothing can move. At
+        most 13 of 25 samples are done then, so the commits already under way cannot finish the shard.
         """
 
         def frozen() -> dict | None:
             for n, shard in enumerate(self.shards(job_id)):
-                if shard.get("state") != "running" or not 2 <= int(shard.get("done", 0)) <= SHARD_SIZE - 5:
+                if shard.get("state") != "running" or not 2 <= int(shard.get("done", 0)) <= SHARD_SIZE - 12:
                     continue
                 victims = list(self.workers.values()) if all_workers else [self.workers[shard["worker"]]]
                 for proc in victims:
