@@ -11,17 +11,12 @@ from collections import Counter
 from redis import Redis
 
 from layertap.state.keys import Keys
-from layertap.state.model import JobSpec, JobView, SampleFailure, WorkerView
+from layertap.state.model import JobView, SampleFailure, WorkerView
 
 
 def list_job_ids(redis: Redis, keys: Keys, *, limit: int = 100) -> list[str]:
     """Newest first."""
     return list(redis.zrevrange(keys.jobs, 0, limit - 1))
-
-
-def job_spec(redis: Redis, keys: Keys, job_id: str) -> JobSpec | None:
-    raw = redis.hget(keys.job(job_id), "spec")
-    return None if raw is None else JobSpec.model_validate_json(raw)
 
 
 def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
