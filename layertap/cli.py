@@ -37,7 +37,7 @@ def sglang_engine_factory(model: Path, out: Path, server_url: str | None, dump_r
     """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
 
     def make(capture: CaptureSpec):
-        from worker.sglang_engine import SGLangEngine, start_server
+        from layertap.engines.sglang import SGLangEngine, start_server
 
         dumps = dump_root or out.parent / f".{out.name}-dumps"
         server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
@@ -50,11 +50,11 @@ def sglang_engine_factory(model: Path, out: Path, server_url: str | None, dump_r
 @click.group()
 def main() -> None:
     """Extract intermediate hidden states for speculative-decoding drafter training."""
-    _quiet_libraries()
 
 
 def _quiet_libraries() -> None:
-    """Our progress bar is the one to watch: silence transformers/datasets bars and warnings."""
+    """Our progress bar is the one to watch: silence transformers/datasets bars and warnings (called by the
+    commands that load models, so that light commands like ``status`` start fast)."""
     import datasets
     import transformers
 
@@ -134,6 +134,7 @@ def extract(
     resume_check,
 ) -> None:
     """Run (or resume) an extraction into OUT."""
+    _quiet_libraries()
     from layertap.pipeline import run_extraction
     from layertap.progress import RichProgress
 
@@ -211,6 +212,7 @@ def tiny_model(arch: str, seed: int, out: Path) -> None:
 )
 def demo(out: Path, fmt: str) -> None:
     """Build a tiny model and a small conversation set, extract, verify, and show the result."""
+    _quiet_libraries()
     from layertap.demo import run_demo
 
     try:

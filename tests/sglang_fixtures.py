@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.server import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
-from worker.server import SGLangServer as ServerProcess
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang_server import SGLangServer as ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = Path(os.environ.get("LAYERTAP_SGLANG_PYTHON", "/opt/sglang-venv/bin/python"))
@@ -84,7 +84,7 @@ def run_sglang_server(
     rid_prefix: str = "hscap",
     extra_args: Sequence[str] = (),
 ) -> Iterator[SGLangServer]:
-    """Start a CPU capture server with the product's own `worker.server.SGLangServer` (launched through
+    """Start a CPU capture server with the product's own `layertap.engines.sglang_server.SGLangServer` (launched through
     `sglang_patch.launch`, dies with this process), wait until healthy, stop it on exit."""
     config = ServerConfig(
         python=SGLANG_PYTHON,

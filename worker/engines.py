@@ -1,7 +1,7 @@
 """The one place a worker turns its settings and a job into an engine.
 
 ``LAYERTAP_ENGINE`` picks the type: ``hf`` (in-process transformers) now; ``sglang`` (a patched
-SGLang server owned by this process) comes from ``worker.sglang_engine``, which must provide
+SGLang server owned by this process) comes from ``worker.sglang_engine``, which provides
 ``build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> Engine``.
 """
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
 from layertap.models.tiny import build_tiny_model, model_dims
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
-from worker.server import ServerConfig, SGLangServer
-from worker.sglang_engine import SGLangEngine
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
@@ -159,7 +159,7 @@ def main() -> None:
     global DEVICE, GPU_ARGS, SHAPE, LAYERS
     python = Path(shutil.which("python3"))
     if args.cpu_smoke:  # the same code path on this machine's CPU SGLang, to debug before using GPU time
-        from worker.server import CPU_SERVER_ARGS
+        from layertap.engines.sglang_server import CPU_SERVER_ARGS
 
         DEVICE, SHAPE, LAYERS = "cpu", {}, (1, 3, 5)
         GPU_ARGS = (*CPU_SERVER_ARGS, "--dtype", "bfloat16", "--chunked-prefill-size", "512")

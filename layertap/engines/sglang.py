@@ -22,22 +22,17 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from layertap.engines.base import Engine
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
 from layertap.errors import SampleError, ServerError
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 from layertap.validate import ids_sha256
 from sglang_patch.contract import AUX, FINAL_TENSORS, DumpError, dump_dir, format_rid, read_dump
-from worker.metrics import WorkerMetrics
-from worker.server import ServerConfig, SGLangServer
-
-if TYPE_CHECKING:
-    from layertap.state.model import JobSpec
-    from worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -248,22 +243,3 @@ def start_server(
         server = SGLangServer(config)
     server.start()
     return server
-
-
-def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> SGLangEngine:
-    """The worker's SGLang engine, on the server its settings name or launch."""
-    dump_root = Path(settings.dump_root)  # WorkerSettings requires it for the sglang engine
-    server = start_server(
-        capture,
-        spec.model,
-        dump_root=dump_root,
-        server_url=settings.server_url,
-        python=settings.sglang_python,
-        sglang_args=settings.sglang_args,
-        rid_prefix=settings.rid_prefix,
-        log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
-    )
-    job = spec.out.name if spec.out else "job"
-    stages = WorkerMetrics(settings.process_name()).observe_stage
-    return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
-                        in_flight=settings.in_flight, observe=stages)  # fmt: skip

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
 from layertap.models.tiny import model_dims
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
@@ -24,8 +26,6 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
 from tests.sglang_patch.test_server import HealthProber, rel
-from worker.server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
-from worker.sglang_engine import SGLangEngine
 
 pytestmark = pytest.mark.sglang
 REL_TOL = 1e-4
