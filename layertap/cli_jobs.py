@@ -118,11 +118,14 @@ def coordinator(host: str, port: int) -> None:
 @click.option("--batch-size", type=int, default=None, help="HF engine: samples per forward.")
 @click.option("--in-flight", type=int, default=None, help="SGLang engine: requests in flight per worker.")
 @click.option("--attempts", type=int, default=3, show_default=True, help="Captures per sample before it fails.")
+@click.option(
+    "--expected-tokens", type=int, default=None, help="Rough tokens in the dataset: refused unless the output fits."
+)
 @click.option("--wait", is_flag=True, help="Follow the job until it ends; exit 1 unless it is done.")
 @api_option
 @token_option
 def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, out, shard_size,
-           batch_tokens, batch_size, in_flight, attempts, wait, api, token) -> None:  # fmt: skip
+           batch_tokens, batch_size, in_flight, attempts, expected_tokens, wait, api, token) -> None:  # fmt: skip
     """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
     engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
     body = {
@@ -139,6 +142,7 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         "shard_size": shard_size,
         "engine": {k: v for k, v in engine.items() if v is not None},
         "sample_attempts": attempts,
+        "expected_tokens": expected_tokens,
     }
     job = _call(api, token, "POST", "/jobs", body)
     console.print(

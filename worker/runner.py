@@ -135,7 +135,7 @@ class WorkerContext:
         if (waited := queue_wait_s(self.redis, self.keys, job_id, shard)) is not None:
             self.metrics.stages["queue_wait"].observe(waited)
         events = RedisEvents(attempt, self.meter, self.metrics, self.guard, spec.out)
-        with self.status.working(), self.heartbeat.holding(job_id, shard, token):
+        with self.heartbeat.holding(job_id, shard, token), self.status.working():
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             try:

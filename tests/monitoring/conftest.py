@@ -46,8 +46,8 @@ class Stack:
         return write_jsonl(path, conversation_rows(rows, seed=seed, max_words=18), bad_lines)
 
     def submit(self, model: Path, data: Path, **extra) -> str:
-        body = {"model": str(model), "data": str(data), "layers": LAYERS, "shard_size": 25,
-                "engine": {"batch_size": 1}, **extra}  # fmt: skip
+        body = {"model": str(model), "data": str(data), "layers": LAYERS, "shard_size": 25, "engine": {"batch_size": 1}}
+        body.update(extra)
         with self.coordinator.client() as api:
             reply = api.post("/jobs", json=body)
         assert reply.status_code == 201, reply.text
@@ -68,6 +68,20 @@ class Stack:
             return job if check(job) else None
 
         return wait_for(reached, timeout=timeout, what=what, every=0.1)
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel the job and wait until its worker let go of it (nothing running, the worker idle)."""
+        with self.coordinator.client() as api:
+            assert api.post(f"/jobs/{job_id}/cancel").status_code == 200
+
+        def settled() -> bool:
+            workers = self.get("/workers")["workers"]
+            return all(w["state"] == "idle" for w in workers) and not self.get(f"/jobs/{job_id}")["shards"].get(
+                "running"
+            )
+
+        wait_for(settled, timeout=60, what=f"job {job_id} to stop running", every=0.1)
+        return self.get(f"/jobs/{job_id}")
 
     def query(self, promql: str) -> list[dict]:
         """An instant query against the test's Prometheus; fails the test on a PromQL error."""
