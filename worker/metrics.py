@@ -67,7 +67,11 @@ class WorkerMetrics:
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """The timing callback handed to code that must not import prometheus (the SGLang engine)."""
-        self.stages[stage].observe(seconds)
+        STAGE.labels(self.worker, stage).observe(seconds)
+
+    def error(self, kind: str) -> Counter:
+        """The error counter of ``kind`` (made on first use for a kind not listed in ERROR_KINDS)."""
+        return ERRORS.labels(self.worker, kind)
 
     def shard_ended(self, outcome: str) -> None:
         SHARDS.labels(self.worker, outcome).inc()

@@ -77,7 +77,7 @@ class RedisEvents:
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         self.metrics.failed.inc()
-        self.metrics.errors[kind].inc()
+        self.metrics.error(kind).inc()
         self.job_state = self.attempt.sample_failed(SampleFailure(row, sample_id, reason, kind))
 
     def keep_going(self) -> bool:

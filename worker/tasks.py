@@ -50,11 +50,11 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
     try:
         return ctx.run_shard(job_id, shard, token)
     except _NO_RETRY as exc:
-        ctx.metrics.errors["task"].inc()
+        ctx.metrics.error("task").inc()
         ctx.give_up(job_id, shard, token, exc)
         return "failed"
     except Exception as exc:
-        ctx.metrics.errors["server" if isinstance(exc, ServerError) else "task"].inc()
+        ctx.metrics.error("server" if isinstance(exc, ServerError) else "task").inc()
         if self.request.retries >= self.max_retries:
             ctx.give_up(job_id, shard, token, exc)
             return "failed"
