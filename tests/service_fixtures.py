@@ -47,6 +47,20 @@ def wait_for(check: Callable[[], object], *, timeout: float, what: str, every: f
         time.sleep(every)
 
 
+def wait_until_serving(proc: Proc, url: str, *, timeout: float, what: str) -> None:
+    """Poll ``url`` until it answers 200; fail at once, with the log, if ``proc`` died meanwhile."""
+
+    def ok() -> bool:
+        if not proc.alive():
+            pytest.fail(f"{proc.name} exited\n{proc.log_tail()}")
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ok, timeout=timeout, what=what, every=0.2)
+
+
 @dataclass
 class Proc:
     """A subprocess with its output in a log file."""
@@ -217,15 +231,7 @@ class Services:
         self.procs.append(proc)
         coordinator = Coordinator(proc, f"http://127.0.0.1:{port}", token)
 
-        def healthy() -> bool:
-            if not proc.alive():
-                pytest.fail(f"coordinator exited\n{proc.log_tail()}")
-            try:
-                return httpx.get(f"{coordinator.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, timeout=90, what="the coordinator's /health", every=0.2)
+        wait_until_serving(proc, f"{coordinator.url}/health", timeout=90, what="the coordinator's /health")
         return coordinator
 
     def worker(self, name: str, redis_url: str, *, wait: bool = True, **env: str) -> Proc:

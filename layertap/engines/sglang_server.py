@@ -29,8 +29,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 # What a tiny model needs to run on SGLang 0.5.10's CPU backend (see scripts/setup_sglang_cpu.sh).
+# --sleep-on-idle: an idle scheduler otherwise busy-polls half a core, which starves everything else
+# on a small CPU box (the test suite keeps a few servers up for the whole session).
 CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
-                   "--disable-cuda-graph", "--max-total-tokens", "16384")  # fmt: skip
+                   "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
 
 
 def cpu_server_env(cuda_stub_dir: Path) -> dict[str, str]:

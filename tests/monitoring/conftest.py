@@ -21,7 +21,16 @@ import pytest
 import yaml
 
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import REPO_ROOT, Coordinator, Proc, RedisServer, Services, free_port, wait_for
+from tests.service_fixtures import (
+    REPO_ROOT,
+    Coordinator,
+    Proc,
+    RedisServer,
+    Services,
+    free_port,
+    wait_for,
+    wait_until_serving,
+)
 
 TMPFS_BYTES = 256 << 20
 FLOOR_BYTES = 96 << 20  # the worker pauses below this much free space...
@@ -113,16 +122,7 @@ def start_prometheus(services: Services, folder: Path, targets: dict[str, str]) 
     proc = Proc("prometheus", cmd, dict(os.environ), services.logs / "prometheus.log").start()
     services.procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if not proc.alive():
-            pytest.fail(f"prometheus exited\n{proc.log_tail()}")
-        try:
-            return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(ready, timeout=60, what="prometheus to be ready", every=0.2)
+    wait_until_serving(proc, f"{url}/-/ready", timeout=60, what="prometheus to be ready")
     return url
 
 
