@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_patch.sample_files import mask_from_runs
+
 INDEX_DIR = "index"
 ERRORS_DIR = "errors"
 
@@ -46,17 +48,7 @@ class SampleRecord:
 
     def loss_mask(self) -> torch.Tensor:
         """The loss mask [T] uint8 rebuilt from its runs."""
-        mask = torch.zeros(self.num_tokens, dtype=torch.uint8)
-        for start, end in self.mask_runs:
-            mask[start:end] = 1
-        return mask
-
-
-def mask_runs(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """[start, end) runs of ones in a 0/1 mask [T]; compact for chat masks (a few runs per turn)."""
-    m = mask.to(torch.int8).flatten()
-    edges = torch.diff(m, prepend=m.new_zeros(1), append=m.new_zeros(1)).nonzero().flatten().tolist()
-    return tuple((edges[i], edges[i + 1]) for i in range(0, len(edges), 2))
+        return mask_from_runs(self.mask_runs, self.num_tokens)
 
 
 class JsonlLog:

@@ -15,13 +15,14 @@ import torch
 from layertap.sample import CapturedSample
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
+from sglang_patch.sample_files import SPECFORGE, specforge_tensors, write_sample
 
 ROWS_PER_DIR = 2000
 KEYS = {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
 
 
 class SpecForgeFormat(SampleFormat):
-    name = "specforge"
+    name = SPECFORGE
     sample_glob = "rows_*/data_*.ckpt"
     ids_key = "input_ids"
     state_keys = ("hidden_state", "aux_hidden_state")
@@ -33,15 +34,11 @@ class SpecForgeFormat(SampleFormat):
     def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
         if captured.final_post is None:
             raise ValueError("specforge stores the post-norm final state; the capture has none")
-        t = captured.sample.num_tokens
-        # .contiguous() copies out of any batch buffer: torch.save writes a view's whole storage.
-        tensors = {
-            "input_ids": captured.sample.input_ids.to(torch.long).contiguous(),
-            "loss_mask": captured.sample.loss_mask.to(torch.long).contiguous(),
-            "hidden_state": captured.final_post.to(layout.dtype).reshape(1, t, -1).contiguous(),
-            "aux_hidden_state": captured.aux.to(layout.dtype).reshape(1, t, -1).contiguous(),
-        }
-        torch.save(tensors, f)
+        sample = captured.sample
+        tensors = specforge_tensors(
+            sample.input_ids, sample.loss_mask, captured.aux.to(layout.dtype), captured.final_post.to(layout.dtype)
+        )
+        write_sample(SPECFORGE, tensors, f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")

@@ -20,12 +20,12 @@ from typing import IO
 
 import torch
 from safetensors.torch import load_file
-from safetensors.torch import save as safetensors_bytes
 
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK, fsync_dir
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
+from sglang_patch.sample_files import SPECULATORS, speculators_tensors, write_sample
 
 KEYS = {"token_ids", "hidden_states"}
 PUBLISHED = "hidden_states"
@@ -33,7 +33,7 @@ ARROW_FILES = ("state.json", "dataset_info.json")
 
 
 class SpeculatorsFormat(SampleFormat):
-    name = "speculators"
+    name = SPECULATORS
     sample_glob = "samples/hs_*.safetensors"
     ids_key = "token_ids"
     state_keys = ("hidden_states",)
@@ -44,12 +44,10 @@ class SpeculatorsFormat(SampleFormat):
     def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
         if captured.final_pre is None:
             raise ValueError("speculators stores the pre-norm final state; the capture has none")
-        states = torch.cat([captured.aux, captured.final_pre.unsqueeze(1)], dim=1).to(layout.dtype)
-        f.write(
-            safetensors_bytes(
-                {"token_ids": captured.sample.input_ids.to(torch.long).contiguous(), "hidden_states": states}
-            )
+        tensors = speculators_tensors(
+            captured.sample.input_ids, captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype)
         )
+        write_sample(SPECULATORS, tensors, f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
