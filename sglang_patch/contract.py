@@ -11,11 +11,16 @@ probes and internal passes never match.
 Dump folders. A finished request appears, atomically (temp folder, fsync, rename), as::
 
     <dump_root>/<quote(rid)>/meta.json             DumpMeta as JSON, always present
-    <dump_root>/<quote(rid)>/states.safetensors    only when status == "ok":
+    <dump_root>/<quote(rid)>/states.safetensors    when status == "ok" and layout == "states":
         input_ids   int64 [T]       the token ids the server ran (little-endian in the file)
         aux         dtype [T, k, H] the capture indices `meta.layers`, in that order
         final_post  dtype [T, H]    if "post" in meta.finals: after the final norm
         final_pre   dtype [T, H]    if "pre" in meta.finals: before the final norm
+
+or, with layout "specforge" / "speculators", the sample already in that trainer's format
+(`sglang_patch.sample_files`) as ``sample.ckpt`` / ``sample.safetensors``: the client then commits
+it by renaming the file, copying no bytes. A specforge file holds the loss mask, which the client
+sends with the request as ``sampling_params.custom_params[LOSS_MASK_PARAM]``: [start, end) runs.
 
 Temp folders live under ``<dump_root>/.tmp/`` on the same filesystem, so the rename is atomic and
 a reader never sees a half-written dump.
@@ -53,12 +58,15 @@ from urllib.parse import quote, unquote
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_RID_PREFIX = "hscap"
 LAYER_CONVENTION = "capture"
 
 META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
+# Dump layout -> the file holding its tensors.
+LAYOUT_FILES: dict[str, str] = {"states": STATES_FILE, "specforge": "sample.ckpt", "speculators": "sample.safetensors"}
+LOSS_MASK_PARAM = "layertap_loss_mask_runs"
 TMP_DIR = ".tmp"
 
 INPUT_IDS = "input_ids"
@@ -182,6 +190,7 @@ class DumpMeta:
     finals: tuple[str, ...]
     dtype: str | None
     hidden_size: int | None
+    layout: str = "states"
     format_version: int = FORMAT_VERSION
     layer_convention: str = LAYER_CONVENTION
 
@@ -201,16 +210,28 @@ class DumpMeta:
             raise DumpError(f"unknown dump status {meta.status!r}")
         if any(f not in FINAL_TENSORS for f in meta.finals):
             raise DumpError(f"unknown final kinds {meta.finals!r}")
+        if meta.layout not in LAYOUT_FILES:
+            raise DumpError(f"unknown dump layout {meta.layout!r}")
         return meta
 
-    def expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
-        """Tensor name -> (safetensors dtype code, shape) that ``states.safetensors`` must hold."""
+    @property
+    def file(self) -> str:
+        """Name of the file holding this dump's tensors."""
+        return LAYOUT_FILES[self.layout]
+
+    def expected_tensors(self) -> tuple[str, dict[str, tuple[str, list[int]]]] | None:
+        """(ids tensor name, {tensor name: (safetensors dtype code, shape)}) of a safetensors layout;
+        None for specforge (a torch.save zip that only torch reads)."""
         if self.dtype not in _SAFETENSORS_DTYPES or self.hidden_size is None:
             raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
-        code, t, h = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size
-        expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, len(self.layers), h])}
+        code, t, h, k = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size, len(self.layers)
+        if self.layout == "speculators":
+            return "token_ids", {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
+        if self.layout == "specforge":
+            return None
+        expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, k, h])}
         expected.update((FINAL_TENSORS[f], (code, [t, h])) for f in self.finals)
-        return expected
+        return INPUT_IDS, expected
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,14 +250,20 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 def _check_states_file(path: Path, meta: DumpMeta) -> None:
-    """Shapes and dtypes against `meta`, and the input_ids hash against the raw bytes, stdlib only."""
+    """Shapes and dtypes against `meta`, and the input_ids hash against the raw bytes, stdlib only
+    (a specforge file, a zip only torch reads, is checked for presence here and by its reader)."""
+    if not path.is_file():
+        raise DumpError(f"{path} is missing")
+    expected_layout = meta.expected_tensors()
+    if expected_layout is None:
+        return
+    ids_name, expected = expected_layout
     header, data_start = _read_safetensors_header(path)
     header.pop("__metadata__", None)
     found = {name: (info["dtype"], info["shape"]) for name, info in header.items()}
-    expected = meta.expected_tensors()
     if found != expected:
         raise DumpError(f"{path}: tensors {found} do not match meta.json (expected {expected})")
-    begin, end = header[INPUT_IDS]["data_offsets"]
+    begin, end = header[ids_name]["data_offsets"]
     with path.open("rb") as f:
         f.seek(data_start + begin)
         digest = hashlib.sha256(f.read(end - begin)).hexdigest()
@@ -248,8 +275,9 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
     """Read and check one dump folder; DumpError if it breaks the contract.
 
     An "ok" dump is checked (tensor names, shapes, dtypes, input_ids hash) before anything is
-    loaded. With `load_tensors`, the tensors are loaded with safetensors into torch tensors; that
-    import happens here, not at module import, so the module itself stays stdlib-only.
+    loaded. With `load_tensors`, the file's tensors are loaded (memory-mapped where the reader can),
+    named as the layout names them; those imports happen here, not at module import, so the module
+    itself stays stdlib-only.
     """
     path = Path(path)
     meta = DumpMeta.from_json((path / META_FILE).read_text())
@@ -257,10 +285,14 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
         raise DumpError(f"{path}: meta.json is for rid {meta.rid!r}")
     if meta.status == "error":
         return Dump(path=path, meta=meta, tensors=None)
-    states = path / STATES_FILE
+    states = path / meta.file
     _check_states_file(states, meta)
     if not load_tensors:
         return Dump(path=path, meta=meta, tensors=None)
+    if meta.layout == "specforge":
+        import torch
+
+        return Dump(path=path, meta=meta, tensors=torch.load(states, mmap=True, weights_only=True))
     from safetensors.torch import load_file
 
     return Dump(path=path, meta=meta, tensors=load_file(states))

@@ -16,9 +16,10 @@ group); the factory returns None elsewhere, so other ranks run no hook at all.
 
 Two small runtime additions, no SGLang file is edited:
 - On the writer rank, `ForwardBatch.init_new` is wrapped to record each captured request's full
-  prompt length (``len(req.origin_input_ids)``) in `capture.PromptLengths`, keyed by rid: the
-  forward batch does not say where a prompt ends, and sglang 0.5.14 copies it into static buffers
-  before the model runs, so nothing can ride on the batch object itself.
+  prompt length (``len(req.origin_input_ids)``) and the loss mask its client sent (for specforge
+  dumps) in `capture.Prompts`, keyed by rid: the forward batch does not say where a prompt ends,
+  and sglang 0.5.14 copies it into static buffers before the model runs, so nothing can ride on the
+  batch object itself.
 - On import (SGLang imports this module in every scheduler process, which it starts with "spawn"),
   on the CPU engine only, a ``torch_native`` MLA attention handler for DeepseekV3 models.
 """
@@ -34,8 +35,8 @@ from typing import Any
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from sglang_patch.capture import Accumulator, Completed, Piece, PromptLengths, plan_pass
-from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
+from sglang_patch.capture import Accumulator, Completed, Piece, Prompts, plan_pass
+from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostStaging
 
@@ -44,8 +45,9 @@ logger = logging.getLogger(__name__)
 Hook = Callable[[torch.nn.Module, tuple[Any, ...], Any], None]
 
 
-def _record_prompt_lengths(lengths: PromptLengths) -> None:
-    """Wrap `ForwardBatch.init_new` so every prefill batch records its requests' prompt lengths."""
+def _record_prompts(prompts: Prompts) -> None:
+    """Wrap `ForwardBatch.init_new` so every prefill batch records its requests' prompt lengths and
+    the loss masks their clients sent in ``sampling_params.custom_params``."""
     func = ForwardBatch.init_new.__func__
 
     @functools.wraps(func)
@@ -53,7 +55,9 @@ def _record_prompt_lengths(lengths: PromptLengths) -> None:
         mode = getattr(batch, "forward_mode", None)
         if mode is not None and mode.is_extend():
             for req in batch.reqs:
-                lengths.record(req.rid, len(req.origin_input_ids))
+                params = getattr(req.sampling_params, "custom_params", None)
+                mask = params.get(LOSS_MASK_PARAM) if isinstance(params, dict) else None
+                prompts.record(req.rid, len(req.origin_input_ids), mask)
         return func(cls, batch, *args, **kwargs)
 
     ForwardBatch.init_new = classmethod(init_new)  # type: ignore[method-assign, assignment]
@@ -112,10 +116,11 @@ class _Capturer:
             layers=settings.layers,
             finals=settings.finals,
             max_pending=settings.max_pending_writes,
+            layout=settings.layout,
         )
         atexit.register(self._writer.close, 30.0)
-        self._prompt_lens = PromptLengths(settings.rid_prefix)
-        _record_prompt_lengths(self._prompt_lens)
+        self._prompts = Prompts(settings.rid_prefix)
+        _record_prompts(self._prompts)
         # Created at the first captured pass, when the device of the rows is known.
         self._staging: HostStaging | None = None
         self._accumulator: Accumulator | None = None
@@ -134,7 +139,7 @@ class _Capturer:
                 batch.rids,
                 batch.extend_seq_lens_cpu,
                 batch.extend_prefix_lens_cpu,
-                self._prompt_lens,
+                self._prompts,
                 rid_prefix=self.settings.rid_prefix,
             )
             if self._pieces and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -160,19 +165,18 @@ class _Capturer:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
         outcomes = self._accumulator.add_pass(self._pieces, rows)
-        for piece in self._pieces:
-            if piece.position + piece.num_rows >= piece.prompt_len:
-                self._prompt_lens.forget(piece.rid)
-        if not outcomes:
-            return
-        ready = self._staging.record()
+        ready = self._staging.record() if outcomes else None
         for outcome in outcomes:
             if isinstance(outcome, Completed):
-                self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready))
+                mask = self._prompts.loss_mask_runs(outcome.rid)
+                self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, loss_mask_runs=mask))
             else:
-                self._prompt_lens.forget(outcome.rid)
                 logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)
                 self._writer.submit(DumpJob(outcome.rid, error=outcome.reason))
+            self._prompts.forget(outcome.rid)
+        for piece in self._pieces:
+            if piece.position + piece.num_rows >= piece.prompt_len:
+                self._prompts.forget(piece.rid)
 
 
 _CAPTURER: _Capturer | None = None

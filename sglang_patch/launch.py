@@ -3,10 +3,11 @@
 Usage (in the server's environment, with this repository's root on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
-        --capture-final post [--rid-prefix hscap] [--keep-radix-cache] [--dry-run] <sglang server flags>
+        --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
+        [--keep-radix-cache] [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
-``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``,
+``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``, ``LAYERTAP_DUMP_LAYOUT``,
 ``LAYERTAP_MAX_PENDING_WRITES``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
 parser, then the launcher
 
@@ -67,6 +68,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
     parser.add_argument("--capture-layers", default=env_default(environ, "capture_layers"))
     parser.add_argument("--capture-final", default=env_default(environ, "capture_final"))
     parser.add_argument("--rid-prefix", default=env_default(environ, "rid_prefix") or DEFAULT_RID_PREFIX)
+    parser.add_argument("--dump-layout", default=env_default(environ, "dump_layout") or "states")
     parser.add_argument("--max-pending-writes", type=int, default=env_default(environ, "max_pending_writes"))
     parser.add_argument("--max-idle-passes", type=int, default=env_default(environ, "max_idle_passes"))
     parser.add_argument("--dry-run", action="store_true")
@@ -86,6 +88,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
         layers=parse_layers(ns.capture_layers),
         finals=parse_finals(ns.capture_final),
         rid_prefix=ns.rid_prefix,
+        layout=ns.dump_layout,
         **tuning,
     )
     return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache, sglang_argv=rest)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
+from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, LAYOUT_FILES
 
 ENV_PREFIX = "LAYERTAP_"
 FINAL_CHOICES: dict[str, tuple[str, ...]] = {"post": ("post",), "pre": ("pre",), "both": ("post", "pre")}
@@ -26,7 +26,9 @@ class CaptureSettings:
     `max_pending_writes`: dumps queued for the writer thread before the forward pass blocks
     (backpressure). `max_idle_passes`: passes with captured rows that a half-captured request may go
     without rows of its own before its state is dropped (an aborted request; SGLang otherwise
-    continues a chunked prompt in the very next prefill pass).
+    continues a chunked prompt in the very next prefill pass). `layout`: "states" (everything
+    captured, any store format can be made from it) or a trainer format ("specforge" needs the
+    "post" final, "speculators" the "pre" one) written so that the client's commit is a rename.
     """
 
     dump_root: str
@@ -35,6 +37,7 @@ class CaptureSettings:
     rid_prefix: str = DEFAULT_RID_PREFIX
     max_pending_writes: int = 16
     max_idle_passes: int = 256
+    layout: str = "states"
 
     def __post_init__(self) -> None:
         if not self.dump_root:
@@ -47,6 +50,12 @@ class CaptureSettings:
             raise ValueError(f"finals must be a non-empty subset of {tuple(FINAL_TENSORS)}, got {self.finals}")
         if not self.rid_prefix or ":" in self.rid_prefix:
             raise ValueError(f"rid_prefix must be non-empty and free of ':', got {self.rid_prefix!r}")
+        needs = {"specforge": "post", "speculators": "pre"}.get(self.layout)
+        if self.layout not in LAYOUT_FILES or (needs is not None and needs not in self.finals):
+            raise ValueError(
+                f"layout must be one of {sorted(LAYOUT_FILES)} (specforge needs the post-norm final, "
+                f"speculators the pre-norm one), got {self.layout!r} with finals {self.finals}"
+            )
         if self.max_pending_writes < 1 or self.max_idle_passes < 1:
             raise ValueError("max_pending_writes and max_idle_passes must be >= 1")
 

@@ -8,6 +8,8 @@ host memory held by finished-but-unwritten dumps.
 
 Each dump is written to a temp folder, every file and the folder are fsynced, then the folder is
 renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point).
+The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
+captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ from safetensors.torch import save_file
 
 from sglang_patch.contract import (
     AUX,
+    FINAL_TENSORS,
     INPUT_IDS,
+    LOSS_MASK_PARAM,
     META_FILE,
-    STATES_FILE,
     DumpMeta,
     dump_dir,
     input_ids_sha256,
     temp_dir,
+)
+from sglang_patch.sample_files import (
+    SPECFORGE,
+    SPECULATORS,
+    mask_from_runs,
+    specforge_tensors,
+    speculators_tensors,
+    write_sample,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,12 +72,16 @@ class HostStaging:
 
 @dataclass(frozen=True, slots=True)
 class DumpJob:
-    """One dump to write: `tensors` (host, named as in the contract) for a capture, or an `error`."""
+    """One dump to write: `tensors` (host, named as in the contract) for a capture, or an `error`.
+
+    `loss_mask_runs` is what the client sent as the sample's loss mask (unchecked; specforge needs it).
+    """
 
     rid: str
     tensors: dict[str, torch.Tensor] | None = None
     error: str | None = None
     ready: torch.cuda.Event | None = None
+    loss_mask_runs: object = None
 
 
 def _fsync_path(path: Path) -> None:
@@ -84,6 +99,7 @@ def build_meta(
     *,
     layers: tuple[int, ...],
     finals: tuple[str, ...],
+    layout: str = "states",
 ) -> DumpMeta:
     """The ``meta.json`` of a dump; `tensors` must already be valid (their event waited on)."""
     if tensors is None:
@@ -97,6 +113,7 @@ def build_meta(
             finals=finals,
             dtype=None,
             hidden_size=None,
+            layout=layout,
         )
     aux = tensors[AUX]
     return DumpMeta(
@@ -109,11 +126,32 @@ def build_meta(
         finals=finals,
         dtype=str(aux.dtype).removeprefix("torch."),
         hidden_size=int(aux.shape[-1]),
+        layout=layout,
     )
 
 
-def write_dump(dump_root: Path, meta: DumpMeta, tensors: dict[str, torch.Tensor] | None, *, tag: str) -> Path:
-    """Write one dump folder atomically and durably; returns its final path.
+def layout_tensors(layout: str, tensors: dict[str, torch.Tensor], loss_mask: torch.Tensor | None) -> dict:
+    """The tensors of a dump's file in `layout`, from the captured ones (named as in the contract)."""
+    ids, aux = tensors[INPUT_IDS], tensors[AUX]
+    if layout == SPECFORGE:
+        if loss_mask is None:
+            raise ValueError("a specforge dump needs the sample's loss mask")
+        return specforge_tensors(ids, loss_mask, aux, tensors[FINAL_TENSORS["post"]])
+    if layout == SPECULATORS:
+        return speculators_tensors(ids, aux, tensors[FINAL_TENSORS["pre"]])
+    return tensors
+
+
+def write_dump(
+    dump_root: Path,
+    meta: DumpMeta,
+    tensors: dict[str, torch.Tensor] | None,
+    *,
+    tag: str,
+    loss_mask: torch.Tensor | None = None,
+) -> Path:
+    """Write one dump folder atomically and durably, its tensors file in `meta.layout`; returns its
+    final path.
 
     Refuses (FileExistsError) to replace an existing dump of the same rid: a retry must use a new
     attempt number, and the first dump stays what the client may already have read.
@@ -125,8 +163,7 @@ def write_dump(dump_root: Path, meta: DumpMeta, tensors: dict[str, torch.Tensor]
     tmp.mkdir(parents=True)
     try:
         if tensors is not None:
-            save_file(tensors, tmp / STATES_FILE)
-            _fsync_path(tmp / STATES_FILE)
+            _write_tensors(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
         with (tmp / META_FILE).open("w") as f:
             f.write(meta.to_json())
             f.flush()
@@ -140,14 +177,32 @@ def write_dump(dump_root: Path, meta: DumpMeta, tensors: dict[str, torch.Tensor]
     return final
 
 
+def _write_tensors(path: Path, layout: str, tensors: dict[str, torch.Tensor]) -> None:
+    if layout in (SPECFORGE, SPECULATORS):
+        with path.open("wb") as f:
+            write_sample(layout, tensors, f)
+    else:
+        save_file(tensors, path)
+    _fsync_path(path)
+
+
 class DumpWriter:
     """A background thread that writes `DumpJob`s from a bounded queue (see module docstring)."""
 
-    def __init__(self, dump_root: Path, *, layers: tuple[int, ...], finals: tuple[str, ...], max_pending: int) -> None:
+    def __init__(
+        self,
+        dump_root: Path,
+        *,
+        layers: tuple[int, ...],
+        finals: tuple[str, ...],
+        max_pending: int,
+        layout: str = "states",
+    ) -> None:
         self.dump_root = Path(dump_root)
         self.dump_root.mkdir(parents=True, exist_ok=True)
         self._layers = layers
         self._finals = finals
+        self._layout = layout
         self._queue: queue.Queue[DumpJob | None] = queue.Queue(maxsize=max_pending)
         self._tags = itertools.count()
         self._thread = threading.Thread(target=self._run, name="layertap-dump-writer", daemon=True)
@@ -180,8 +235,24 @@ class DumpWriter:
         started = time.monotonic()
         if job.ready is not None:
             job.ready.synchronize()
-        meta = build_meta(job.rid, job.tensors, job.error, layers=self._layers, finals=self._finals)
-        path = write_dump(self.dump_root, meta, job.tensors, tag=f"{os.getpid()}-{next(self._tags)}")
+        tensors, error, loss_mask = job.tensors, job.error, None
+        if tensors is not None and self._layout == SPECFORGE:
+            try:
+                loss_mask = self._loss_mask(job.loss_mask_runs, int(tensors[INPUT_IDS].shape[0]))
+            except ValueError as exc:
+                tensors, error = None, str(exc)
+        meta = build_meta(job.rid, tensors, error, layers=self._layers, finals=self._finals, layout=self._layout)
+        tag = f"{os.getpid()}-{next(self._tags)}"
+        path = write_dump(self.dump_root, meta, tensors, tag=tag, loss_mask=loss_mask)
         logger.info(
             "dump %s: %s, %d tokens, %.3f s", path.name, meta.status, meta.num_tokens, time.monotonic() - started
         )
+
+    @staticmethod
+    def _loss_mask(runs: object, length: int) -> torch.Tensor:
+        if runs is None:
+            raise ValueError(
+                "this server writes specforge dumps, which hold the loss mask, and the request carried none: "
+                f"send sampling_params.custom_params.{LOSS_MASK_PARAM} as [start, end) runs"
+            )
+        return mask_from_runs(runs, length, torch.long)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patch.capture import Accumulator, Completed, Failed, Outcome, Piece, PromptLengths, plan_pass
+from sglang_patch.capture import Accumulator, Completed, Failed, Outcome, Piece, Prompts, plan_pass
 from sglang_patch.contract import format_rid
 
 H, K = 8, 2
@@ -116,8 +116,8 @@ def test_plan_pass_needs_prompt_lengths_for_captured_rids() -> None:
         plan_pass("EXTEND", [rid("a"), rid("b")], [4, 2], [0], {rid("a"): 4, rid("b"): 2}, rid_prefix="hscap")
 
 
-def test_prompt_lengths_keep_only_captured_rids_and_stay_bounded() -> None:
-    lengths = PromptLengths("hscap", capacity=3)
+def test_prompts_keep_only_captured_rids_and_stay_bounded() -> None:
+    lengths = Prompts("hscap", capacity=3)
     lengths.record("4687d4f7a1", 3)
     lengths.record("HEALTH_CHECK_17", 1)
     lengths.record(None, 5)
@@ -130,6 +130,12 @@ def test_prompt_lengths_keep_only_captured_rids_and_stay_bounded() -> None:
     lengths.forget(rid("3"))
     lengths.forget(rid("never"))
     assert list(lengths) == [rid("4"), rid("2")]
+    lengths.record(rid("m"), 4, [[1, 3]])  # a loss mask the client sent along
+    assert lengths.loss_mask_runs(rid("m")) == [[1, 3]] and lengths.loss_mask_runs(rid("2")) is None
+    lengths.record(rid("n"), 2)
+    lengths.record(rid("o"), 2)  # evicts "4" and "2"; "m" is the oldest left
+    lengths.record(rid("p"), 2)  # evicts "m" and its mask
+    assert rid("m") not in lengths and lengths.loss_mask_runs(rid("m")) is None
 
 
 def test_chunked_multi_request_passes_reassemble_exactly() -> None:

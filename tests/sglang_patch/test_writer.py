@@ -102,3 +102,49 @@ def test_cpu_staging_is_plain_memory_without_events() -> None:
     buffer = staging.alloc((3, 4), torch.bfloat16)
     assert buffer.shape == (3, 4) and buffer.dtype == torch.bfloat16 and not buffer.is_pinned()
     assert staging.record() is None
+
+
+def both_finals(t: int, seed: int) -> dict[str, torch.Tensor]:
+    tensors = states(t, seed)
+    tensors["final_pre"] = torch.randn(t, 8, generator=torch.Generator().manual_seed(seed + 100))
+    return tensors
+
+
+@pytest.mark.parametrize("layout", ["specforge", "speculators"])
+def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout: str) -> None:
+    from layertap.sample import CapturedSample, TokenizedSample
+    from layertap.store.formats import get_format
+    from layertap.store.formats.base import Layout
+
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post", "pre"), max_pending=2, layout=layout)
+    rid, tensors = format_rid("j", "s", 0), both_finals(9, 3)
+    runs = [[1, 4], [6, 9]]
+    writer.submit(DumpJob(rid, tensors=tensors, loss_mask_runs=runs))
+    writer.close(timeout=30)
+    dump = read_dump(dump_dir(tmp_path, rid))
+    assert dump.meta.layout == layout and (dump.path / dump.meta.file).is_file()
+    # The store's own writer, from the same capture, must produce exactly these tensors.
+    fmt = get_format(layout)
+    mask = torch.tensor([0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.uint8)
+    captured = CapturedSample(
+        TokenizedSample("s", 0, tensors["input_ids"], mask), tensors["aux"], tensors["final_post"], tensors["final_pre"]
+    )
+    store_file = tmp_path / "store-written"
+    with store_file.open("wb") as f:
+        fmt.write(captured, Layout(num_aux=2, hidden_size=8, dtype=torch.float32), f)
+    expected, got = fmt.load(store_file), fmt.load(dump.path / dump.meta.file)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert all(torch.equal(dump.tensors[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize(
+    ("runs", "reason"),
+    [(None, "request carried none"), ([[2, 1]], "bad loss mask run"), ([[0, 99]], "bad loss mask run"), ("x", "list")],
+)
+def test_specforge_dump_without_a_usable_loss_mask_is_an_error_dump(tmp_path: Path, runs: object, reason: str) -> None:
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), max_pending=2, layout="specforge")
+    rid = format_rid("j", "s", 0)
+    writer.submit(DumpJob(rid, tensors=states(5, 1), loss_mask_runs=runs))
+    writer.close(timeout=30)
+    meta = read_dump(dump_dir(tmp_path, rid)).meta
+    assert meta.status == "error" and reason in meta.error
