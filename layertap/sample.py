@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,18 +28,29 @@ class TokenizedSample:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleFile:
+    """A file already holding a sample in a store format (written so by the SGLang plugin)."""
+
+    path: Path
+    format: str
+
+
+@dataclass(frozen=True, slots=True)
 class CapturedSample:
     """Hidden states captured for one sample, on the CPU, in the engine's compute dtype.
 
     ``aux`` [T, k, H]: the capture indices of the spec, in spec order (capture index i = input of
     decoder layer i = HF ``output_hidden_states[i]``). ``final_post`` [T, H]: after the final norm;
     ``final_pre`` [T, H]: before it. Either is None when the spec did not ask for it.
+    ``source``: set when these tensors are views of a file already in a store format; a store in
+    that format and dtype commits by moving that file instead of writing one.
     """
 
     sample: TokenizedSample
     aux: torch.Tensor
     final_post: torch.Tensor | None
     final_pre: torch.Tensor | None
+    source: SampleFile | None = None
 
 
 @dataclass(frozen=True, slots=True)

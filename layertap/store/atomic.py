@@ -6,9 +6,11 @@ loss, full disk) can leave only a temp file, never a truncated file under a fina
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +78,27 @@ def atomic_write(dest: Path, write: Callable[[IO[bytes]], None]) -> WrittenFile:
         raise
     fsync_dir(dest.parent)
     return WrittenFile(nbytes=hashing.nbytes, sha256=hashing.hexdigest())
+
+
+def move_into_place(src: Path, dest: Path) -> WrittenFile:
+    """Move a complete, fsynced file to ``dest`` atomically; return its size and sha256.
+
+    On one filesystem this is a rename (no bytes copied; the hash reads the file once, from the page
+    cache). Across filesystems the bytes are copied once through `atomic_write` (hashed on the way)
+    and the source is removed.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(src, dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        with open(src, "rb") as f:
+            written = atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 8 << 20))
+        src.unlink()
+        return written
+    fsync_dir(dest.parent)
+    return WrittenFile(nbytes=dest.stat().st_size, sha256=sha256_file(dest))
 
 
 def atomic_write_json(dest: Path, obj: Any) -> WrittenFile:

@@ -7,6 +7,7 @@ dtypes, token ids) before skipping it, so a truncated or corrupted file is redon
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ from typing import Literal
 
 from layertap.errors import SampleError, StoreError
 from layertap.sample import CapturedSample
-from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, sha256_file
+from layertap.store.atomic import TMP_MARK, WrittenFile, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
 from layertap.store.formats.base import DTYPES, Layout
 from layertap.store.index import (
@@ -27,11 +28,11 @@ from layertap.store.index import (
     JsonlLog,
     SampleRecord,
     load_index,
-    mask_runs,
     read_jsonl_dir,
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
 from layertap.validate import all_finite, ids_sha256, state_problems
+from sglang_patch.sample_files import mask_runs
 
 CheckLevel = Literal["quick", "full"]
 
@@ -76,25 +77,47 @@ class OutputStore:
     # -- writing ---------------------------------------------------------------------------------
 
     def commit(self, captured: CapturedSample) -> SampleRecord:
-        """Validate, write atomically, then append the index record (the record is written last)."""
+        """Validate, write atomically (or move a file already in this format into place), then append
+        the index record (the record is written last)."""
         problems = state_problems(captured, self.layout, self.manifest)
         if problems:
             raise SampleError(f"sample {captured.sample.sample_id!r}: " + "; ".join(problems))
-        rel = self.format.relpath(captured.sample.index)
-        written = atomic_write(self.root / rel, lambda f: self.format.write(captured, self.layout, f))
+        sample = captured.sample
         record = SampleRecord(
-            sample_id=captured.sample.sample_id,
-            index=captured.sample.index,
-            num_tokens=captured.sample.num_tokens,
-            file=rel,
-            nbytes=written.nbytes,
-            sha256=written.sha256,
-            ids_sha256=ids_sha256(captured.sample.input_ids),
-            mask_runs=mask_runs(captured.sample.loss_mask),
-            truncated=captured.sample.truncated,
+            sample_id=sample.sample_id,
+            index=sample.index,
+            num_tokens=sample.num_tokens,
+            file=self.format.relpath(sample.index),
+            nbytes=0,
+            sha256="",
+            ids_sha256=ids_sha256(sample.input_ids),
+            mask_runs=mask_runs(sample.loss_mask),
+            truncated=sample.truncated,
         )
+        dest = self.root / record.file
+        if self._can_adopt(captured):
+            written = self._adopt(captured.source.path, dest, record)
+        else:
+            written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
+        record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
         self._log("index").append(record.to_json())
         return record
+
+    def _can_adopt(self, captured: CapturedSample) -> bool:
+        """Whether the captured sample's file is already exactly what this store would write."""
+        return (
+            captured.source is not None
+            and captured.source.format == self.format.name
+            and captured.aux.dtype == self.layout.dtype
+        )
+
+    def _adopt(self, src: Path, dest: Path, record: SampleRecord) -> WrittenFile:
+        """Check a ready-made sample file against the record (keys, shapes, dtypes, ids, loss mask),
+        then move it into place."""
+        problems = self._content_problems(src, record, "quick")
+        if problems:
+            raise SampleError(f"sample {record.sample_id!r}: its dump file {src.name}: " + "; ".join(problems))
+        return move_into_place(src, dest)
 
     def record_error(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         """Keep a per-row failure (bad row, skipped over-long sample, failed capture) for the report."""
@@ -142,6 +165,10 @@ class OutputStore:
             return [f"size {size} != recorded {record.nbytes} (truncated or overwritten)"]
         if level == "full" and sha256_file(path) != record.sha256:
             return ["sha256 differs from the index record (corrupted)"]
+        return self._content_problems(path, record, level)
+
+    def _content_problems(self, path: Path, record: SampleRecord, level: CheckLevel) -> list[str]:
+        """What the trainer would read from ``path`` against ``record``; ``full`` also checks finiteness."""
         try:
             tensors = self.format.load(path)
         except Exception as exc:

@@ -1,0 +1,113 @@
+"""Committing a sample file the SGLang plugin already wrote in the store's format: a rename on one
+filesystem (no bytes copied), one copy across filesystems, refused when it disagrees with the sample."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.errors import SampleError
+from layertap.sample import CapturedSample, SampleFile, TokenizedSample
+from layertap.store.formats import get_format
+from layertap.store.manifest import Manifest
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
+from sglang_patch.sample_files import FORMAT_FINAL, unpack_sample, write_sample
+from sglang_patch.writer import layout_tensors
+
+H, K, T = 16, 2, 11
+
+
+def _store(root: Path, fmt: str, store_dtype: str = "float32") -> OutputStore:
+    final = FORMAT_FINAL[fmt]
+    manifest = Manifest(
+        format=fmt, model_path="m", model_config_sha256="-", model_revision=None, tokenizer_sha256="-",
+        chat_template_sha256=None, compute_dtype="float32", store_dtype=store_dtype, hidden_size=H, num_layers=4,
+        layer_ids_given=[1, 2], layer_convention="capture", capture_indices=[1, 2], final_post_norm=final == "post",
+        final_pre_norm=final == "pre", max_length=None, overlong="truncate", dataset_path="d", dataset_rows=3,
+        engine={"name": "sglang"},
+    )  # fmt: skip
+    return OutputStore.create_or_resume(root, manifest)
+
+
+def _sample(index: int = 0) -> TokenizedSample:
+    g = torch.Generator().manual_seed(index)
+    mask = (torch.arange(T) % 3 == 0).to(torch.uint8)
+    return TokenizedSample(f"s{index}", index, torch.randint(4, 500, (T,), generator=g), mask)
+
+
+def _server_file(
+    folder: Path, fmt: str, sample: TokenizedSample, *, mask: torch.Tensor | None = None
+) -> CapturedSample:
+    """A sample file as the plugin writes it (same builders), and the capture the engine makes of it."""
+    g = torch.Generator().manual_seed(100 + sample.index)
+    captured = {INPUT_IDS: sample.input_ids, AUX: torch.randn(T, K, H, generator=g)}
+    captured[FINAL_TENSORS[FORMAT_FINAL[fmt]]] = torch.randn(T, H, generator=g)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"sample-{sample.index}.{fmt}"
+    loss_mask = (sample.loss_mask if mask is None else mask).to(torch.long)
+    with path.open("wb") as f:
+        write_sample(fmt, layout_tensors(fmt, captured, loss_mask), f)
+    views = unpack_sample(fmt, get_format(fmt).load(path), K)
+    return CapturedSample(
+        sample, views["aux"], views.get("final_post"), views.get("final_pre"), source=SampleFile(path, fmt)
+    )
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A folder on /dev/shm (tmpfs): another filesystem than the test's tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix="layertap-adopt-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_same_filesystem_commit_is_a_rename(tmp_path: Path, fmt: str) -> None:
+    store = _store(tmp_path / "out", fmt)
+    captured = _server_file(tmp_path / "dumps", fmt, _sample())
+    inode = captured.source.path.stat().st_ino
+    record = store.commit(captured)
+    dest = tmp_path / "out" / record.file
+    assert dest.stat().st_ino == inode and not captured.source.path.exists()  # moved, not rewritten
+    store.close()
+    assert verify_store(tmp_path / "out").ok
+
+
+def test_other_filesystem_commit_copies_once(tmp_path: Path, shm_dir: Path) -> None:
+    assert os.stat(shm_dir).st_dev != os.stat(tmp_path).st_dev, "/dev/shm is not another filesystem here"
+    store = _store(tmp_path / "out", "specforge")
+    captured = _server_file(shm_dir, "specforge", _sample())
+    original = captured.source.path.read_bytes()
+    record = store.commit(captured)
+    assert (tmp_path / "out" / record.file).read_bytes() == original and not captured.source.path.exists()
+    assert not list((tmp_path / "out").rglob(".tmp-*"))
+    store.close()
+    assert verify_store(tmp_path / "out").ok
+
+
+def test_a_file_that_disagrees_with_the_sample_is_refused(tmp_path: Path) -> None:
+    store = _store(tmp_path / "out", "specforge")
+    sample = _sample()
+    wrong_mask = 1 - sample.loss_mask
+    captured = _server_file(tmp_path / "dumps", "specforge", sample, mask=wrong_mask)
+    with pytest.raises(SampleError, match="loss_mask differs"):
+        store.commit(captured)
+    assert store.records() == {} and not list((tmp_path / "out").rglob("data_*.ckpt"))
+
+
+def test_another_store_dtype_is_written_not_moved(tmp_path: Path) -> None:
+    store = _store(tmp_path / "out", "specforge", store_dtype="bfloat16")
+    captured = _server_file(tmp_path / "dumps", "specforge", _sample())
+    record = store.commit(captured)
+    assert captured.source.path.exists()  # left for the engine to release
+    assert store.format.load(tmp_path / "out" / record.file)["hidden_state"].dtype == torch.bfloat16
+    store.close()
+    assert verify_store(tmp_path / "out").ok
