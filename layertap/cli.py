@@ -32,8 +32,8 @@ def hf_engine_factory(model: Path, device: str, batch_tokens: int):
     return make
 
 
-def sglang_engine_factory(model: Path, out: Path, server_url: str | None, dump_root: Path | None, in_flight: int,
-                          sglang_python: Path, sglang_args: str):  # fmt: skip
+def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
+                          in_flight: int, sglang_python: Path, sglang_args: str):  # fmt: skip
     """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
 
     def make(capture: CaptureSpec):
@@ -41,7 +41,8 @@ def sglang_engine_factory(model: Path, out: Path, server_url: str | None, dump_r
 
         dumps = dump_root or out.parent / f".{out.name}-dumps"
         server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
-                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log")  # fmt: skip
+                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
+                              store_format=store_format)  # fmt: skip
         return SGLangEngine(server, capture, dump_root=dumps, job=out.name, in_flight=in_flight)
 
     return make
@@ -92,7 +93,8 @@ def _quiet_libraries() -> None:
     "--dump-root",
     type=click.Path(path_type=Path),
     default=None,
-    help="sglang: where the plugin writes dumps (tmpfs is best; must be the server's view).",
+    help="sglang: where the plugin writes dumps (must be the server's view). On the output's filesystem "
+    "(the default), commits are renames; elsewhere they copy each file once.",
 )
 @click.option("--in-flight", type=int, default=16, show_default=True, help="sglang: requests in flight.")
 @click.option(
@@ -157,7 +159,9 @@ def extract(
         factory = (
             hf_engine_factory(model, device, batch_tokens)
             if engine == "hf"
-            else sglang_engine_factory(model, out, server_url, dump_root, in_flight, sglang_python, sglang_args)
+            else sglang_engine_factory(
+                model, out, spec.format, server_url, dump_root, in_flight, sglang_python, sglang_args
+            )
         )
         report = run_extraction(spec, out, factory, progress=progress, check_level=resume_check)
     except LayertapError as exc:

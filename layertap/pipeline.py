@@ -27,7 +27,7 @@ from layertap.data.scan import scan_dataset
 from layertap.engines.base import Engine
 from layertap.errors import LayertapError, OverlongRow, RowError, SampleError
 from layertap.models.tiny import model_dims
-from layertap.sample import FailedCapture, TokenizedSample
+from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.manifest import build_manifest
 from layertap.store.store import CheckLevel, OutputStore
@@ -214,7 +214,7 @@ class _Capture:
                 yield sample
 
         captured = self.engine.capture(feed())
-        pending: deque[tuple[Future, TokenizedSample]] = deque()
+        pending: deque[tuple[Future, CapturedSample]] = deque()
         try:
             while True:
                 try:
@@ -232,20 +232,23 @@ class _Capture:
                 if isinstance(cap, FailedCapture):
                     self._attempt_failed(cap.sample, cap.reason)
                     continue
-                pending.append((self.commits.submit(self.store.commit, cap), cap.sample))
+                pending.append((self.commits.submit(self.store.commit, cap), cap))
                 while len(pending) > self.max_pending or (pending and pending[0][0].done()):
                     self._settle(*pending.popleft())
         finally:
             while pending:
                 self._settle(*pending.popleft())
 
-    def _settle(self, commit: Future, sample: TokenizedSample) -> None:
+    def _settle(self, commit: Future, captured: CapturedSample) -> None:
         """Account for one finished commit (in the calling thread, so reports and events need no lock)."""
+        sample = captured.sample
         try:
             commit.result()
         except SampleError as err:
             self._attempt_failed(sample, str(err))
             return
+        finally:
+            self.engine.release(captured)
         self.report.computed.append(sample.sample_id)
         self.report.tokens += sample.num_tokens
         self.events.committed(sample)

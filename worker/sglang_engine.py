@@ -24,6 +24,7 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
         sglang_args=settings.sglang_args,
         rid_prefix=settings.rid_prefix,
         log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
+        store_format=spec.format,
     )
     job = spec.out.name if spec.out else "job"
     stages = WorkerMetrics(settings.process_name()).observe_stage

@@ -15,7 +15,8 @@ class Engine(ABC):
 
     ``capture`` may reorder and batch internally but yields exactly one result per input sample
     (or raises): a ``CapturedSample`` on the CPU, so the store never touches a device, or a
-    ``FailedCapture`` when only that sample's attempt went wrong.
+    ``FailedCapture`` when only that sample's attempt went wrong. The consumer calls ``release``
+    on each ``CapturedSample`` once it is committed or refused (files may back its tensors).
     """
 
     spec: CaptureSpec
@@ -27,6 +28,9 @@ class Engine(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """Facts the manifest records about this engine (name, versions, server flags)."""
+
+    def release(self, captured: CapturedSample) -> None:  # noqa: B027 - in-memory engines hold nothing
+        """The consumer is done with ``captured``: free what backs it (e.g. its dump files)."""
 
     def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
         """Release the engine's resources (server process, model memory)."""

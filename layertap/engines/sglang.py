@@ -6,6 +6,10 @@ For each sample: rid ``<prefix>:<job>:<sample>:<attempt>`` -> ``POST /generate``
 (token count, input_ids hash, capture indices, finals) -> yield it; the store then validates
 (shapes, finiteness) and commits, and the dump folder is removed.
 
+A server launched with a trainer's dump layout (`dump_layout`) writes each sample already in the
+store's format, loss mask included (sent with the request): the yielded sample then names that file
+and the store commits it by renaming it, no bytes copied when the dump root shares its filesystem.
+
 Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
 process can never be taken for a fresh one. A dead server is restarted and the requests it held are
 sent again (not counted against the samples); one sample's failure is yielded as a FailedCapture.
@@ -29,10 +33,11 @@ import httpx
 from layertap.engines.base import Engine
 from layertap.engines.sglang_server import ServerConfig, SGLangServer
 from layertap.errors import SampleError, ServerError
-from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
+from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
 from layertap.spec import CaptureSpec
 from layertap.validate import ids_sha256
-from sglang_patch.contract import AUX, FINAL_TENSORS, DumpError, dump_dir, format_rid, read_dump
+from sglang_patch.contract import AUX, FINAL_TENSORS, LOSS_MASK_PARAM, DumpError, dump_dir, format_rid, read_dump
+from sglang_patch.sample_files import FORMAT_FINAL, mask_runs, unpack_sample
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,8 @@ class SGLangEngine(Engine):
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
         self._server_info: dict[str, Any] | None = None
-        self._sent: set[str] = set()  # rids whose dumps may still exist on disk
+        self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
+        self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
         self._server_down_tries = 3  # resends of one sample after a dropped connection, server up
 
     def describe(self) -> dict[str, Any]:
@@ -89,10 +95,11 @@ class SGLangEngine(Engine):
         """Prefill one sample and read back its dump (and its rid); SampleError if this attempt is unusable."""
         rid = format_rid(self.job, sample.sample_id, next(self._attempts), prefix=self.rid_prefix)
         self._sent.add(rid)
+        restarts = self.server.restarts
         body = {
             "input_ids": sample.input_ids.tolist(),
             "rid": rid,
-            "sampling_params": {"max_new_tokens": 0},
+            "sampling_params": {"max_new_tokens": 0, "custom_params": {LOSS_MASK_PARAM: mask_runs(sample.loss_mask)}},
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
         t0 = time.perf_counter()
@@ -114,42 +121,62 @@ class SGLangEngine(Engine):
             raise SampleError(f"prefix-cache hit on {rid}: {meta['cached_tokens']} tokens came from the cache")
         if meta.get("prompt_tokens") != sample.num_tokens:
             raise SampleError(f"server saw {meta.get('prompt_tokens')} prompt tokens, sent {sample.num_tokens}")
-        return self._read_dump(rid, sample)
-
-    def _read_dump(self, rid: str, sample: TokenizedSample) -> tuple[CapturedSample, str]:
-        path = dump_dir(self.dump_root, rid)
         t0 = time.perf_counter()
+        self._wait_for_dump(rid, restarts)
+        return self._read_dump(rid, sample, self._observe("dump_wait", t0))
+
+    def _wait_for_dump(self, rid: str, restarts: int) -> None:
+        """Wait (bounded) for the dump of a request the server has answered.
+
+        The reply comes when the forward pass ends and the dump is written after it, so a server that
+        dies in between answers and never writes: that is the server's fault (_ServerDown, resent),
+        not the sample's, and is noticed within a second instead of at the timeout.
+        """
+        path = dump_dir(self.dump_root, rid)
         deadline = time.monotonic() + self.dump_timeout_s
+        next_check = time.monotonic() + 1.0
         while not path.exists():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise SampleError(f"no dump for {rid} within {self.dump_timeout_s:.0f} s of the reply")
+            if now > next_check:
+                if self.server.restarts != restarts or not self.server.alive():
+                    raise _ServerDown(f"the server went down after answering {rid}, before writing its dump")
+                next_check = now + 1.0
             time.sleep(0.002)
-        t1 = self._observe("dump_wait", t0)
+
+    def _read_dump(self, rid: str, sample: TokenizedSample, t1: float) -> tuple[CapturedSample, str]:
+        """Read and check the dump of `rid` (found at perf_counter `t1`) against the sample."""
+        path = dump_dir(self.dump_root, rid)
         try:
             dump = read_dump(path)
         except DumpError as exc:
             self._discard(rid)
             raise SampleError(f"unreadable dump for {rid}: {exc}") from exc
         meta = dump.meta
+        finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
         problems = []
         if meta.status != "ok":
             problems.append(meta.error or "error dump")
         elif meta.num_tokens != sample.num_tokens or meta.input_ids_sha256 != ids_sha256(sample.input_ids):
             problems.append(f"dump holds {meta.num_tokens} tokens with another input_ids hash than the sample")
-        elif meta.layers != self.spec.layers or not set(self._finals) <= set(meta.finals):
-            problems.append(
-                f"dump has layers {meta.layers} finals {meta.finals}; wanted {self.spec.layers} {self._finals}"
-            )
+        elif meta.layers != self.spec.layers or not set(self._finals) <= set(finals):
+            problems.append(f"dump has layers {meta.layers} finals {finals}; wanted {self.spec.layers} {self._finals}")
         if problems:
             self._discard(rid)
             raise SampleError(f"{rid}: " + "; ".join(problems))
         t = dump.tensors or {}
+        source = None
+        if meta.layout != "states":
+            t = unpack_sample(meta.layout, t, len(meta.layers))
+            source = SampleFile(path / meta.file, meta.layout)
         self._observe("validate", t1)
         return CapturedSample(
             sample=sample,
             aux=t[AUX],
             final_post=t.get(FINAL_TENSORS["post"]) if self.spec.final_post else None,
             final_pre=t.get(FINAL_TENSORS["pre"]) if self.spec.final_pre else None,
+            source=source,
         ), rid
 
     def _observe(self, stage: str, since: float) -> float:
@@ -194,8 +221,9 @@ class SGLangEngine(Engine):
                         except SampleError as exc:
                             yield FailedCapture(sample, str(exc))
                             continue
+                        self._sent.discard(rid)
+                        self._yielded[sample.sample_id] = rid
                         yield captured
-                        self._discard(rid)  # the consumer has committed it by now
                     if resend:
                         self._recover(reason)
                         for sample in resend:
@@ -216,9 +244,25 @@ class SGLangEngine(Engine):
         log.warning("SGLang server is down (%s); restarting it and resending its requests", reason)
         self.server.restart()
 
+    def release(self, captured: CapturedSample) -> None:
+        rid = self._yielded.pop(captured.sample.sample_id, None)
+        if rid is not None:
+            self._discard(rid)
+
     def close(self) -> None:
+        for rid in self._yielded.values():
+            self._discard(rid)
+        self._yielded.clear()
         self._client.close()
         self.server.stop()
+
+
+def dump_layout(store_format: str, capture: CaptureSpec) -> str:
+    """The dump layout a server should write for a store in `store_format`: that format itself when
+    it holds exactly the final state asked for (commits become renames), else "states"."""
+    if FORMAT_FINAL.get(store_format) == capture.final_kind:
+        return store_format
+    return "states"
 
 
 def start_server(
@@ -231,15 +275,17 @@ def start_server(
     sglang_args: str,
     rid_prefix: str,
     log_path: Path,
+    store_format: str,
 ) -> SGLangServer:
     """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
-    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited); returns it ready."""
+    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited), writing dumps for a store in
+    `store_format`; returns it ready."""
     if server_url:
         server = SGLangServer(url=server_url)
     else:
-        final = "both" if capture.final_post and capture.final_pre else ("post" if capture.final_post else "pre")
-        config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers, final=final,
-                              rid_prefix=rid_prefix, log_path=log_path, sglang_args=tuple(shlex.split(sglang_args)))  # fmt: skip
+        config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers,
+                              final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
+                              sglang_args=tuple(shlex.split(sglang_args)), layout=dump_layout(store_format, capture))  # fmt: skip
         server = SGLangServer(config)
     server.start()
     return server

@@ -51,6 +51,7 @@ class ServerConfig:
     final: str
     log_path: Path
     rid_prefix: str = "hscap"
+    layout: str = "states"
     sglang_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
@@ -64,6 +65,7 @@ class ServerConfig:
             "--capture-layers", ",".join(map(str, self.layers)),
             "--capture-final", self.final,
             "--rid-prefix", self.rid_prefix,
+            "--dump-layout", self.layout,
             "--model-path", str(self.model),
             "--host", self.host, "--port", str(port),
             *self.sglang_args,

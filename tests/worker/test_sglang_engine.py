@@ -4,11 +4,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +76,8 @@ def test_200_mixed_samples_16_in_flight_all_equal_hf(arch, model_fixture, n, req
         assert max(errs) < REL_TOL, (r.sample.sample_id, r.sample.num_tokens, errs)
         worst = max(worst, *errs)
     print(f"{arch}: {len(results)} samples, worst relative error {worst:.2e}")
+    for r in results:  # as the pipeline does once a sample is committed
+        engine.release(r)
     # The server is shared with other tests: only this engine's job must leave no dump behind.
     leftovers = [r for r in iter_dump_rids(server.dump_root) if parse_rid(r).job == engine.job]
     assert leftovers == [], f"dumps left behind: {leftovers[:3]}"
@@ -108,39 +109,42 @@ def test_server_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_llama, cuda
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
     layers = DEFAULT_LAYERS["llama"]
+    # The server writes specforge files itself (loss masks sent with the requests): commits are renames.
     config = ServerConfig(
         python=SGLANG_PYTHON, model=tiny_llama, dump_root=tmp_path / "dumps", layers=layers, final="post",
-        log_path=tmp_path / "server.log", env=cpu_server_env(cuda_stub_dir),
+        log_path=tmp_path / "server.log", env=cpu_server_env(cuda_stub_dir), layout="specforge",
         sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "64"),
     )  # fmt: skip
     server = SGLangServer(config)
     server.start()
     num_layers, _ = model_dims(tiny_llama)
-    rows = [{"id": s.sample_id, "input_ids": s.input_ids.tolist()} for s in _samples(tiny_llama, 120, seed=5)]
+    rng = random.Random(5)
+    rows = [
+        {"id": s.sample_id, "input_ids": s.input_ids.tolist(), "loss_mask": [rng.randint(0, 1) for _ in s.input_ids]}
+        for s in _samples(tiny_llama, 120, seed=5)
+    ]
     data = _dataset(tmp_path / "d.jsonl", rows)
     out = tmp_path / "out"
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=layers, store_dtype="float32")
 
-    def kill_after_some_commits() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            index = out / "index"
-            if index.is_dir() and sum(f.read_bytes().count(b"\n") for f in index.glob("*.jsonl")) >= 30:
-                server.kill()
-                return
-            time.sleep(0.01)
+    replies = itertools.count(1)
 
-    killer = threading.Thread(target=kill_after_some_commits)
-    killer.start()
+    def kill_after_a_reply(stage: str, seconds: float) -> None:
+        # Killed right after its 30th reply, the server has answered requests whose dumps its writer
+        # thread has not written yet (and holds others mid-prefill): both must be sent again.
+        if stage == "prefill" and next(replies) == 30:
+            server.kill()
+
     try:
         report = run_extraction(
             spec,
             out,
-            lambda cap: SGLangEngine(server, cap, dump_root=config.dump_root, job="kill", in_flight=8),
+            lambda cap: SGLangEngine(
+                server, cap, dump_root=config.dump_root, job="kill", in_flight=8, observe=kill_after_a_reply
+            ),
             check_level="full",
         )
     finally:
-        killer.join()
         server.stop()
     assert server.restarts == 1
     assert report.failed == 0 and len(report.computed) == len(rows)
@@ -148,8 +152,10 @@ def test_server_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_llama, cuda
     assert check.ok and check.samples == len(rows), check.problems
     ref = hf_reference(tiny_llama)
     store = OutputStore.open_existing(out)
+    masks = {r["id"]: r["loss_mask"] for r in rows}
     for rec in store.records().values():
         obj = store.format.load(out / rec.file)
+        assert obj["loss_mask"].tolist() == masks[rec.sample_id]
         hidden, _ = ref.states(obj["input_ids"])
         assert rel(obj["hidden_state"][0], hidden[num_layers]) < REL_TOL
         assert rel(obj["aux_hidden_state"][0, :, :64], hidden[layers[0]]) < REL_TOL
