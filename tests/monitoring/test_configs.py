@@ -112,7 +112,8 @@ def test_docker_compose_config_validates_and_wires_the_stack(tmp_path) -> None:
     assert (
         gpu["environment"]["LAYERTAP_ENGINE"] == "sglang" and "--tp-size" in gpu["environment"]["LAYERTAP_SGLANG_ARGS"]
     )
-    assert {v["target"] for v in gpu["volumes"]} >= {"/models", "/outputs", "/dumps"}
+    assert {v["target"] for v in gpu["volumes"]} >= {"/models", "/outputs"}
+    assert gpu["environment"]["LAYERTAP_DUMP_ROOT"].startswith("/outputs/")  # same mount: commits are renames
 
     # Prometheus finds workers by their network alias on their metrics port, and the coordinator by name.
     scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())["scrape_configs"]
