@@ -171,6 +171,30 @@ def iter_dump_rids(dump_root: Path | str) -> Iterator[str]:
             yield unquote(entry.name)
 
 
+def sweep_stale_dumps(dump_root: Path | str, max_age_s: float) -> int:
+    """Remove dump folders and temp folders not modified for `max_age_s` seconds; returns how many.
+
+    A client reads a dump within seconds of its reply, so an old one was left by a client that died
+    (or a server killed mid-write, for temp folders); on a dump root on the output volume they would
+    otherwise hold disk space for good. Age is the only safe test when several servers share a root.
+    """
+    import shutil
+    import time
+
+    root = Path(dump_root)
+    cutoff = time.time() - max_age_s
+    stale = [p for p in (*root.glob("*"), *root.glob(f"{TMP_DIR}/*")) if p.name != TMP_DIR and p.is_dir()]
+    removed = 0
+    for path in stale:
+        try:
+            if path.stat().st_mtime < cutoff:
+                shutil.rmtree(path)
+                removed += 1
+        except FileNotFoundError:  # another client took or swept it meanwhile
+            continue
+    return removed
+
+
 def input_ids_sha256(input_ids: Iterable[int]) -> str:
     """Hex sha256 of the token ids as int64 little-endian bytes (what ``meta.json`` records)."""
     ids = list(input_ids)

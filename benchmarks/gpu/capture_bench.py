@@ -5,6 +5,11 @@ Run on the device (sglang 0.5.14 installed into /tmp/site from the two wheel chu
     PYTHONPATH=/tmp/site:. python3 benchmarks/gpu/capture_bench.py --out $OUT
 "Plain" prefill is measured on the same server with rids outside the capture namespace: the hooks
 return after one string test, so it is the server's own prefill rate (no D2H, no dump, no commit).
+
+``--layout specforge`` (the default) runs the server as `layertap extract --engine sglang` does for a
+specforge store: it writes each sample's .ckpt itself (post-norm final only), into a dump root on the
+store's filesystem, so a commit is a check plus a rename. ``--layout states`` dumps every state (both
+finals) to /dev/shm and the worker writes the .ckpt (the path measured before native dumps existed).
 """
 
 from __future__ import annotations
@@ -42,13 +47,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def equality(server: SGLangServer, model: Path, dumps: Path, out_lines: list[str]) -> None:
+def equality(server: SGLangServer, model: Path, dumps: Path, final: str, out_lines: list[str]) -> None:
     """Every captured state vs HF on the same weights: float32 math is the reference; HF in bf16
     shows how far plain bf16 arithmetic already strays, which sets the stated tolerance."""
     from transformers import AutoModelForCausalLM
 
     num_layers, _ = model_dims(model)
-    spec = resolve_capture(LAYERS, convention="capture", num_layers=num_layers, final="both")
+    spec = resolve_capture(LAYERS, convention="capture", num_layers=num_layers, final=final)
     engine = SGLangEngine(server, spec, dump_root=dumps, job="eq", in_flight=16)
     rng = random.Random(0)
     lengths = [1, 4000] + [int(math.exp(rng.uniform(0, math.log(4000)))) for _ in range(30)]
@@ -90,17 +95,18 @@ def equality(server: SGLangServer, model: Path, dumps: Path, out_lines: list[str
     for sid, c in got.items():
         r = ref[sid]
         errs = [rel(c.aux[:, j], r[0][j]) for j in range(len(LAYERS))] + [
-            rel(c.final_post, r[1]),
-            rel(c.final_pre, r[2]),
+            rel(t, ref_t) for t, ref_t in ((c.final_post, r[1]), (c.final_pre, r[2])) if t is not None
         ]
         worst["sglang_bf16"] = max(worst["sglang_bf16"], *errs)
         off_by_one = rel(c.aux[:, 0], r[0][1])
         assert off_by_one > 0.1, "states do not discriminate layers"
+    for c in got.values():
+        engine.release(c)
     tol = max(2 * worst["hf_bf16"], 1e-2)
     ok = worst["sglang_bf16"] < tol
     out_lines += [
         "## Equality with HF (same weights, GPU)", "",
-        f"{len(samples)} prompts of 1..4000 tokens, 16 in flight, chunked prefill 4096; capture indices {list(LAYERS)} + final post/pre.",
+        f"{len(samples)} prompts of 1..4000 tokens, 16 in flight, chunked prefill 4096; capture indices {list(LAYERS)} + final {final}.",
         "Relative error = ||x - ref|| / ||ref|| per tensor, reference = HF transformers in float32 on the same bf16 weights.", "",
         "| compared | worst relative error |", "|---|---|",
         f"| SGLang bf16 capture vs HF float32 | {worst['sglang_bf16']:.2e} |",
@@ -128,7 +134,7 @@ def plain_rate(url: str, batch: list[list[int]], in_flight: int) -> float:
 
 
 def capture_rate(server, model, dumps, store_root, batch, in_flight) -> tuple[float, float]:
-    """Prefill + capture + validate + commit into a specforge store on local disk."""
+    """Prefill + capture + validate + commit into a specforge store on local disk (bf16 states)."""
     import json
 
     data = store_root.parent / f"data-{in_flight}.jsonl"
@@ -154,6 +160,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--layout", choices=["specforge", "states"], default="specforge", help="the server's dump layout")
+    ap.add_argument("--in-flight", default="1,4,16,64", help="comma-separated requests-in-flight settings")
+    ap.add_argument("--skip-equality", action="store_true", help="throughput only (equality already shown)")
     ap.add_argument("--cpu-smoke", action="store_true", help="Try the script on a CPU server with the tiny model.")
     args = ap.parse_args()
     global DEVICE, GPU_ARGS, SHAPE, LAYERS
@@ -168,27 +177,32 @@ def main() -> None:
     t_start = time.time()
     model = build_tiny_model("llama", args.work / "model", dtype=torch.bfloat16, **SHAPE)
     print(f"model built in {time.time() - t_start:.0f}s", flush=True)
-    dumps = Path("/dev/shm/layertap-dumps")
+    # Native dumps go where the store is (commit = rename); "states" dumps to tmpfs as before.
+    native = args.layout != "states"
+    dumps = args.work / "dumps" if native else Path("/dev/shm/layertap-dumps")
+    final = "post" if native else "both"
     env = (
         {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": "/opt/sglang-venv/layertap-cuda-stub"}
         if args.cpu_smoke
         else {}
     )
-    cfg = ServerConfig(python=python, env=env, model=model, dump_root=dumps, layers=LAYERS, final="both",
-                       log_path=args.out / "server.log", sglang_args=GPU_ARGS)  # fmt: skip
+    cfg = ServerConfig(python=python, env=env, model=model, dump_root=dumps, layers=LAYERS, final=final,
+                       layout=args.layout, log_path=args.out / "server.log", sglang_args=GPU_ARGS)  # fmt: skip
     server = SGLangServer(cfg)
     server.start()
     print(f"server up at {time.time() - t_start:.0f}s", flush=True)
     lines = ["# SGLang capture on one H200 (sglang 0.5.14)", "",
-             f"Model: random-weight Llama, {SHAPE}, bf16. Server flags: `{' '.join(GPU_ARGS)}`.", ""]  # fmt: skip
+             f"Model: random-weight Llama, {SHAPE}, bf16. Server flags: `{' '.join(GPU_ARGS)}`; "
+             f"dump layout `{args.layout}`, dumps in {dumps}.", ""]  # fmt: skip
     try:
         plain_rate(server.url, prompts(2, 99), 2)  # JIT warm-up of kernels on first requests
-        equality(server, model, dumps, lines)
-        print(f"equality done at {time.time() - t_start:.0f}s", flush=True)
+        if not args.skip_equality:
+            equality(server, model, dumps, final, lines)
+            print(f"equality done at {time.time() - t_start:.0f}s", flush=True)
         (args.out / "results.md").write_text("\n".join(lines))
         batch = prompts(args.prompts, 7)
         rows: list[tuple[int, float, float, float]] = []
-        for n in (1, 4, 16, 64):
+        for n in map(int, args.in_flight.split(",")):
             plain = plain_rate(server.url, batch, n)
             tok_s, bytes_s = capture_rate(server, model, dumps, args.work / "store", batch, n)
             rows.append((n, plain, tok_s, bytes_s))
@@ -196,18 +210,23 @@ def main() -> None:
                 f"in_flight={n}: plain {plain:,.0f} tok/s, capture {tok_s:,.0f} tok/s, {bytes_s / 1e9:.2f} GB/s",
                 flush=True,
             )
-            (args.out / "results.md").write_text("\n".join(lines + throughput_table(rows, args.prompts)))
+            (args.out / "results.md").write_text("\n".join(lines + throughput_table(rows, args.prompts, args.layout)))
     finally:
         server.stop()
     print((args.out / "results.md").read_text())
 
 
-def throughput_table(rows: list[tuple[int, float, float, float]], n_prompts: int) -> list[str]:
+def throughput_table(rows: list[tuple[int, float, float, float]], n_prompts: int, layout: str) -> list[str]:
     best = max(r[2] for r in rows) / max(r[1] for r in rows)
+    path = (
+        "the server writes the .ckpt beside the store + validate (finite, shapes, ids, loss mask, sha256) + rename"
+        if layout != "states"
+        else "dump to /dev/shm + validate + commit (specforge .ckpt, bf16, sha256, fsync)"
+    )
     return [
         "## Throughput", "",
-        f"{n_prompts} prompts of 512..4000 tokens (random ids), max_new_tokens 0. Capture = prefill + D2H + dump to",
-        "/dev/shm + validate + commit (specforge .ckpt, bf16, sha256, fsync) into a store on the local disk.", "",
+        f"{n_prompts} prompts of 512..4000 tokens (random ids), max_new_tokens 0. Capture = prefill + D2H +",
+        f"{path}, into a store on the local disk.", "",
         "| in flight | plain prefill tok/s | capture+commit tok/s | ratio | bytes written/s |", "|---|---|---|---|---|",
         *[f"| {n} | {p:,.0f} | {c:,.0f} | {c / p:.2f} | {b / 1e9:.2f} GB/s |" for n, p, c, b in rows],
         "", f"Best capture / best plain = {best:.2f} (target >= 0.90).", "",

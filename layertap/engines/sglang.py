@@ -36,10 +36,20 @@ from layertap.errors import SampleError, ServerError
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
 from layertap.spec import CaptureSpec
 from layertap.validate import ids_sha256
-from sglang_patch.contract import AUX, FINAL_TENSORS, LOSS_MASK_PARAM, DumpError, dump_dir, format_rid, read_dump
+from sglang_patch.contract import (
+    AUX,
+    FINAL_TENSORS,
+    LOSS_MASK_PARAM,
+    DumpError,
+    dump_dir,
+    format_rid,
+    read_dump,
+    sweep_stale_dumps,
+)
 from sglang_patch.sample_files import FORMAT_FINAL, mask_runs, unpack_sample
 
 log = logging.getLogger(__name__)
+STALE_DUMP_AGE_S = 3600  # no live client leaves a dump unread this long (it waits dump_timeout_s at most)
 
 
 class _ServerDown(Exception):
@@ -80,6 +90,12 @@ class SGLangEngine(Engine):
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
         self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
         self._server_down_tries = 3  # resends of one sample after a dropped connection, server up
+        dump_root.mkdir(parents=True, exist_ok=True)
+        swept = sweep_stale_dumps(dump_root, STALE_DUMP_AGE_S)
+        if swept:
+            log.warning(
+                "removed %d dumps left in %s over %d s ago by clients that died", swept, dump_root, STALE_DUMP_AGE_S
+            )
 
     def describe(self) -> dict[str, Any]:
         if self._server_info is None:

@@ -21,6 +21,8 @@ from sglang_patch.contract import (
     parse_rid,
     read_dump,
     rid_matches,
+    sweep_stale_dumps,
+    temp_dir,
 )
 from sglang_patch.writer import build_meta, write_dump
 
@@ -134,3 +136,20 @@ def test_error_dump(tmp_path: Path) -> None:
     assert not (path / STATES_FILE).exists()
     dump = read_dump(path)
     assert dump.meta.status == "error" and dump.meta.error == "prefix-cache hit at 36" and dump.tensors is None
+
+
+def test_only_stale_dumps_and_temp_folders_are_swept(tmp_path: Path) -> None:
+    import os
+    import time
+
+    old, fresh = format_rid("j", "old", 0), format_rid("j", "fresh", 0)
+    for rid in (old, fresh):
+        _write(tmp_path, rid, _states(3))
+    killed_mid_write = temp_dir(tmp_path, format_rid("j", "torn", 0), "99-0")
+    killed_mid_write.mkdir(parents=True)
+    two_hours_ago = time.time() - 7200
+    for path in (dump_dir(tmp_path, old), killed_mid_write):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    assert sweep_stale_dumps(tmp_path, max_age_s=3600) == 2
+    assert list(iter_dump_rids(tmp_path)) == [fresh] and not killed_mid_write.exists()
+    assert sweep_stale_dumps(tmp_path, max_age_s=3600) == 0
