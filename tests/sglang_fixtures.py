@@ -8,7 +8,7 @@ that prompts span passes and passes hold several requests. Server warmup stays o
 one are skipped when the SGLang venv is missing (they fail under CI, which installs it).
 
 Fixtures:
-- ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=...)``
+- ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=..., tp_size=1)``
   -> `SGLangServer`; the same arguments give the same (running) server; all stop at session end.
 - ``sglang_llama`` / ``sglang_kimi``: the factory applied to the tiny models with `DEFAULT_LAYERS`.
 """
@@ -83,6 +83,7 @@ def run_sglang_server(
     final: str = "both",
     rid_prefix: str = "hscap",
     extra_args: Sequence[str] = (),
+    tp_size: int = 1,
 ) -> Iterator[SGLangServer]:
     """Start a CPU capture server with the product's own `layertap.engines.sglang_server.SGLangServer` (launched through
     `sglang_patch.launch`, dies with this process), wait until healthy, stop it on exit."""
@@ -100,9 +101,11 @@ def run_sglang_server(
             "float32",
             "--chunked-prefill-size",
             str(CHUNKED_PREFILL_SIZE),
+            "--tp-size",
+            str(tp_size),
             *extra_args,
         ),
-        env=cpu_server_env(cuda_stub_dir),
+        env=cpu_server_env(cuda_stub_dir, tp_size),
         startup_timeout_s=STARTUP_TIMEOUT_S,
     )
     process = ServerProcess(config)
@@ -141,9 +144,14 @@ def sglang_servers(
     with ExitStack() as stack:
 
         def start(
-            model_dir: Path, *, layers: Sequence[int], final: str = "both", extra_args: Sequence[str] = ()
+            model_dir: Path,
+            *,
+            layers: Sequence[int],
+            final: str = "both",
+            extra_args: Sequence[str] = (),
+            tp_size: int = 1,
         ) -> SGLangServer:
-            key = (Path(model_dir), tuple(layers), final, tuple(extra_args))
+            key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size)
             if key not in running:
                 workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
                 running[key] = stack.enter_context(
@@ -154,6 +162,7 @@ def sglang_servers(
                         layers=layers,
                         final=final,
                         extra_args=extra_args,
+                        tp_size=tp_size,
                     )
                 )
             return running[key]
