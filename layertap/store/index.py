@@ -2,7 +2,8 @@
 
 Each process appends to ``index/<writer>.jsonl`` (fsync per line), so concurrent workers never share
 a file handle or a lock. A torn last line (killed mid-append) is ignored; the sample it described
-is simply not done and will be recomputed. When a sample appears twice, the last record wins.
+is simply not done and will be recomputed. A sample committed twice has two records; the store
+keeps the one that describes its file (`OutputStore.records`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def read_jsonl_dir(folder: Path) -> Iterator[dict]:
                     yield obj
 
 
-def load_index(root: Path) -> dict[str, SampleRecord]:
-    """sample_id -> latest record, over every writer's log."""
-    return {d["sample_id"]: SampleRecord.from_dict(d) for d in read_jsonl_dir(root / INDEX_DIR)}
+def load_index_candidates(root: Path) -> dict[str, list[SampleRecord]]:
+    """sample_id -> every record of it, in log order (more than one only if it was committed again)."""
+    out: dict[str, list[SampleRecord]] = {}
+    for d in read_jsonl_dir(root / INDEX_DIR):
+        out.setdefault(d["sample_id"], []).append(SampleRecord.from_dict(d))
+    return out

@@ -27,7 +27,7 @@ from layertap.store.index import (
     INDEX_DIR,
     JsonlLog,
     SampleRecord,
-    load_index,
+    load_index_candidates,
     read_jsonl_dir,
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
@@ -146,7 +146,26 @@ class OutputStore:
     # -- reading ---------------------------------------------------------------------------------
 
     def records(self) -> dict[str, SampleRecord]:
-        return load_index(self.root)
+        """sample_id -> the record describing its file.
+
+        That is the latest record, except when two writers committed the same sample with different
+        bytes (a frozen worker whose lease was taken over): both renamed a file to the same path, in
+        an order the logs cannot tell, so the record whose sha256 matches the file on disk wins.
+        """
+        out = {}
+        for sample_id, candidates in load_index_candidates(self.root).items():
+            latest = candidates[-1]
+            if len({r.sha256 for r in candidates}) > 1:
+                on_disk = self._file_sha256(latest.file)
+                latest = next((r for r in reversed(candidates) if r.sha256 == on_disk), latest)
+            out[sample_id] = latest
+        return out
+
+    def _file_sha256(self, rel: str) -> str | None:
+        try:
+            return sha256_file(self.root / rel)
+        except FileNotFoundError:
+            return None
 
     def errors(self) -> list[dict]:
         """Latest error per row, dropping rows that were committed since."""

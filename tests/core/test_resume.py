@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.store.index import load_index
+from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 
@@ -57,7 +57,7 @@ def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_pat
                             text=True, start_new_session=True)  # fmt: skip
     _kill_when(proc, out, committed=60)
 
-    before = load_index(out)
+    before = OutputStore.open_existing(out).records()
     assert 0 < len(before) < len(rows), "the kill must land mid-run"
     stamps = {sid: (out / r.file).stat() for sid, r in before.items()}
 
@@ -68,7 +68,7 @@ def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_pat
     assert report["already_done"] == len(before) and report["redone"] == []
     assert set(report["computed"]) == all_ids - set(before)  # only unfinished samples were recomputed
     assert len(report["computed"]) == len(set(report["computed"]))
-    after = load_index(out)
+    after = OutputStore.open_existing(out).records()
     assert set(after) == all_ids
     for sid, st in stamps.items():  # files committed before the kill were not rewritten
         now = (out / after[sid].file).stat()
@@ -80,7 +80,7 @@ def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_pat
     # Byte for byte the same as a run that was never interrupted.
     clean = tmp_path / "clean"
     _run(_cmd(tiny_llama, data, clean))
-    reference = load_index(clean)
+    reference = OutputStore.open_existing(clean).records()
     assert {sid: r.sha256 for sid, r in after.items()} == {sid: r.sha256 for sid, r in reference.items()}
 
 
@@ -95,7 +95,7 @@ def finished_run(tiny_llama, tmp_path):
 
 def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run) -> None:
     cmd, out = finished_run
-    index = load_index(out)
+    index = OutputStore.open_existing(out).records()
     truncated, flipped, deleted = (index[f"conv-{i}"] for i in (3, 14, 27))
     original = {r.sample_id: r.sha256 for r in index.values()}
 
@@ -120,4 +120,4 @@ def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run
     assert sorted(report["redone"]) == sorted(["conv-3", "conv-14", "conv-27"])
     assert sorted(report["computed"]) == sorted(report["redone"])
     assert verify_store(out).ok
-    assert {r.sample_id: r.sha256 for r in load_index(out).values()} == original
+    assert {r.sample_id: r.sha256 for r in OutputStore.open_existing(out).records().values()} == original

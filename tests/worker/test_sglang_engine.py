@@ -20,7 +20,6 @@ from layertap.models.tiny import model_dims
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
-from layertap.store.index import load_index
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from sglang_patch.contract import iter_dump_rids, parse_rid
@@ -101,7 +100,7 @@ def test_prefix_cache_hit_is_caught_and_never_stored(sglang_servers, tiny_llama,
     assert report.computed == ["first"] and report.failed == 1
     errors = OutputStore.open_existing(tmp_path / "out").errors()
     assert [e["sample_id"] for e in errors] == ["again"] and "prefix-cache hit" in errors[0]["reason"]
-    assert set(load_index(tmp_path / "out")) == {"first"}
+    assert set(OutputStore.open_existing(tmp_path / "out").records()) == {"first"}
     assert verify_store(tmp_path / "out").ok
 
 
