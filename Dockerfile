@@ -11,16 +11,20 @@ ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.10.post1
 # means PyPI's default torch build.
 ARG TORCH_INDEX_URL=
 
+# The project's files, once, for both targets.
+FROM scratch AS source
+COPY pyproject.toml README.md /app/
+COPY layertap /app/layertap
+COPY coordinator /app/coordinator
+COPY worker /app/worker
+COPY sglang_patch /app/sglang_patch
+
 FROM ${PYTHON_IMAGE} AS layertap
 ARG TORCH_INDEX_URL
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PATH=/opt/layertap/bin:$PATH
 RUN python -m venv /opt/layertap
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY layertap layertap
-COPY coordinator coordinator
-COPY worker worker
-COPY sglang_patch sglang_patch
+COPY --from=source /app /app
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi \
  && pip install -e /app
 EXPOSE 8000 9100
@@ -31,11 +35,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 # layertap wants Python >= 3.11 whatever the SGLang image ships: uv brings its own interpreter.
 RUN python3 -m pip install uv && uv venv --python 3.11 /opt/layertap
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY layertap layertap
-COPY coordinator coordinator
-COPY worker worker
-COPY sglang_patch sglang_patch
+COPY --from=source /app /app
 RUN if [ -n "$TORCH_INDEX_URL" ]; then uv pip install --python /opt/layertap/bin/python --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi \
  && uv pip install --python /opt/layertap/bin/python -e /app
 # The worker runs from the layertap venv; it launches the capture server with the image's python3.
