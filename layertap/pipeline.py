@@ -8,6 +8,7 @@ the engine, retries failing samples alone a bounded number of times, and reports
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from layertap.data.chat import ChatTokenizer, check_loss_mask
 from layertap.data.reader import iter_rows
@@ -121,6 +122,18 @@ def verified_done(
     return done
 
 
+def load_tokenizer(model: Path) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, loaded once per process while its files stay the same: a worker runs
+    many shards, and a large model's tokenizer can take seconds to load."""
+    files = sorted((p.name, p.stat().st_mtime_ns) for p in Path(model).iterdir())
+    return _cached_tokenizer(str(Path(model).resolve()), tuple(files))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(model: str, files: tuple[tuple[str, int], ...]) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model)
+
+
 def tokenized_samples(
     spec: ExtractionSpec,
     store: OutputStore,
@@ -133,7 +146,7 @@ def tokenized_samples(
 ) -> Iterator[TokenizedSample]:
     """Rows ``[start, stop)`` that still need capturing, tokenized; bad rows are recorded, not raised."""
     events = events or ProgressEvents()
-    chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model))
+    chat = ChatTokenizer(load_tokenizer(spec.model))
     for number, row in iter_rows(spec.data, start=start, stop=stop):
         try:
             if isinstance(row, RowError):

@@ -77,14 +77,36 @@ def _as_row(number: int, value: Any, where: str) -> RowItem:
     return number, RowError(f"{where} is not a JSON object (got {type(value).__name__})", row=number)
 
 
+# Where rows start in plain JSONL files, learned while lines are skipped: a worker runs many shards
+# of one dataset, and seeks to the last checkpoint before each shard's first row instead of reading
+# the file from the top every time (gzip cannot seek, so .jsonl.gz is always read from the top).
+# Keyed by path, size and mtime, so a changed file starts over. At most rows / CHECKPOINT_ROWS each.
+CHECKPOINT_ROWS = 1024
+_jsonl_checkpoints: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = {}
+
+
+def _checkpoints(path: Path) -> dict[int, tuple[int, int]]:
+    """row number -> (byte offset of its line, lines before it), for a plain JSONL file."""
+    if path.name.lower().endswith(".gz"):
+        return {}
+    st = path.stat()
+    return _jsonl_checkpoints.setdefault((str(path.resolve()), st.st_size, st.st_mtime_ns), {})
+
+
 def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[RowItem]:
-    number = 0
+    marks = _checkpoints(path)
+    number, (offset, line_no) = max(((row, mark) for row, mark in marks.items() if row <= start), default=(0, (0, 0)))
     with _open(path) as f:
-        for line_no, line in enumerate(f, start=1):
+        f.seek(offset)
+        for line in f:
+            line_no += 1
+            offset += len(line)
             if not line.strip():
                 continue
             if stop is not None and number >= stop:
                 return
+            if number % CHECKPOINT_ROWS == 0:
+                marks[number] = (offset - len(line), line_no - 1)
             if number >= start:
                 try:
                     value = json.loads(line)

@@ -102,3 +102,18 @@ def test_demo_command_runs_end_to_end(tmp_path) -> None:
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "clean" in cli.stdout and "rows_0-2000/data_0.ckpt" in cli.stdout
     assert verify_store(tmp_path / "demo" / "states-specforge").samples == 24
+
+
+def test_tokenizer_is_loaded_once_per_process_until_its_files_change(tiny_llama, tmp_path) -> None:
+    import shutil
+
+    from layertap.pipeline import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    first = load_tokenizer(model)
+    assert load_tokenizer(model) is first  # the next shard reuses it
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text() + "\n")
+    again = load_tokenizer(model)
+    assert again is not first and again.chat_template.endswith("\n")

@@ -155,3 +155,28 @@ def test_unusable_paths_name_the_path(tmp_path: Path):
     cut_gz.write_bytes(gzip.compress(MIXED.read_bytes())[:-20])
     with pytest.raises(DatasetError, match=r"cannot read dataset .*cut\.jsonl\.gz: EOFError"):
         list(iter_rows(cut_gz))
+
+
+def test_jsonl_shards_seek_from_checkpoints_and_read_the_same(tmp_path: Path, monkeypatch):
+    from layertap.data import reader
+
+    monkeypatch.setattr(reader, "CHECKPOINT_ROWS", 7)
+    lines = []
+    for i in range(100):
+        lines.append("{broken" if i % 23 == 5 else json.dumps({"id": f"r{i}", "text": "é" * (i % 5)}))
+        if i % 11 == 0:
+            lines.append("   ")  # blank lines are not rows, but count as lines in error messages
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    def shape(items):
+        return [(n, r.reason if isinstance(r, RowError) else r["id"]) for n, r in items]
+
+    whole = shape(iter_rows(path))
+    assert len(whole) == 100
+    for start, stop in [(0, 10), (10, 20), (40, 61), (63, 64), (90, None), (0, None), (15, 16)]:
+        assert shape(iter_rows(path, start=start, stop=stop)) == whole[start:stop], (start, stop)
+    marks = next(v for k, v in reader._jsonl_checkpoints.items() if k[0] == str(path.resolve()))
+    assert set(marks) == set(range(0, 100, 7))  # learned once; later shards started from them
+    path.write_text("\n".join(reversed(lines)) + "\n")  # same size; a changed file is not read through old marks
+    assert shape(iter_rows(path, start=40, stop=45)) == shape(iter_rows(path))[40:45]
