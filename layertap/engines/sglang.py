@@ -156,7 +156,7 @@ class SGLangEngine(Engine):
             if now > deadline:
                 raise SampleError(f"no dump for {rid} within {self.dump_timeout_s:.0f} s of the reply")
             if now > next_check:
-                if self.server.restarts != restarts or not self.server.alive():
+                if self.server.restarts != restarts or not self.server.alive(probe=False):
                     raise _ServerDown(f"the server went down after answering {rid}, before writing its dump")
                 next_check = now + 1.0
             time.sleep(0.002)

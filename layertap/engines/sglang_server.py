@@ -153,10 +153,17 @@ class SGLangServer:
                 time.sleep(0.5)
         raise ServerError(f"SGLang server at {self.url} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
-    def alive(self) -> bool:
-        """Whether the server answers (for an owned one: also whether its process still runs)."""
-        if self._proc is not None and self._proc.poll() is not None:
-            return False
+    def alive(self, *, probe: bool = True) -> bool:
+        """Whether the server answers ``/health`` (for an owned one: also whether its process still runs).
+
+        ``probe=False`` checks an owned server's process only, sending nothing: cheap enough to ask
+        often, and blind only to a hung server, which request timeouts catch.
+        """
+        if self._proc is not None:
+            if self._proc.poll() is not None:
+                return False
+            if not probe:
+                return True
         try:
             return httpx.get(self.url + "/health", timeout=30.0).status_code == 200
         except httpx.TransportError:
