@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -84,8 +85,76 @@ def read_jsonl_dir(folder: Path) -> Iterator[dict]:
 
 
 def load_index_candidates(root: Path) -> dict[str, list[SampleRecord]]:
-    """sample_id -> every record of it, in log order (more than one only if it was committed again)."""
-    out: dict[str, list[SampleRecord]] = {}
-    for d in read_jsonl_dir(root / INDEX_DIR):
-        out.setdefault(d["sample_id"], []).append(SampleRecord.from_dict(d))
-    return out
+    """sample_id -> every record of it (more than one only if it was committed again).
+
+    Read through a per-process `IndexReader`, so a worker that runs many shards of one store parses
+    each index line once, not once per shard.
+    """
+    folder = (Path(root) / INDEX_DIR).resolve()
+    with _READERS_LOCK:
+        reader = _READERS.pop(str(folder), None) or IndexReader(folder)
+        _READERS[str(folder)] = reader  # most recently used last
+        while len(_READERS) > _MAX_READERS:
+            _READERS.pop(next(iter(_READERS)))
+    return reader.candidates()
+
+
+@dataclass(slots=True)
+class _LogState:
+    inode: int
+    offset: int  # bytes parsed so far: always just after a newline
+    records: list[SampleRecord]
+
+
+class IndexReader:
+    """Reads a store's index logs incrementally: each call parses only the lines appended since the last.
+
+    Logs are append-only. A torn last line (no newline yet) is left for the next call; a log that was
+    replaced (new inode) or shrank is read again from its start; a removed log is forgotten.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._logs: dict[str, _LogState] = {}
+        self._lock = threading.Lock()
+
+    def candidates(self) -> dict[str, list[SampleRecord]]:
+        with self._lock:
+            present = sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []
+            for name in set(self._logs) - {p.name for p in present}:
+                del self._logs[name]
+            for path in present:
+                self._catch_up(path)
+            out: dict[str, list[SampleRecord]] = {}
+            for name in sorted(self._logs):
+                for rec in self._logs[name].records:
+                    out.setdefault(rec.sample_id, []).append(rec)
+            return out
+
+    def _catch_up(self, path: Path) -> None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self._logs.pop(path.name, None)
+            return
+        state = self._logs.get(path.name)
+        if state is None or state.inode != st.st_ino or st.st_size < state.offset:
+            state = self._logs[path.name] = _LogState(st.st_ino, 0, [])
+        if st.st_size == state.offset:
+            return
+        with open(path, "rb") as f:
+            f.seek(state.offset)
+            data = f.read(st.st_size - state.offset)
+        whole = data[: data.rfind(b"\n") + 1]
+        state.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                obj = json.loads(line)
+                state.records.append(SampleRecord.from_dict(obj))
+            except (ValueError, TypeError, KeyError):
+                continue  # a line torn by a killed writer, completed by nothing
+
+
+_MAX_READERS = 8
+_READERS: dict[str, IndexReader] = {}
+_READERS_LOCK = threading.Lock()

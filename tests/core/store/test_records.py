@@ -32,3 +32,33 @@ def test_the_record_matching_the_file_wins_over_log_order(tmp_path: Path) -> Non
     records = OutputStore.open_existing(tmp_path / "out").records()
     assert records["s0"].sha256 == late.sha256
     assert verify_store(tmp_path / "out").ok
+
+
+def test_index_reader_parses_appends_torn_lines_and_replaced_logs(tmp_path: Path) -> None:
+    from layertap.store.index import IndexReader, SampleRecord
+
+    def line(i: int, sha: str = "a") -> bytes:
+        rec = SampleRecord(f"s{i}", i, 3, f"f{i}", 10, sha * 64, "b" * 64, ((0, 3),))
+        return rec.to_json().encode() + b"\n"
+
+    folder = tmp_path / "index"
+    folder.mkdir()
+    log = folder / "w1.jsonl"
+    reader = IndexReader(folder)
+    assert reader.candidates() == {}
+    log.write_bytes(line(0) + line(1))
+    assert set(reader.candidates()) == {"s0", "s1"}
+    with log.open("ab") as f:
+        f.write(line(2) + line(3)[:20])  # a writer killed mid-append
+    assert set(reader.candidates()) == {"s0", "s1", "s2"}
+    with log.open("ab") as f:
+        f.write(line(3)[20:])  # (in a test only: the rest of the line arrives)
+    assert set(reader.candidates()) == {"s0", "s1", "s2", "s3"}
+    (folder / "w2.jsonl").write_bytes(line(1, sha="c"))
+    assert [r.sha256[0] for r in reader.candidates()["s1"]] == ["a", "c"]
+    replacement = folder / "w1.new"
+    replacement.write_bytes(line(7))
+    replacement.replace(log)  # a new file under the old name: read from its start
+    assert set(reader.candidates()) == {"s7", "s1"}
+    (folder / "w2.jsonl").unlink()
+    assert set(reader.candidates()) == {"s7"}
