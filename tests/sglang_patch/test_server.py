@@ -26,7 +26,7 @@ from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, DEFAULT_LAYERS, SGLangSe
 pytestmark = pytest.mark.sglang
 
 REL_TOL = 1e-4
-LENGTHS = {"blocker": 640, "s:0": 150, "s/1": 20, "50%": 90, "::": 5, "a b": 64, "one": 1, "long": 300, "x": 130}
+LENGTHS = {"blocker": 1600, "s:0": 150, "s/1": 20, "50%": 90, "::": 5, "a b": 64, "one": 1, "long": 300, "x": 130}
 
 
 def generate(
@@ -119,6 +119,19 @@ def test_concurrent_chunked_captures_match_hf(
     server_fixture: str, request: pytest.FixtureRequest, hf_reference: Any
 ) -> None:
     server: SGLangServer = request.getfixturevalue(server_fixture)
+    shared = []
+    for _ in range(3):  # the packing depends on timing: run rounds until a pass held several requests
+        batches = _concurrent_round(server, hf_reference)
+        print(f"{server_fixture}: prefill passes (#requests, #tokens): {batches}")
+        assert max(tokens for _, tokens in batches) <= CHUNKED_PREFILL_SIZE
+        shared = [b for b in batches if b[0] >= 2]
+        if shared:
+            break
+    assert shared, "no pass held several requests in 3 rounds"
+
+
+def _concurrent_round(server: SGLangServer, hf_reference: Any) -> list[tuple[int, int]]:
+    """One round of prompts sent together; every capture checked against HF; returns the prefill passes."""
     prompts = random_prompts(server.model_dir, f"match-{uuid.uuid4().hex[:8]}", LENGTHS, seed=1)
     blocker, *others = prompts
     log_start = len(server.log_path.read_bytes())
@@ -135,11 +148,7 @@ def test_concurrent_chunked_captures_match_hf(
         meta = replies[rid]["meta_info"]
         assert (meta["prompt_tokens"], meta["cached_tokens"]) == (len(ids), 0)
         assert_matches_hf(wait_for_dump(server, rid), ids, server, hf_reference)
-
-    batches = prefill_batches(server.log_path.read_bytes()[log_start:].decode(errors="replace"))
-    print(f"{server_fixture}: prefill passes (#requests, #tokens): {batches}")
-    assert max(tokens for _, tokens in batches) <= CHUNKED_PREFILL_SIZE
-    assert any(requests >= 2 for requests, _ in batches), "no pass held several requests"
+    return prefill_batches(server.log_path.read_bytes()[log_start:].decode(errors="replace"))
 
 
 def test_only_the_capture_namespace_is_dumped(sglang_llama: SGLangServer, hf_reference: Any) -> None:
