@@ -28,7 +28,8 @@ from layertap.sample import CapturedSample, SampleFile, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
-from sglang_patch.sample_files import SPECFORGE, specforge_tensors, unpack_sample, write_sample
+from sglang_patch.contract import SPECFORGE
+from sglang_patch.sample_files import specforge_tensors, unpack_sample, write_sample
 
 
 class FakeEngine(Engine):

@@ -18,15 +18,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from layertap.errors import SpecError
+from sglang_patch.contract import FORMAT_FINAL
 
 Convention = Literal["capture", "sglang-eagle3", "vllm"]
 FinalKind = Literal["post", "pre", "both"]
 Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32"]
 OverlongPolicy = Literal["truncate", "skip"]
-
-# What each trainer reads as its final state (DESIGN.md, "Output formats").
-FORMAT_FINAL: dict[str, str] = {"specforge": "post", "speculators": "pre"}
 
 
 class CaptureSpec(BaseModel):

@@ -64,8 +64,13 @@ LAYER_CONVENTION = "capture"
 
 META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
+# The trainers' formats (`sglang_patch.sample_files`), and the final state each stores (DESIGN.md,
+# "Output formats"): "post" = after the final norm, "pre" = before it.
+SPECFORGE = "specforge"
+SPECULATORS = "speculators"
+FORMAT_FINAL: dict[str, str] = {SPECFORGE: "post", SPECULATORS: "pre"}
 # Dump layout -> the file holding its tensors.
-LAYOUT_FILES: dict[str, str] = {"states": STATES_FILE, "specforge": "sample.ckpt", "speculators": "sample.safetensors"}
+LAYOUT_FILES: dict[str, str] = {"states": STATES_FILE, SPECFORGE: "sample.ckpt", SPECULATORS: "sample.safetensors"}
 LOSS_MASK_PARAM = "layertap_loss_mask_runs"
 TMP_DIR = ".tmp"
 
@@ -249,9 +254,9 @@ class DumpMeta:
         if self.dtype not in _SAFETENSORS_DTYPES or self.hidden_size is None:
             raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
         code, t, h, k = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size, len(self.layers)
-        if self.layout == "speculators":
+        if self.layout == SPECULATORS:
             return "token_ids", {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
-        if self.layout == "specforge":
+        if self.layout == SPECFORGE:
             return None
         expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, k, h])}
         expected.update((FINAL_TENSORS[f], (code, [t, h])) for f in self.finals)
@@ -313,7 +318,7 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
     _check_states_file(states, meta)
     if not load_tensors:
         return Dump(path=path, meta=meta, tensors=None)
-    if meta.layout == "specforge":
+    if meta.layout == SPECFORGE:
         import torch
 
         return Dump(path=path, meta=meta, tensors=torch.load(states, mmap=True, weights_only=True))

@@ -18,10 +18,7 @@ from typing import IO
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-SPECFORGE = "specforge"
-SPECULATORS = "speculators"
-# The final state each format stores ("post" = after the final norm, "pre" = before it).
-FORMAT_FINAL = {SPECFORGE: "post", SPECULATORS: "pre"}
+from sglang_patch.contract import SPECFORGE, SPECULATORS
 
 
 def specforge_tensors(

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, LAYOUT_FILES
+from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, FORMAT_FINAL, LAYOUT_FILES
 
 ENV_PREFIX = "LAYERTAP_"
 FINAL_CHOICES: dict[str, tuple[str, ...]] = {"post": ("post",), "pre": ("pre",), "both": ("post", "pre")}
@@ -50,7 +50,7 @@ class CaptureSettings:
             raise ValueError(f"finals must be a non-empty subset of {tuple(FINAL_TENSORS)}, got {self.finals}")
         if not self.rid_prefix or ":" in self.rid_prefix:
             raise ValueError(f"rid_prefix must be non-empty and free of ':', got {self.rid_prefix!r}")
-        needs = {"specforge": "post", "speculators": "pre"}.get(self.layout)
+        needs = FORMAT_FINAL.get(self.layout)
         if self.layout not in LAYOUT_FILES or (needs is not None and needs not in self.finals):
             raise ValueError(
                 f"layout must be one of {sorted(LAYOUT_FILES)} (specforge needs the post-norm final, "

@@ -33,14 +33,14 @@ from sglang_patch.contract import (
     INPUT_IDS,
     LOSS_MASK_PARAM,
     META_FILE,
+    SPECFORGE,
+    SPECULATORS,
     DumpMeta,
     dump_dir,
     input_ids_sha256,
     temp_dir,
 )
 from sglang_patch.sample_files import (
-    SPECFORGE,
-    SPECULATORS,
     mask_from_runs,
     specforge_tensors,
     speculators_tensors,
@@ -84,7 +84,11 @@ class DumpJob:
     loss_mask_runs: object = None
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (making a rename inside it durable), to disk.
+
+    The layertap store uses this too: the plugin may not import the core, the core may import this.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -168,12 +172,12 @@ def write_dump(
             f.write(meta.to_json())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_path(Path(dump_root))
+    fsync_path(Path(dump_root))
     return final
 
 
@@ -183,7 +187,7 @@ def _write_tensors(path: Path, layout: str, tensors: dict[str, torch.Tensor]) ->
             write_sample(layout, tensors, f)
     else:
         save_file(tensors, path)
-    _fsync_path(path)
+    fsync_path(path)
 
 
 class DumpWriter:

@@ -39,6 +39,7 @@ from layertap.validate import ids_sha256
 from sglang_patch.contract import (
     AUX,
     FINAL_TENSORS,
+    FORMAT_FINAL,
     LOSS_MASK_PARAM,
     DumpError,
     dump_dir,
@@ -46,7 +47,7 @@ from sglang_patch.contract import (
     read_dump,
     sweep_stale_dumps,
 )
-from sglang_patch.sample_files import FORMAT_FINAL, mask_runs, unpack_sample
+from sglang_patch.sample_files import mask_runs, unpack_sample
 
 log = logging.getLogger(__name__)
 STALE_DUMP_AGE_S = 3600  # no live client leaves a dump unread this long (it waits dump_timeout_s at most)
@@ -138,11 +139,11 @@ class SGLangEngine(Engine):
         if meta.get("prompt_tokens") != sample.num_tokens:
             raise SampleError(f"server saw {meta.get('prompt_tokens')} prompt tokens, sent {sample.num_tokens}")
         t0 = time.perf_counter()
-        self._wait_for_dump(rid, restarts)
-        return self._read_dump(rid, sample, self._observe("dump_wait", t0))
+        path = self._wait_for_dump(rid, restarts)
+        return self._read_dump(rid, path, sample, self._observe("dump_wait", t0))
 
-    def _wait_for_dump(self, rid: str, restarts: int) -> None:
-        """Wait (bounded) for the dump of a request the server has answered.
+    def _wait_for_dump(self, rid: str, restarts: int) -> Path:
+        """Wait (bounded) for the dump folder of a request the server has answered; returns it.
 
         The reply comes when the forward pass ends and the dump is written after it, so a server that
         dies in between answers and never writes: that is the server's fault (_ServerDown, resent),
@@ -160,10 +161,10 @@ class SGLangEngine(Engine):
                     raise _ServerDown(f"the server went down after answering {rid}, before writing its dump")
                 next_check = now + 1.0
             time.sleep(0.002)
+        return path
 
-    def _read_dump(self, rid: str, sample: TokenizedSample, t1: float) -> tuple[CapturedSample, str]:
-        """Read and check the dump of `rid` (found at perf_counter `t1`) against the sample."""
-        path = dump_dir(self.dump_root, rid)
+    def _read_dump(self, rid: str, path: Path, sample: TokenizedSample, t1: float) -> tuple[CapturedSample, str]:
+        """Read and check the dump of `rid` at `path` (found at perf_counter `t1`) against the sample."""
         try:
             dump = read_dump(path)
         except DumpError as exc:

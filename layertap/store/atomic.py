@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from sglang_patch.writer import fsync_path
+
 TMP_MARK = ".tmp-"
 
 
@@ -48,15 +50,6 @@ class _HashingWriter:
         return self._hash.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def temp_path_for(dest: Path) -> Path:
     """A unique temp name next to ``dest`` (same filesystem, so the rename is atomic)."""
     return dest.with_name(f"{TMP_MARK}{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
@@ -76,7 +69,7 @@ def atomic_write(dest: Path, write: Callable[[IO[bytes]], None]) -> WrittenFile:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(dest.parent)
+    fsync_path(dest.parent)
     return WrittenFile(nbytes=hashing.nbytes, sha256=hashing.hexdigest())
 
 
@@ -97,7 +90,7 @@ def move_into_place(src: Path, dest: Path) -> WrittenFile:
             written = atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 8 << 20))
         src.unlink()
         return written
-    fsync_dir(dest.parent)
+    fsync_path(dest.parent)
     return WrittenFile(nbytes=dest.stat().st_size, sha256=sha256_file(dest))
 
 

@@ -11,7 +11,6 @@ import torch
 
 from layertap.sample import CapturedSample
 from layertap.store.index import SampleRecord
-from sglang_patch.sample_files import unpack_sample
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -48,10 +47,6 @@ class SampleFormat(ABC):
     @abstractmethod
     def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
         """Keys, shapes, dtypes and token facts that disagree with ``record``/``layout`` (empty if fine)."""
-
-    def unpack(self, tensors: dict[str, torch.Tensor], num_aux: int) -> dict[str, torch.Tensor]:
-        """Views of a loaded sample file as ``input_ids``, ``aux`` [T, k, H] and its final state."""
-        return unpack_sample(self.name, tensors, num_aux)
 
     def finalize(self, root: Path, records: list[SampleRecord]) -> None:  # noqa: B027 - optional step
         """Build whatever the trainer needs beside the sample files (records sorted by index)."""

@@ -15,7 +15,8 @@ import torch
 from layertap.sample import CapturedSample
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
-from sglang_patch.sample_files import SPECFORGE, specforge_tensors, write_sample
+from sglang_patch.contract import SPECFORGE
+from sglang_patch.sample_files import specforge_tensors, write_sample
 
 ROWS_PER_DIR = 2000
 KEYS = {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}

@@ -22,10 +22,12 @@ import torch
 from safetensors.torch import load_file
 
 from layertap.sample import CapturedSample
-from layertap.store.atomic import TMP_MARK, fsync_dir
+from layertap.store.atomic import TMP_MARK
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
-from sglang_patch.sample_files import SPECULATORS, speculators_tensors, write_sample
+from sglang_patch.contract import SPECULATORS
+from sglang_patch.sample_files import speculators_tensors, write_sample
+from sglang_patch.writer import fsync_path
 
 KEYS = {"token_ids", "hidden_states"}
 PUBLISHED = "hidden_states"
@@ -92,7 +94,7 @@ def _publish_links(root: Path, records: list[SampleRecord]) -> None:
     staging.mkdir()
     for row, rec in enumerate(records):
         os.link(root / rec.file, staging / f"hs_{row}.safetensors")
-    fsync_dir(staging)
+    fsync_path(staging)
     final = root / PUBLISHED
     old = root / f"{TMP_MARK}{PUBLISHED}.old"
     shutil.rmtree(old, ignore_errors=True)
@@ -100,7 +102,7 @@ def _publish_links(root: Path, records: list[SampleRecord]) -> None:
         final.rename(old)
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def _rows(root: Path, records: list[SampleRecord]):
@@ -140,4 +142,4 @@ def _write_arrow(root: Path, records: list[SampleRecord]) -> None:
     for path in sorted((staging / "out").iterdir()):
         os.replace(path, root / path.name)
     shutil.rmtree(staging, ignore_errors=True)
-    fsync_dir(root)
+    fsync_path(root)

@@ -18,8 +18,8 @@ from layertap.store.formats import get_format
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS
-from sglang_patch.sample_files import FORMAT_FINAL, unpack_sample, write_sample
+from sglang_patch.contract import AUX, FINAL_TENSORS, FORMAT_FINAL, INPUT_IDS
+from sglang_patch.sample_files import unpack_sample, write_sample
 from sglang_patch.writer import layout_tensors
 
 H, K, T = 16, 2, 11
