@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from layertap.sample import CapturedSample
 from layertap.store.formats.base import Layout
 from layertap.store.manifest import Manifest
-
-
-def ids_sha256(input_ids: torch.Tensor) -> str:
-    """sha256 of token ids as int64 little-endian bytes: the same digest the SGLang dump records."""
-    arr = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False)
-    return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
 def all_finite(t: torch.Tensor) -> bool:

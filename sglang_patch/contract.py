@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -198,12 +198,6 @@ def sweep_stale_dumps(dump_root: Path | str, max_age_s: float) -> int:
         except FileNotFoundError:  # another client took or swept it meanwhile
             continue
     return removed
-
-
-def input_ids_sha256(input_ids: Iterable[int]) -> str:
-    """Hex sha256 of the token ids as int64 little-endian bytes (what ``meta.json`` records)."""
-    ids = list(input_ids)
-    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ worker's commit is a rename, no bytes copied), and by the layertap store, which 
 
 from __future__ import annotations
 
+import hashlib
 from typing import IO
 
 import torch
@@ -47,6 +48,13 @@ def speculators_tensors(input_ids: torch.Tensor, aux: torch.Tensor, final_pre: t
         "token_ids": input_ids.to(torch.long).contiguous(),
         "hidden_states": torch.cat([aux, final_pre.unsqueeze(1)], dim=1),
     }
+
+
+def ids_sha256(input_ids: torch.Tensor) -> str:
+    """sha256 of token ids as int64 little-endian bytes: what a dump's meta.json and the store's index
+    record, and what the contract's reader checks against a safetensors file's raw bytes."""
+    arr = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False)
+    return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
 def mask_runs(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:

@@ -37,10 +37,10 @@ from sglang_patch.contract import (
     SPECULATORS,
     DumpMeta,
     dump_dir,
-    input_ids_sha256,
     temp_dir,
 )
 from sglang_patch.sample_files import (
+    ids_sha256,
     mask_from_runs,
     specforge_tensors,
     speculators_tensors,
@@ -125,7 +125,7 @@ def build_meta(
         status="ok",
         error=None,
         num_tokens=int(aux.shape[0]),
-        input_ids_sha256=input_ids_sha256(tensors[INPUT_IDS].tolist()),
+        input_ids_sha256=ids_sha256(tensors[INPUT_IDS]),
         layers=layers,
         finals=finals,
         dtype=str(aux.dtype).removeprefix("torch."),

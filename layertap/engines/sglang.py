@@ -35,7 +35,6 @@ from layertap.engines.sglang_server import ServerConfig, SGLangServer
 from layertap.errors import SampleError, ServerError
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
 from layertap.spec import CaptureSpec
-from layertap.validate import ids_sha256
 from sglang_patch.contract import (
     AUX,
     FINAL_TENSORS,
@@ -47,7 +46,7 @@ from sglang_patch.contract import (
     read_dump,
     sweep_stale_dumps,
 )
-from sglang_patch.sample_files import mask_runs, unpack_sample
+from sglang_patch.sample_files import ids_sha256, mask_runs, unpack_sample
 
 log = logging.getLogger(__name__)
 STALE_DUMP_AGE_S = 3600  # no live client leaves a dump unread this long (it waits dump_timeout_s at most)

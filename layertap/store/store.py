@@ -31,8 +31,8 @@ from layertap.store.index import (
     read_jsonl_dir,
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
-from layertap.validate import all_finite, ids_sha256, state_problems
-from sglang_patch.sample_files import mask_runs
+from layertap.validate import all_finite, state_problems
+from sglang_patch.sample_files import ids_sha256, mask_runs
 
 CheckLevel = Literal["quick", "full"]
 

@@ -16,7 +16,6 @@ from sglang_patch.contract import (
     RequestId,
     dump_dir,
     format_rid,
-    input_ids_sha256,
     iter_dump_rids,
     parse_rid,
     read_dump,
@@ -24,6 +23,7 @@ from sglang_patch.contract import (
     sweep_stale_dumps,
     temp_dir,
 )
+from sglang_patch.sample_files import ids_sha256
 from sglang_patch.writer import build_meta, write_dump
 
 AWKWARD_IDS = ["plain", "a:b", "::", "50%", "%3A", "x/y/../z", "", "naïve 漢字", "tab\there", "hscap:j:s:0"]
@@ -67,7 +67,7 @@ def test_overlong_rid_is_refused() -> None:
 def test_input_ids_hash_is_int64_little_endian() -> None:
     ids = torch.tensor([0, 1, 2**40, 163839, 7], dtype=torch.int64)
     expected = hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()
-    assert input_ids_sha256(ids.tolist()) == expected
+    assert ids_sha256(ids) == expected
 
 
 def _states(t: int = 12, k: int = 3, h: int = 16, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -96,7 +96,7 @@ def test_dump_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
     assert dump.meta.rid == rid and dump.meta.status == "ok"
     assert dump.meta.num_tokens == 12 and dump.meta.hidden_size == 16 and dump.meta.layers == (1, 3, 5)
     assert dump.meta.dtype == str(dtype).removeprefix("torch.")
-    assert dump.meta.input_ids_sha256 == input_ids_sha256(tensors["input_ids"].tolist())
+    assert dump.meta.input_ids_sha256 == ids_sha256(tensors["input_ids"])
     assert dump.tensors is not None
     for name, value in tensors.items():
         assert torch.equal(dump.tensors[name], value), name
