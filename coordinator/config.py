@@ -18,6 +18,11 @@ class CoordinatorSettings(BaseSettings):
     output_root: Path = Field(description="Every job's output folder must lie under this folder.")
     api_token: SecretStr | None = Field(default=None, description="When set, every endpoint but /health needs it.")
     key_prefix: str = "layertap"
+    allow_remote_code: bool = Field(
+        default=False,
+        description="Accept jobs with trust_remote_code (workers then run Python a model folder ships). Off: "
+        "a submitter must not be able to run code on the workers by pointing at a folder.",
+    )
     reaper_interval_s: float = Field(
         default=5.0, gt=0, description="How often dead leases and lost messages are checked."
     )

@@ -7,11 +7,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
-from fastapi import FastAPI, Request, status
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, status
+from fastapi.exceptions import RequestValidationError
 from redis import Redis
 from redis.exceptions import RedisError
 
+from coordinator.api.errors import error_handler, invalid_request
 from coordinator.api.routes import health, jobs, metrics, status_page, workers
 from coordinator.config import CoordinatorSettings
 from coordinator.dispatch import Dispatcher, reaper_loop
@@ -47,13 +48,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.redis.close()
 
 
-def _error(code: int):
-    async def handler(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(status_code=code, content={"detail": str(exc)})
-
-    return handler
-
-
 app = FastAPI(
     title="layertap coordinator",
     version=__version__,
@@ -62,11 +56,12 @@ app = FastAPI(
 )
 # Errors named by who acts, mapped once: the user's spec or dataset (422), an output folder that
 # belongs to another run or job (409), the state store being unreachable (503: try again).
-app.add_exception_handler(SpecError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
-app.add_exception_handler(DatasetError, _error(status.HTTP_422_UNPROCESSABLE_CONTENT))
-app.add_exception_handler(StoreError, _error(status.HTTP_409_CONFLICT))
-app.add_exception_handler(DiskSpaceError, _error(status.HTTP_507_INSUFFICIENT_STORAGE))
-app.add_exception_handler(RedisError, _error(status.HTTP_503_SERVICE_UNAVAILABLE))  # Redis restarting
+app.add_exception_handler(RequestValidationError, invalid_request)
+app.add_exception_handler(SpecError, error_handler(status.HTTP_422_UNPROCESSABLE_CONTENT))
+app.add_exception_handler(DatasetError, error_handler(status.HTTP_422_UNPROCESSABLE_CONTENT))
+app.add_exception_handler(StoreError, error_handler(status.HTTP_409_CONFLICT))
+app.add_exception_handler(DiskSpaceError, error_handler(status.HTTP_507_INSUFFICIENT_STORAGE))
+app.add_exception_handler(RedisError, error_handler(status.HTTP_503_SERVICE_UNAVAILABLE))  # Redis restarting
 app.include_router(health.router)
 app.include_router(jobs.router)
 app.include_router(workers.router)

@@ -18,7 +18,10 @@ class JobCreate(JobSpec):
     """
 
     expected_tokens: int | None = Field(
-        default=None, gt=0, description="Tokens in the dataset, roughly: checks the output fits before anything runs."
+        default=None,
+        gt=0,
+        le=10**15,  # a thousand times the largest corpora; beyond float range it could not even be estimated
+        description="Tokens in the dataset, roughly: checks the output fits before anything runs.",
     )
 
     model_config = ConfigDict(

@@ -8,16 +8,18 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from layertap.cli_jobs import register_job_commands
 from layertap.errors import LayertapError
-from layertap.spec import CaptureSpec, ExtractionSpec, parse_layer_list
+from layertap.spec import ANY_AUX_HELP, CaptureSpec, ExtractionSpec, parse_layer_list
+from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")  # server log lines hold [brackets]
     sys.exit(2)
 
 
@@ -33,7 +35,7 @@ def hf_engine_factory(model: Path, device: str, batch_tokens: int):
 
 
 def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
-                          in_flight: int, sglang_python: Path, sglang_args: str):  # fmt: skip
+                          in_flight: int, sglang_python: Path, sglang_args: str, trust_remote_code: bool = False):  # fmt: skip
     """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
 
     def make(capture: CaptureSpec):
@@ -42,7 +44,7 @@ def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url:
         dumps = dump_root or out.parent / f".{out.name}-dumps"
         server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
                               sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
-                              store_format=store_format)  # fmt: skip
+                              store_format=store_format, trust_remote_code=trust_remote_code)  # fmt: skip
         return SGLangEngine(server, capture, dump_root=dumps, job=out.name, in_flight=in_flight)
 
     return make
@@ -87,6 +89,7 @@ def _quiet_libraries() -> None:
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--max-length", type=int, default=None)
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True)
+@click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
 @click.option("--engine", type=click.Choice(["hf", "sglang"]), default="hf", show_default=True)
 @click.option("--server-url", default=None, help="sglang: attach to this capture server instead of launching one.")
 @click.option(
@@ -105,6 +108,11 @@ def _quiet_libraries() -> None:
     help="sglang: the python of the server's own environment.",
 )
 @click.option("--sglang-args", default="", help="sglang: extra server flags, shell-quoted (e.g. '--tp-size 8').")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run the Python code the model folder ships (Kimi-K2.5's tokenizer is code). Read it first.",
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="HF engine: padded tokens per batch.")
 @click.option(
@@ -125,12 +133,14 @@ def extract(
     store_dtype,
     max_length,
     overlong,
+    allow_any_aux_layers,
     engine,
     server_url,
     dump_root,
     in_flight,
     sglang_python,
     sglang_args,
+    trust_remote_code,
     device,
     batch_tokens,
     resume_check,
@@ -151,18 +161,18 @@ def extract(
             store_dtype=store_dtype,
             max_length=max_length,
             overlong=overlong,
+            trust_remote_code=trust_remote_code,
+            allow_any_aux_layers=allow_any_aux_layers,
         )
     except (ValidationError, LayertapError) as exc:
         _fail(str(exc))
     progress = RichProgress(console)
     try:
-        factory = (
-            hf_engine_factory(model, device, batch_tokens)
-            if engine == "hf"
-            else sglang_engine_factory(
-                model, out, spec.format, server_url, dump_root, in_flight, sglang_python, sglang_args
-            )
-        )
+        if engine == "hf":
+            factory = hf_engine_factory(model, device, batch_tokens)
+        else:
+            factory = sglang_engine_factory(model, out, spec.format, server_url, dump_root, in_flight, sglang_python,
+                                            sglang_args, trust_remote_code)  # fmt: skip
         report = run_extraction(spec, out, factory, progress=progress, check_level=resume_check)
     except LayertapError as exc:
         _fail(str(exc))
@@ -174,23 +184,27 @@ def extract(
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
+    click.echo((out / GUIDE).read_text())
 
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--quick", is_flag=True, help="Skip re-hashing and finiteness checks.")
-def verify(out: Path, quick: bool) -> None:
-    """Re-read every sample in OUT and report problems (exit 1 if any)."""
+@click.option("--rewrite-token-freq", is_flag=True, help="Derive token_freq.pt again from the stored samples.")
+def verify(out: Path, quick: bool, rewrite_token_freq: bool) -> None:
+    """Re-read every sample in OUT and report problems (exit 1 if any); print and rewrite OUT/TRAIN.md."""
     from layertap.verify import verify_store
 
     try:
-        report = verify_store(out, "quick" if quick else "full")
+        report = verify_store(out, "quick" if quick else "full", rewrite_token_freq=rewrite_token_freq)
     except LayertapError as exc:
         _fail(str(exc))
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     for p in report.problems:
         console.print(f"[red]problem:[/] {p}")
+    if report.guide is not None:
+        click.echo(report.guide)
     status = "[green]clean[/]" if report.ok else f"[red]{len(report.problems)} problems[/]"
     console.print(
         f"verify {out}: {report.samples} samples, {report.tokens:,} tokens, {report.nbytes:,} bytes: {status}"
@@ -199,14 +213,29 @@ def verify(out: Path, quick: bool) -> None:
 
 
 @main.command("tiny-model")
-@click.option("--arch", type=click.Choice(["llama", "kimi-k2"]), default="llama", show_default=True)
+@click.option("--arch", type=click.Choice(["llama", "kimi-k2", "kimi-k2.5"]), default="llama", show_default=True)
+@click.option(
+    "--shape",
+    type=click.Choice(["tiny", "mla-gpu", "kimi-k2-width"]),
+    default="tiny",
+    show_default=True,
+    help="DeepseekV3 archs: tiny (CPU tests), mla-gpu (Kimi's MLA head sizes, which GPU kernels need; "
+    "hidden 1024), kimi-k2-width (hidden 7168, 4 layers, 16 experts top-8).",
+)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.argument("out", type=click.Path(path_type=Path))
-def tiny_model(arch: str, seed: int, out: Path) -> None:
+def tiny_model(arch: str, shape: str, dtype: str, seed: int, out: Path) -> None:
     """Build a deterministic tiny random-weight model (with tokenizer and chat template) in OUT."""
+    import torch
+
     from layertap.models.tiny import build_tiny_model
 
-    console.print(f"built {arch} tiny model in {build_tiny_model(arch, out, seed=seed)}")
+    try:
+        built = build_tiny_model(arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape)
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(f"built {arch} ({shape}, {dtype}) tiny model in {built}")
 
 
 @main.command()

@@ -18,7 +18,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from layertap.spec import parse_layer_list
+from layertap.spec import ANY_AUX_HELP, parse_layer_list
+from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
 TERMINAL = {"done", "failed", "cancelled"}
@@ -112,6 +113,7 @@ def coordinator(host: str, port: int) -> None:
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16")
 @click.option("--max-length", type=int, default=None)
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate")
+@click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
 @click.option("--out", default=None, help="Output folder relative to the coordinator's output root (default: job id).")
 @click.option("--shard-size", type=int, default=100, show_default=True)
 @click.option("--batch-tokens", type=int, default=None, help="HF engine: padded tokens per forward.")
@@ -124,8 +126,8 @@ def coordinator(host: str, port: int) -> None:
 @click.option("--wait", is_flag=True, help="Follow the job until it ends; exit 1 unless it is done.")
 @api_option
 @token_option
-def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, out, shard_size,
-           batch_tokens, batch_size, in_flight, attempts, expected_tokens, wait, api, token) -> None:  # fmt: skip
+def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, allow_any_aux_layers,
+           out, shard_size, batch_tokens, batch_size, in_flight, attempts, expected_tokens, wait, api, token) -> None:  # fmt: skip
     """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
     engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
     body = {
@@ -138,6 +140,7 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         "store_dtype": store_dtype,
         "max_length": max_length,
         "overlong": overlong,
+        "allow_any_aux_layers": allow_any_aux_layers,
         "out": out,
         "shard_size": shard_size,
         "engine": {k: v for k, v in engine.items() if v is not None},
@@ -152,6 +155,8 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
     if wait:
         job = _follow(api, token, job["job_id"], every=2.0)
         _show(job)
+        if job["state"] == "done" and (guide := Path(job["out"]) / GUIDE).exists():  # where this host sees it
+            click.echo(guide.read_text())
         sys.exit(0 if job["state"] == "done" else 1)
 
 

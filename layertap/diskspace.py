@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from layertap.errors import SpecError, StoreError
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.formats.base import DTYPES
 

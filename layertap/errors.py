@@ -1,9 +1,10 @@
 """Errors named by who has to act (see STYLE.md §8).
 
 - ``SpecError``: the user's extraction spec or input is wrong; fix it and resubmit (API: 422).
-- ``DatasetError``: the dataset as a whole cannot be used (duplicate ids, a chat template that
-  yields an all-0/all-1 loss mask); the run stops before writing anything misleading.
-- ``RowError``: one dataset row is unusable; it is recorded with its row number and the run goes on.
+- ``DatasetError``: the dataset as a whole cannot be used (unreadable, no rows, a chat template that
+  masks a plain chat all 0 or all 1); the run stops before writing anything misleading.
+- ``RowError``: one dataset row is unusable; it is recorded with its row number, id, kind (``ROW_KINDS``)
+  and reason, and the run goes on.
 - ``SampleError``: one capture attempt went wrong (prefix-cache hit, token/hash mismatch, non-finite
   values); retry the sample a bounded number of times.
 - ``ServerError``: the inference server is dead or misconfigured; fail the task so work moves elsewhere.
@@ -23,14 +24,32 @@ class DatasetError(LayertapError):
     """The dataset cannot be used as a whole."""
 
 
-class RowError(LayertapError):
-    """One dataset row is unusable; carries its row number and sample id."""
+# Why a row produced no sample, as the store's errors/ and the API report it.
+ROW_KINDS: dict[str, str] = {
+    "row": "unreadable, or not a usable row shape (types, missing fields, unknown roles)",
+    "encoding": "text that cannot be encoded as UTF-8 (lone surrogates)",
+    "duplicate_id": "an id an earlier row already has (the first is kept)",
+    "template": "the chat template failed or is not prefix-stable on this row",
+    "tokenizer": "the tokenizer failed or gave no tokens",
+    "loss_mask": "the loss mask came out all 0 or all 1",
+    "overlong": "longer than max_length under the skip policy",
+    "capture": "the capture failed every attempt",
+    "internal": "an unexpected error while preparing the row (a bug: please report it)",
+}
 
-    def __init__(self, reason: str, *, row: int, sample_id: str | None = None) -> None:
+
+class RowError(LayertapError):
+    """One dataset row is unusable; carries its row number, sample id and kind (a key of ``ROW_KINDS``)."""
+
+    kind = "row"
+
+    def __init__(self, reason: str, *, row: int, sample_id: str | None = None, kind: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.row = row
         self.sample_id = sample_id
+        if kind is not None:
+            self.kind = kind
 
     def __str__(self) -> str:
         who = f" (id {self.sample_id!r})" if self.sample_id is not None else ""
@@ -39,6 +58,8 @@ class RowError(LayertapError):
 
 class OverlongRow(RowError):
     """A row longer than ``max_length`` under the ``skip`` policy: counted apart from bad rows."""
+
+    kind = "overlong"
 
 
 class SampleError(LayertapError):

@@ -29,10 +29,12 @@ class TokenizedSample:
 
 @dataclass(frozen=True, slots=True)
 class SampleFile:
-    """A file already holding a sample in a store format (written so by the SGLang plugin)."""
+    """A file already holding a sample in a store format (written so by the SGLang plugin), and the
+    sha256 its writer computed from the bytes as it wrote them (None: unknown)."""
 
     path: Path
     format: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from layertap.errors import SpecError
+from layertap.trainers import check_trainer_takes
 from sglang_patch.contract import FORMAT_FINAL
 
 Convention = Literal["capture", "sglang-eagle3", "vllm"]
@@ -25,6 +26,7 @@ FinalKind = Literal["post", "pre", "both"]
 Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32"]
 OverlongPolicy = Literal["truncate", "skip"]
+ANY_AUX_HELP = "Skip the check that the format's stock trainer takes this many aux layers (for a modified trainer)."
 
 
 class CaptureSpec(BaseModel):
@@ -107,6 +109,12 @@ class ExtractionSpec(BaseModel):
     store_dtype: StoreDtype = "bfloat16"
     max_length: int | None = Field(default=None, gt=0)
     overlong: OverlongPolicy = "truncate"
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Run the Python code a model folder ships (e.g. Kimi-K2.5's tokenizer). Off by default; "
+        "a coordinator accepts it only when its operator allowed remote code.",
+    )
+    allow_any_aux_layers: bool = Field(default=False, description=ANY_AUX_HELP)
 
     @field_validator("layers")
     @classmethod
@@ -127,7 +135,11 @@ class ExtractionSpec(BaseModel):
         return self.final or FORMAT_FINAL[self.format]  # type: ignore[return-value]
 
     def resolve(self, num_layers: int) -> CaptureSpec:
-        """Resolve layer ids against the model's depth."""
-        return resolve_capture(
+        """Resolve layer ids against the model's depth; refuse an aux-layer count the format's trainer cannot
+        train on (unless ``allow_any_aux_layers``), before any work is done."""
+        capture = resolve_capture(
             self.layers, convention=self.layer_convention, num_layers=num_layers, final=self.final_kind
         )
+        if not self.allow_any_aux_layers:
+            check_trainer_takes(self.format, capture.layers)
+        return capture

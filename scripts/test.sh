@@ -6,4 +6,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 bash scripts/setup_system.sh
 bash scripts/setup_sglang_cpu.sh >/dev/null
+bash scripts/setup_trainers.sh
 exec .venv/bin/python -m pytest "$@"

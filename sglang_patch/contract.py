@@ -202,7 +202,7 @@ def sweep_stale_dumps(dump_root: Path | str, max_age_s: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DumpMeta:
-    """Contents of ``meta.json``. For an error dump only rid, status, error and layers are meaningful."""
+    """Contents of ``meta.json``. For an error dump only rid, status, error, layers and writer are meaningful."""
 
     rid: str
     status: Status
@@ -216,6 +216,13 @@ class DumpMeta:
     layout: str = "states"
     format_version: int = FORMAT_VERSION
     layer_convention: str = LAYER_CONVENTION
+    # sha256 of the tensors file, computed by the writer as it wrote the bytes: the client checks it
+    # once (the same read that checks finiteness) and records it in the store's index as is.
+    file_sha256: str | None = None
+    # The server's writer when this dump was queued: "wait_s" (seconds the forward pass waited for
+    # host memory since the previous dump was queued), "queued" (dumps queued or being written),
+    # "pinned_bytes" (host memory held by captured rows), "pinned_cap_bytes", "threads".
+    writer: dict[str, float] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"

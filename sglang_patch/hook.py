@@ -38,7 +38,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang_patch.capture import Accumulator, Completed, Piece, Prompts, plan_pass
 from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM
 from sglang_patch.settings import CaptureSettings, aux_role
-from sglang_patch.writer import DumpJob, DumpWriter, HostStaging
+from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,20 @@ def _forward_batch(inputs: tuple[Any, ...]) -> ForwardBatch:
     raise RuntimeError(f"layertap hook: no ForwardBatch among the module inputs {[type(v).__name__ for v in inputs]}")
 
 
-def _layer_rows(output: Any) -> torch.Tensor:
+@functools.cache
+def _warn_unreduced() -> None:
+    logger.warning(
+        "layertap: capturing per-rank partial sums (--allreduce-fusion sglang; all-reduce fused into the next layer)"
+    )
+
+
+def _layer_rows(output: Any, *, allow_unreduced: bool) -> torch.Tensor:
     hidden, residual = output[0], output[1]
     if getattr(hidden, "_sglang_needs_allreduce_fusion", False):
         # The all-reduce was deferred into the next layer: these are per-rank partial sums.
+        if allow_unreduced:
+            _warn_unreduced()
+            return hidden + residual
         raise RuntimeError(
             "layertap: decoder layer output awaits a fused all-reduce; start the server with "
             "--enforce-disable-flashinfer-allreduce-fusion (sglang_patch.launch does)"
@@ -115,7 +125,8 @@ class _Capturer:
             settings.dump_root,
             layers=settings.layers,
             finals=settings.finals,
-            max_pending=settings.max_pending_writes,
+            budget=HostBudget(settings.pinned_cap_bytes),
+            threads=settings.writer_threads,
             layout=settings.layout,
         )
         atexit.register(self._writer.close, 30.0)
@@ -127,6 +138,7 @@ class _Capturer:
         self._batch: ForwardBatch | None = None
         self._pieces: list[Piece] = []
         self._rows: dict[str, torch.Tensor] = {}
+        self._reserved: dict[str, int] = {}  # rid -> host bytes reserved for its buffers
 
     def take(self, role: str, batch: ForwardBatch, rows: Callable[[], torch.Tensor]) -> None:
         """Record `role`'s rows for `batch` (computed only if the pass captures anything)."""
@@ -164,19 +176,35 @@ class _Capturer:
         if self._staging is None or self._accumulator is None:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
+        self._reserve(rows)
         outcomes = self._accumulator.add_pass(self._pieces, rows)
         ready = self._staging.record() if outcomes else None
         for outcome in outcomes:
+            nbytes = self._reserved.pop(outcome.rid, 0)
             if isinstance(outcome, Completed):
                 mask = self._prompts.loss_mask_runs(outcome.rid)
-                self._writer.submit(DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, loss_mask_runs=mask))
+                job = DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, loss_mask_runs=mask, nbytes=nbytes)
+                self._writer.submit(job)
             else:
                 logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)
+                self._writer.budget.release(nbytes, handed=False)  # its buffers were dropped
                 self._writer.submit(DumpJob(outcome.rid, error=outcome.reason))
             self._prompts.forget(outcome.rid)
         for piece in self._pieces:
             if piece.position + piece.num_rows >= piece.prompt_len:
                 self._prompts.forget(piece.rid)
+
+    def _reserve(self, rows: dict[str, torch.Tensor]) -> None:
+        """Reserve host memory for the requests whose first rows are in this pass (the accumulator
+        allocates their whole prompt's buffers now); blocks while the writers lag (`HostBudget`)."""
+        assert self._staging is not None
+        for piece in self._pieces:
+            if piece.position == 0 and piece.rid not in self._reserved:
+                nbytes = sum(
+                    self._staging.footprint(piece.prompt_len * t[0].numel() * t.element_size()) for t in rows.values()
+                )
+                self._writer.budget.reserve(nbytes)
+                self._reserved[piece.rid] = nbytes
 
 
 _CAPTURER: _Capturer | None = None
@@ -205,9 +233,12 @@ def hook_factory(config: dict[str, Any]) -> Hook | None:
         return None
     capturer = _capturer(settings)
     from_logits_input = role == FINAL_TENSORS["post"]
+    allow_unreduced = settings.allreduce_fusion == "sglang"
 
     def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        rows = (lambda: inputs[1]) if from_logits_input else (lambda: _layer_rows(output))
+        rows = (
+            (lambda: inputs[1]) if from_logits_input else (lambda: _layer_rows(output, allow_unreduced=allow_unreduced))
+        )
         capturer.take(role, _forward_batch(inputs), rows)
 
     return hook

@@ -4,19 +4,22 @@ Usage (in the server's environment, with this repository's root on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
         --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
-        [--keep-radix-cache] [--dry-run] <sglang server flags>
+        [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] [--allreduce-fusion off|sglang] \\
+        [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
 ``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``, ``LAYERTAP_DUMP_LAYOUT``,
-``LAYERTAP_MAX_PENDING_WRITES``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
+``LAYERTAP_WRITER_THREADS``, ``LAYERTAP_PINNED_CAP``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
 parser, then the launcher
 
 - forces prefill CUDA graphs off (hooks do not run under graph replay, where ``rids`` is None):
   ``--disable-piecewise-cuda-graph`` on sglang 0.5.10, ``--cuda-graph-backend-prefill disabled`` on
   0.5.14 (told apart by the fields of ``ServerArgs``); decode graphs may stay on;
 - forces FlashInfer all-reduce fusion off (``--enforce-disable-flashinfer-allreduce-fusion``). SGLang
-  turns it on by itself for DeepseekV3/Kimi at TP > 1, and then layer-boundary states of passes up
-  to 2048 tokens are per-rank partial sums. It is forced for every model: cheap and always safe;
+  turns it on by itself for DeepseekV3/Kimi at TP > 1 on Hopper/Blackwell, and then a decoder
+  layer's output is a per-rank partial sum awaiting an all-reduce fused into the next layer's norm.
+  It is forced for every model: always safe. ``--allreduce-fusion sglang`` leaves it at SGLang's
+  choice, only to measure what it does to captures (`benchmarks/gpu/tp_bench.py`);
 - refuses what it cannot make safe, checked on the final ``ServerArgs`` (after SGLang derived its
   own settings): speculative decoding, PP > 1, two-batch overlap, an all-to-all MoE backend,
   scattered attention-TP input, and any prefill graph or all-reduce fusion still on;
@@ -44,7 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
-from sglang_patch.settings import CaptureSettings, aux_role, env_default, parse_finals, parse_layers
+from sglang_patch.settings import (
+    FUSION_CHOICES,
+    CaptureSettings,
+    aux_role,
+    env_default,
+    parse_bytes,
+    parse_finals,
+    parse_layers,
+)
 
 HOOK_FACTORY = "sglang_patch.hook:hook_factory"
 # Module path prefixes of the decoder stack: plain causal LMs, and Kimi-K2.5's multimodal wrapper.
@@ -69,34 +80,39 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
     parser.add_argument("--capture-final", default=env_default(environ, "capture_final"))
     parser.add_argument("--rid-prefix", default=env_default(environ, "rid_prefix") or DEFAULT_RID_PREFIX)
     parser.add_argument("--dump-layout", default=env_default(environ, "dump_layout") or "states")
-    parser.add_argument("--max-pending-writes", type=int, default=env_default(environ, "max_pending_writes"))
+    parser.add_argument("--writer-threads", type=int, default=env_default(environ, "writer_threads"))
+    parser.add_argument("--pinned-cap", default=env_default(environ, "pinned_cap"), help="bytes, e.g. 4G")
     parser.add_argument("--max-idle-passes", type=int, default=env_default(environ, "max_idle_passes"))
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--keep-radix-cache", action="store_true")
+    parser.add_argument("--allreduce-fusion", choices=FUSION_CHOICES, default="off")
     ns, rest = parser.parse_known_args(list(argv))
     missing = [name for name in ("dump_root", "capture_layers", "capture_final") if getattr(ns, name) is None]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise ValueError(f"missing {flags} (or the LAYERTAP_* environment variables)")
     tuning = {
-        name: int(getattr(ns, name))
-        for name in ("max_pending_writes", "max_idle_passes")
-        if getattr(ns, name) is not None
+        name: int(getattr(ns, name)) for name in ("writer_threads", "max_idle_passes") if getattr(ns, name) is not None
     }
+    if ns.pinned_cap is not None:
+        tuning["pinned_cap_bytes"] = parse_bytes(ns.pinned_cap)
     settings = CaptureSettings(
-        dump_root=str(Path(ns.dump_root).resolve()),
+        dump_root=os.path.abspath(ns.dump_root),  # a symlink stays one: it may be re-pointed
         layers=parse_layers(ns.capture_layers),
         finals=parse_finals(ns.capture_final),
         rid_prefix=ns.rid_prefix,
         layout=ns.dump_layout,
+        allreduce_fusion=ns.allreduce_fusion,
         **tuning,
     )
     return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache, sglang_argv=rest)
 
 
-def forced_flags(server_arg_fields: Collection[str], *, keep_radix_cache: bool = False) -> list[str]:
-    """SGLang flags that turn prefill CUDA graphs, all-reduce fusion and (unless kept) the radix cache
-    off, in this version's spelling.
+def forced_flags(
+    server_arg_fields: Collection[str], *, keep_radix_cache: bool = False, keep_allreduce_fusion: bool = False
+) -> list[str]:
+    """SGLang flags that turn prefill CUDA graphs, all-reduce fusion (unless kept for a measurement) and
+    (unless kept) the radix cache off, in this version's spelling.
 
     `server_arg_fields` are the field names of the installed ``ServerArgs``. The flags go after the
     user's, so they win over the user's per-phase settings (an explicit ``--cuda-graph-config`` JSON
@@ -107,7 +123,7 @@ def forced_flags(server_arg_fields: Collection[str], *, keep_radix_cache: bool =
         flags += ["--cuda-graph-backend-prefill", "disabled"]
     elif "disable_piecewise_cuda_graph" in server_arg_fields:  # 0.5.10: piecewise graphs on by default
         flags += ["--disable-piecewise-cuda-graph"]
-    if "enforce_disable_flashinfer_allreduce_fusion" in server_arg_fields:
+    if "enforce_disable_flashinfer_allreduce_fusion" in server_arg_fields and not keep_allreduce_fusion:
         flags += ["--enforce-disable-flashinfer-allreduce-fusion"]
     if not keep_radix_cache:
         flags += ["--disable-radix-cache"]
@@ -121,8 +137,9 @@ def _prefill_graphs_on(server_args: Any) -> bool:
     return not getattr(server_args, "disable_piecewise_cuda_graph", True)
 
 
-def unsafe_settings(server_args: Any) -> list[str]:
-    """Reasons the final ``ServerArgs`` cannot capture correctly (empty list: safe)."""
+def unsafe_settings(server_args: Any, *, allow_allreduce_fusion: bool = False) -> list[str]:
+    """Reasons the final ``ServerArgs`` cannot capture correctly (empty list: safe); all-reduce fusion
+    is let through only when a measurement asked for it (``--allreduce-fusion sglang``)."""
     problems = []
     if getattr(server_args, "speculative_algorithm", None):
         problems.append("speculative decoding changes what the target's forward passes hold; remove --speculative-*")
@@ -130,8 +147,9 @@ def unsafe_settings(server_args: Any) -> list[str]:
         problems.append("pipeline parallelism (--pp-size > 1) is not supported: use pp_size 1")
     if _prefill_graphs_on(server_args):
         problems.append("prefill CUDA graphs are on: hooks do not run under graph replay")
-    if getattr(server_args, "enable_flashinfer_allreduce_fusion", False) or (
-        getattr(server_args, "flashinfer_allreduce_fusion_backend", None) is not None
+    if not allow_allreduce_fusion and (
+        getattr(server_args, "enable_flashinfer_allreduce_fusion", False)
+        or getattr(server_args, "flashinfer_allreduce_fusion_backend", None) is not None
     ):
         problems.append("FlashInfer all-reduce fusion is on: layer-boundary states would be per-rank partial sums")
     if getattr(server_args, "enable_aiter_allreduce_fusion", False):
@@ -186,9 +204,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_plugins()
 
     field_names = {f.name for f in dataclasses.fields(ServerArgs)}
-    forced = forced_flags(field_names, keep_radix_cache=options.keep_radix_cache)
+    measure_fusion = options.settings.allreduce_fusion == "sglang"
+    forced = forced_flags(field_names, keep_radix_cache=options.keep_radix_cache, keep_allreduce_fusion=measure_fusion)
     server_args = prepare_server_args([*options.sglang_argv, *forced])
-    problems = unsafe_settings(server_args)
+    problems = unsafe_settings(server_args, allow_allreduce_fusion=measure_fusion)
     if problems:
         sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))
     try:

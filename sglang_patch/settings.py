@@ -7,6 +7,7 @@ passes it to every hook as the `config` of SGLang's ``--forward-hooks`` spec; th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -14,6 +15,14 @@ from typing import Any
 from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, FORMAT_FINAL, LAYOUT_FILES
 
 ENV_PREFIX = "LAYERTAP_"
+# An 8-GPU node runs up to 8 servers on its ~100+ cores, and the workers validate and commit beside
+# them: 4 threads write ~6 GB/s to tmpfs on an H200 host (1.7 GB/s each), more than one GPU's share
+# of a node's NVMe array. 4 GiB holds ~18 Kimi-sized samples of 4000 tokens: the writers always have
+# work queued while the node's RAM (1-2 TB) hardly notices 8 x 4 GiB locked. See the README.
+DEFAULT_WRITER_THREADS = 4
+DEFAULT_PINNED_CAP_BYTES = 4 << 30
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+FUSION_CHOICES = ("off", "sglang")
 FINAL_CHOICES: dict[str, tuple[str, ...]] = {"post": ("post",), "pre": ("pre",), "both": ("post", "pre")}
 
 
@@ -23,21 +32,29 @@ class CaptureSettings:
 
     `layers`: capture indices (index i = input of decoder layer i = HF output_hidden_states[i]),
     in the order the dump's ``aux`` tensor stores them. `finals`: subset of ("post", "pre").
-    `max_pending_writes`: dumps queued for the writer thread before the forward pass blocks
-    (backpressure). `max_idle_passes`: passes with captured rows that a half-captured request may go
+    `writer_threads`: threads that serialise, hash, write and fsync dumps in parallel.
+    `pinned_cap_bytes`: host (pinned, on a GPU) memory that captured rows may hold, from their
+    request's first rows until its dump is written; a request that would pass it makes the forward
+    pass wait for the writers (backpressure: the disk is slower than prefill). `max_idle_passes`: passes with captured rows that a half-captured request may go
     without rows of its own before its state is dropped (an aborted request; SGLang otherwise
     continues a chunked prompt in the very next prefill pass). `layout`: "states" (everything
     captured, any store format can be made from it) or a trainer format ("specforge" needs the
     "post" final, "speculators" the "pre" one) written so that the client's commit is a rename.
+    `allreduce_fusion`: "off" (the launcher forces SGLang's FlashInfer all-reduce fusion off: the safe
+    setting) or "sglang" (left at SGLang's own choice, to measure what fusion does to captures: a
+    decoder layer's output may then be a per-rank partial sum, which the hooks capture as it is and
+    log, instead of stopping the server).
     """
 
     dump_root: str
     layers: tuple[int, ...]
     finals: tuple[str, ...]
     rid_prefix: str = DEFAULT_RID_PREFIX
-    max_pending_writes: int = 16
+    writer_threads: int = DEFAULT_WRITER_THREADS
+    pinned_cap_bytes: int = DEFAULT_PINNED_CAP_BYTES
     max_idle_passes: int = 256
     layout: str = "states"
+    allreduce_fusion: str = "off"
 
     def __post_init__(self) -> None:
         if not self.dump_root:
@@ -56,8 +73,10 @@ class CaptureSettings:
                 f"layout must be one of {sorted(LAYOUT_FILES)} (specforge needs the post-norm final, "
                 f"speculators the pre-norm one), got {self.layout!r} with finals {self.finals}"
             )
-        if self.max_pending_writes < 1 or self.max_idle_passes < 1:
-            raise ValueError("max_pending_writes and max_idle_passes must be >= 1")
+        if self.writer_threads < 1 or self.pinned_cap_bytes < 1 or self.max_idle_passes < 1:
+            raise ValueError("writer_threads, pinned_cap_bytes and max_idle_passes must be >= 1")
+        if self.allreduce_fusion not in FUSION_CHOICES:
+            raise ValueError(f"allreduce_fusion must be one of {FUSION_CHOICES}, got {self.allreduce_fusion!r}")
 
     def roles(self) -> list[str]:
         """Hook roles a pass needs: ``aux:<i>`` per capture index (hooked on decoder layer ``i-1``),
@@ -103,3 +122,11 @@ def parse_finals(text: str) -> tuple[str, ...]:
 def env_default(environ: Mapping[str, str], name: str) -> str | None:
     """Value of ``LAYERTAP_<NAME>`` (e.g. name "dump_root" -> LAYERTAP_DUMP_ROOT), or None."""
     return environ.get(ENV_PREFIX + name.upper())
+
+
+def parse_bytes(text: str) -> int:
+    """``"4G"``, ``"512MiB"``, ``"1048576"`` -> bytes (binary units: K = 1024)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise ValueError(f"expected a byte count like 4G, 512M or 1048576, got {text!r}")
+    return int(match[1]) * _UNITS[match[2]]

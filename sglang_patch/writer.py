@@ -1,19 +1,25 @@
 """Getting captured rows off the device and onto disk without stalling SGLang's forward pass.
 
 On a GPU, rows are copied with ``non_blocking=True`` into pinned host buffers and a CUDA event is
-recorded after the copies; the writer thread waits on that event, never the forward stream. On the
-CPU the copies are plain and there is no event. The writer thread takes dumps from a bounded queue:
-when it falls behind, `DumpWriter.submit` blocks the forward pass (backpressure), which bounds the
-host memory held by finished-but-unwritten dumps.
+recorded after the copies; a writer thread waits on that event, never the forward stream. On the
+CPU the copies are plain and there is no event.
 
-Each dump is written to a temp folder, every file and the folder are fsynced, then the folder is
-renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point).
-The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
-captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`).
+Host memory is bounded in bytes (`HostBudget`): a request's buffers are reserved when its first
+rows arrive and given back once its dump is written. The forward pass waits only when a new
+request would pass the cap while written dumps are still to come back, i.e. when the writers (the
+disk) are slower than prefill. Several writer threads (`DumpWriter`) take dumps from one queue:
+serialising, hashing and writing release the GIL, so they scale with cores.
+
+Each dump is written to a temp folder, its sha256 computed from the bytes on their way to the file
+(no read back), every file and the folder are fsynced, then the folder is renamed to
+``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point). The tensors
+file is laid out as the server's dump layout says (`sglang_patch.contract`): all captured states,
+or the sample already in a trainer's format (`sglang_patch.sample_files`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -21,11 +27,11 @@ import queue
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO
 
 import torch
-from safetensors.torch import save_file
 
 from sglang_patch.contract import (
     AUX,
@@ -44,10 +50,59 @@ from sglang_patch.sample_files import (
     mask_from_runs,
     specforge_tensors,
     speculators_tensors,
+    write_safetensors,
     write_sample,
 )
 
 logger = logging.getLogger(__name__)
+
+
+class HostBudget:
+    """Bytes of host memory held by captured rows, under a cap (thread-safe).
+
+    `reserve` (the forward pass) blocks while the cap would be passed and dumps handed to the writers
+    are still to give their bytes back; with nothing handed over it goes through (the bytes are then
+    held by requests still being prefilled, which only forward passes can finish: waiting would
+    deadlock), so the cap is passed by at most the requests in mid-prefill (one per scheduler with
+    chunked prefill). `peak` is the most ever held; `waited_s` the forward pass's total wait.
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.in_use = 0
+        self.peak = 0
+        self.waited_s = 0.0
+        self._handed = 0  # bytes of dumps queued or being written
+        self._unreported_wait = 0.0
+        self._cond = threading.Condition()
+
+    def reserve(self, nbytes: int) -> float:
+        """Take `nbytes`, waiting as the class says; returns the seconds waited."""
+        with self._cond:
+            waited, started = 0.0, time.monotonic()
+            while self.in_use + nbytes > self.cap_bytes and self._handed > 0:
+                self._cond.wait()
+                waited = time.monotonic() - started
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+            self.waited_s += waited
+            self._unreported_wait += waited
+            return waited
+
+    def hand_over(self, nbytes: int) -> float:
+        """`nbytes` now belong to a dump queued for the writers; returns the wait not yet reported
+        (each second waited is reported with exactly one dump)."""
+        with self._cond:
+            self._handed += nbytes
+            wait, self._unreported_wait = self._unreported_wait, 0.0
+            return wait
+
+    def release(self, nbytes: int, *, handed: bool) -> None:
+        with self._cond:
+            self.in_use -= nbytes
+            if handed:
+                self._handed -= nbytes
+            self._cond.notify_all()
 
 
 class HostStaging:
@@ -60,6 +115,10 @@ class HostStaging:
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor, pinned when the rows come from a GPU (async D2H needs it)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self._pinned)
+
+    def footprint(self, nbytes: int) -> int:
+        """Host memory a buffer of `nbytes` takes: torch's pinned allocator rounds up to a power of 2."""
+        return 1 << (nbytes - 1).bit_length() if self._pinned and nbytes > 1 else nbytes
 
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies issued so far on the current stream; None on the CPU."""
@@ -75,6 +134,7 @@ class DumpJob:
     """One dump to write: `tensors` (host, named as in the contract) for a capture, or an `error`.
 
     `loss_mask_runs` is what the client sent as the sample's loss mask (unchecked; specforge needs it).
+    `nbytes`: host memory reserved for `tensors` in the writer's `HostBudget`, given back once written.
     """
 
     rid: str
@@ -82,6 +142,7 @@ class DumpJob:
     error: str | None = None
     ready: torch.cuda.Event | None = None
     loss_mask_runs: object = None
+    nbytes: int = 0
 
 
 def fsync_path(path: Path) -> None:
@@ -104,8 +165,10 @@ def build_meta(
     layers: tuple[int, ...],
     finals: tuple[str, ...],
     layout: str = "states",
+    writer: dict[str, float] | None = None,
 ) -> DumpMeta:
-    """The ``meta.json`` of a dump; `tensors` must already be valid (their event waited on)."""
+    """The ``meta.json`` of a dump, without its file's sha256 (known once written); `tensors` must
+    already be valid (their event waited on)."""
     if tensors is None:
         return DumpMeta(
             rid=rid,
@@ -118,6 +181,7 @@ def build_meta(
             dtype=None,
             hidden_size=None,
             layout=layout,
+            writer=writer,
         )
     aux = tensors[AUX]
     return DumpMeta(
@@ -131,6 +195,7 @@ def build_meta(
         dtype=str(aux.dtype).removeprefix("torch."),
         hidden_size=int(aux.shape[-1]),
         layout=layout,
+        writer=writer,
     )
 
 
@@ -154,8 +219,8 @@ def write_dump(
     tag: str,
     loss_mask: torch.Tensor | None = None,
 ) -> Path:
-    """Write one dump folder atomically and durably, its tensors file in `meta.layout`; returns its
-    final path.
+    """Write one dump folder atomically and durably, its tensors file in `meta.layout` and that file's
+    sha256 in meta.json; returns its final path.
 
     Refuses (FileExistsError) to replace an existing dump of the same rid: a retry must use a new
     attempt number, and the first dump stays what the client may already have read.
@@ -167,7 +232,8 @@ def write_dump(
     tmp.mkdir(parents=True)
     try:
         if tensors is not None:
-            _write_tensors(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
+            digest = _write_tensors(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
+            meta = replace(meta, file_sha256=digest)
         with (tmp / META_FILE).open("w") as f:
             f.write(meta.to_json())
             f.flush()
@@ -181,17 +247,38 @@ def write_dump(
     return final
 
 
-def _write_tensors(path: Path, layout: str, tensors: dict[str, torch.Tensor]) -> None:
-    if layout in (SPECFORGE, SPECULATORS):
-        with path.open("wb") as f:
-            write_sample(layout, tensors, f)
-    else:
-        save_file(tensors, path)
-    fsync_path(path)
+class _HashingFile:
+    """A write-only file that hashes the bytes on their way out (torch.save and the safetensors
+    writer hand it views of tensor memory: nothing is copied to hash it)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha256.update(data)
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _write_tensors(path: Path, layout: str, tensors: dict[str, torch.Tensor]) -> str:
+    """Write and fsync the tensors file; returns its sha256."""
+    with path.open("wb") as raw:
+        f = _HashingFile(raw)
+        if layout in (SPECFORGE, SPECULATORS):
+            write_sample(layout, tensors, f)  # type: ignore[arg-type]
+        else:
+            write_safetensors(tensors, f)  # type: ignore[arg-type]
+        raw.flush()
+        os.fsync(raw.fileno())
+    return f.sha256.hexdigest()
 
 
 class DumpWriter:
-    """A background thread that writes `DumpJob`s from a bounded queue (see module docstring)."""
+    """`threads` writer threads taking `DumpJob`s from one queue (see module docstring); the host
+    memory of queued dumps is accounted in `budget` and given back as each is written."""
 
     def __init__(
         self,
@@ -199,43 +286,62 @@ class DumpWriter:
         *,
         layers: tuple[int, ...],
         finals: tuple[str, ...],
-        max_pending: int,
+        budget: HostBudget,
+        threads: int,
         layout: str = "states",
     ) -> None:
         self.dump_root = Path(dump_root)
         self.dump_root.mkdir(parents=True, exist_ok=True)
+        self.budget = budget
         self._layers = layers
         self._finals = finals
         self._layout = layout
-        self._queue: queue.Queue[DumpJob | None] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[tuple[DumpJob, dict[str, float]] | None] = queue.Queue()
         self._tags = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="layertap-dump-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"layertap-dump-writer-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: DumpJob) -> None:
-        """Queue a dump; blocks while `max_pending` dumps wait (the forward pass slows to the disk)."""
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            started = time.monotonic()
-            self._queue.put(job)
+        """Queue a dump (never blocks: the forward pass waits, if at all, in `HostBudget.reserve`)."""
+        wait = self.budget.hand_over(job.nbytes)
+        stats = {
+            "wait_s": round(wait, 6),
+            "queued": self._queue.qsize() + 1,
+            "pinned_bytes": self.budget.in_use,
+            "pinned_cap_bytes": self.budget.cap_bytes,
+            "threads": len(self._threads),
+        }
+        if wait > 0.001:
             logger.warning(
-                "dump writer lagging: forward pass waited %.3f s to queue %s", time.monotonic() - started, job.rid
-            )
+                "dump writers lagging: the forward pass waited %.3f s for host memory (%d of %d bytes held)",
+                wait, self.budget.in_use, self.budget.cap_bytes,
+            )  # fmt: skip
+        self._queue.put((job, stats))
 
     def close(self, timeout: float | None = None) -> None:
-        """Write what is queued, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        """Write what is queued, then stop the threads."""
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            job, stats = item
             try:
-                self._write(job)
+                self._write(job, stats)
             except Exception:
                 logger.exception("failed to write the dump of %s", job.rid)
+            finally:
+                # Drop the buffers before giving their bytes back (the budget counts live memory).
+                nbytes, item, job = job.nbytes, None, None
+                self.budget.release(nbytes, handed=True)
 
-    def _write(self, job: DumpJob) -> None:
+    def _write(self, job: DumpJob, stats: dict[str, float]) -> None:
         started = time.monotonic()
         if job.ready is not None:
             job.ready.synchronize()
@@ -245,7 +351,9 @@ class DumpWriter:
                 loss_mask = self._loss_mask(job.loss_mask_runs, int(tensors[INPUT_IDS].shape[0]))
             except ValueError as exc:
                 tensors, error = None, str(exc)
-        meta = build_meta(job.rid, tensors, error, layers=self._layers, finals=self._finals, layout=self._layout)
+        meta = build_meta(
+            job.rid, tensors, error, layers=self._layers, finals=self._finals, layout=self._layout, writer=stats
+        )
         tag = f"{os.getpid()}-{next(self._tags)}"
         path = write_dump(self.dump_root, meta, tensors, tag=tag, loss_mask=loss_mask)
         logger.info(

@@ -33,11 +33,17 @@ class WorkerSettings(BaseSettings):
     hf_batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
     hf_batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
     in_flight: int = Field(default=8, gt=0, description="SGLang engine: requests in flight.")
+    commit_threads: int = Field(
+        default=8, gt=0, description="Threads validating (sha256, finiteness) and committing samples in parallel."
+    )
     server_url: str | None = Field(default=None, description="SGLang engine: attach to this server.")
     dump_root: Path | None = Field(default=None, description="SGLang engine: where the capture plugin dumps.")
     sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
     sglang_args: str = Field(default="", description="SGLang engine: extra server flags (shell-quoted).")
     rid_prefix: str = Field(default="hscap", description="SGLang engine: request-id prefix the plugin captures.")
+    allow_remote_code: bool = Field(
+        default=False, description="Run jobs with trust_remote_code (the Python a model folder ships)."
+    )
 
     lease_ttl_s: float = Field(
         default=30.0, gt=0, description="A shard is requeued this long after its last heartbeat."

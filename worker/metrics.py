@@ -12,12 +12,14 @@ from typing import Literal
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
+from layertap.errors import ROW_KINDS
+
 log = logging.getLogger(__name__)
 
 State = Literal["idle", "working", "paused"]
 STATES: tuple[State, ...] = ("idle", "working", "paused")
 STAGES = ("queue_wait", "prefill", "dump_wait", "validate", "commit")
-ERROR_KINDS = ("row", "overlong", "capture", "server", "task")
+ERROR_KINDS = (*ROW_KINDS, "server", "task")
 PAUSE_REASONS = ("low_disk",)
 # From a 1 ms commit to an hour in the queue: every stage fits on one scale.
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
@@ -30,8 +32,8 @@ TOKENS = Counter("layertap_worker_tokens", "Tokens of the samples this worker co
 WRITTEN = Counter("layertap_worker_written_bytes", "Bytes of sample files this worker committed.", ["worker"])
 ERRORS = Counter(
     "layertap_worker_errors",
-    "Errors by kind: row (bad dataset row), overlong (skipped), capture (a sample failed every attempt), "
-    "server (the engine or its server failed a shard), task (any other shard failure).",
+    "Errors by kind: a row's (layertap.errors.ROW_KINDS: row, encoding, duplicate_id, template, tokenizer, "
+    "loss_mask, overlong, capture, internal), server (the engine or its server failed a shard), task (any other).",
     ["worker", "kind"],
 )
 SHARDS = Counter("layertap_worker_shards", "Shard attempts this worker ended, by outcome.", ["worker", "outcome"])
@@ -47,6 +49,23 @@ FREE = Gauge(
     "layertap_worker_output_free_bytes", "Free bytes on the output volume, as this worker sees it.", ["worker"]
 )
 FLOOR = Gauge("layertap_worker_min_free_bytes", "The free-space floor below which this worker pauses.", ["worker"])
+# The capture plugin runs inside the SGLang server, which has no endpoint of ours: each dump's meta.json
+# carries its writer's state, and the worker that reads the dump exports it here.
+WRITER_WAIT = Counter(
+    "layertap_writer_wait_seconds",
+    "Seconds the SGLang forward pass waited for the capture plugin's writers (its host-memory cap was "
+    "full: the dump disk is slower than prefill), as reported with each dump.",
+    ["worker"],
+)
+WRITER_QUEUED = Gauge(
+    "layertap_writer_queued_dumps", "Dumps queued or being written in the server, at the last dump.", ["worker"]
+)
+WRITER_PINNED = Gauge(
+    "layertap_writer_pinned_bytes",
+    "Host (pinned) memory held by captured rows in the server, at the last dump.",
+    ["worker"],
+)
+WRITER_PINNED_CAP = Gauge("layertap_writer_pinned_cap_bytes", "The server's cap on that memory.", ["worker"])
 
 
 class WorkerMetrics:
@@ -64,10 +83,21 @@ class WorkerMetrics:
         self.paused = {reason: PAUSED.labels(worker, reason) for reason in PAUSE_REASONS}
         self.free_bytes = FREE.labels(worker)
         self.min_free_bytes = FLOOR.labels(worker)
+        self.writer_wait = WRITER_WAIT.labels(worker)
+        self.writer_queued = WRITER_QUEUED.labels(worker)
+        self.writer_pinned = WRITER_PINNED.labels(worker)
+        self.writer_pinned_cap = WRITER_PINNED_CAP.labels(worker)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """The timing callback handed to code that must not import prometheus (the SGLang engine)."""
         STAGE.labels(self.worker, stage).observe(seconds)
+
+    def observe_writer(self, stats: dict[str, float]) -> None:
+        """The writer stats a dump carried (`sglang_patch.contract.DumpMeta.writer`): the engine's callback."""
+        self.writer_wait.inc(max(0.0, float(stats.get("wait_s", 0.0))))
+        self.writer_queued.set(stats.get("queued", 0))
+        self.writer_pinned.set(stats.get("pinned_bytes", 0))
+        self.writer_pinned_cap.set(stats.get("pinned_cap_bytes", 0))
 
     def error(self, kind: str) -> Counter:
         """The error counter of ``kind`` (made on first use for a kind not listed in ERROR_KINDS)."""

@@ -149,6 +149,7 @@ class WorkerContext:
                     events=events,
                     attempts=spec.sample_attempts,
                     check_level=self.settings.resume_check,
+                    commit_threads=self.settings.commit_threads,
                 )
             except ServerError:
                 self.engines.close()  # the next task starts a fresh engine (and server)
@@ -180,7 +181,13 @@ class WorkerContext:
         return outcome
 
     def _engine(self, spec: JobSpec, store: OutputStore) -> Engine:
-        """This process's engine for the job, refused if it would not compute in the manifest's dtype."""
+        """This process's engine for the job, refused if it would not compute in the manifest's dtype or the
+        job wants model code run that this worker was not allowed to run."""
+        if spec.trust_remote_code and not self.settings.allow_remote_code:
+            raise ServerError(
+                f"job asks for trust_remote_code ({spec.model}) but this worker does not run model code "
+                "(LAYERTAP_ALLOW_REMOTE_CODE is off)"
+            )
         engine = self.engines.get(spec, spec.resolve(store.manifest.num_layers))
         dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
         if dtype != store.manifest.compute_dtype:

@@ -25,8 +25,10 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
         rid_prefix=settings.rid_prefix,
         log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
         store_format=spec.format,
+        trust_remote_code=spec.trust_remote_code,
     )
     job = spec.out.name if spec.out else "job"
-    stages = WorkerMetrics(settings.process_name()).observe_stage
+    metrics = WorkerMetrics(settings.process_name())
     return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
-                        in_flight=settings.in_flight, observe=stages)  # fmt: skip
+                        in_flight=settings.in_flight, observe=metrics.observe_stage,
+                        on_writer=metrics.observe_writer)  # fmt: skip

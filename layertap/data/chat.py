@@ -29,6 +29,16 @@ from layertap.spec import OverlongPolicy
 
 Span = tuple[int, int]
 
+# A plain two-turn chat every template must be able to mask: if it cannot, no conversation can be trusted.
+_PROBE = Conversation(
+    [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
+)
+
 
 class ChatTokenizer:
     """Tokenises parsed rows with one tokenizer and one chat template, built once per process.
@@ -43,12 +53,17 @@ class ChatTokenizer:
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if not getattr(tokenizer, "is_fast", False):
-            raise SpecError("the loss mask needs a fast (Rust) tokenizer: it maps characters to tokens by offsets")
+        self._tiktoken = None if getattr(tokenizer, "is_fast", False) else _tiktoken_encoding(tokenizer)
+        if not getattr(tokenizer, "is_fast", False) and self._tiktoken is None:
+            raise SpecError(
+                "the loss mask needs a fast (Rust) tokenizer or a tiktoken-backed one (as Kimi's): it maps "
+                "characters to tokens by offsets"
+            )
         self._tok = tokenizer
         # What apply_chat_template passes too: special tokens (bos_token...), then the caller's variables.
         self._variables = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self._vocab_size = len(tokenizer)
+        self._template_checked = False
         try:
             self._template: str | None = tokenizer.get_chat_template(chat_template)
         except ValueError:  # no template: fine for text and pretokenized rows, checked on a conversation
@@ -76,17 +91,19 @@ class ChatTokenizer:
         Pretokenized rows keep their ids and mask (all 1 when absent).
 
         Longer than ``max_length``: ``truncate`` keeps the first ``max_length`` tokens and flags the
-        sample; ``skip`` raises RowError. Raises RowError for an empty result, a truncation that
-        leaves no assistant token, ids outside the vocabulary, or a template that is not prefix-stable.
+        sample; ``skip`` raises RowError. Raises RowError (with its kind) for an empty result, a
+        truncation that leaves no assistant token, ids outside the vocabulary, anything the template or
+        the tokenizer raises, or a template that is not prefix-stable.
         """
 
-        def fail(reason: str) -> RowError:
-            return RowError(reason, row=row_number, sample_id=sample_id)
+        def fail(reason: str, kind: str | None = None) -> RowError:
+            return RowError(reason, row=row_number, sample_id=sample_id, kind=kind)
 
         if isinstance(row, Conversation):
+            self._check_template()
             ids, mask = self._conversation(row, row_number, sample_id)
         elif isinstance(row, Preformatted):
-            ids = self._encode(row.text)["input_ids"]
+            ids = self._encode(row.text, row_number, sample_id)["input_ids"]
             mask = [1] * len(ids)
         elif isinstance(row, Pretokenized):
             ids = row.input_ids
@@ -96,7 +113,7 @@ class ChatTokenizer:
         else:
             raise TypeError(f"not a parsed row: {type(row).__name__}")
         if not ids:
-            raise fail("tokenisation gave no tokens")
+            raise fail("tokenisation gave no tokens", "tokenizer")
 
         truncated = False
         if max_length is not None and len(ids) > max_length:
@@ -115,6 +132,26 @@ class ChatTokenizer:
             truncated=truncated,
         )
 
+    def _check_template(self) -> None:
+        """Dataset-level guard, once, before the first conversation: raise DatasetError when the template
+        masks a plain two-turn chat all 0 or all 1, since it would then do so to every sample, silently
+        training the drafter wrongly. A probe the template cannot render gives no verdict (each row then
+        fails on its own)."""
+        if self._template_checked:
+            return
+        self._template_checked = True
+        try:
+            probe = self.tokenize(-1, "probe", _PROBE, max_length=None, overlong="truncate")
+        except RowError:
+            return
+        if (what := _degenerate_mask(_PROBE, probe)) is not None:
+            raise DatasetError(
+                f"the chat template gives a plain user/assistant chat a loss mask that is {what}, so it would "
+                "do so to every conversation: it does not render assistant turns in a way that can be located. "
+                "Pass a chat template (chat_template override) that renders every turn, or pretokenize the "
+                "dataset with input_ids and loss_mask"
+            )
+
     def render(self, conv: Conversation, *, row_number: int, sample_id: str | None) -> tuple[str, list[Span]]:
         """The rendered conversation and the character spans ``[start, end)`` of its assistant turns.
 
@@ -125,7 +162,7 @@ class ChatTokenizer:
         """
 
         def fail(reason: str) -> RowError:
-            return RowError(reason, row=row_number, sample_id=sample_id)
+            return RowError(reason, row=row_number, sample_id=sample_id, kind="template")
 
         msgs = conv.messages
         full = self._render(msgs, conv, False, fail)
@@ -154,7 +191,7 @@ class ChatTokenizer:
 
     def _conversation(self, conv: Conversation, row_number: int, sample_id: str) -> tuple[list[int], list[int]]:
         text, spans = self.render(conv, row_number=row_number, sample_id=sample_id)
-        enc = self._encode(text, offsets=True)
+        enc = self._encode(text, row_number, sample_id, offsets=True)
         return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], spans)
 
     def _render(
@@ -178,10 +215,38 @@ class ChatTokenizer:
             raise fail(f"chat template failed on messages[:{len(messages)}]: {type(exc).__name__}: {exc}") from exc
         return rendered[0]
 
-    def _encode(self, text: str, *, offsets: bool = False) -> Any:
+    def _encode(self, text: str, row_number: int, sample_id: str, *, offsets: bool = False) -> Any:
         # The template renders BOS and every marker itself; adding special tokens would double BOS.
         # verbose=False: over-long rows are handled by max_length/overlong, not by a tokenizer warning.
-        return self._tok(text, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
+        try:
+            if self._tiktoken is None:
+                return self._tok(text, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
+            enc = self._tok(text, add_special_tokens=False, verbose=False)
+            if offsets:
+                enc["offset_mapping"] = _tiktoken_offsets(self._tiktoken, enc["input_ids"], text)
+            return enc
+        except Exception as exc:  # Rust tokenizers raise TypeError/ValueError/their own types on text they refuse
+            reason = f"tokenizer failed: {type(exc).__name__}: {exc}"
+            raise RowError(reason, row=row_number, sample_id=sample_id, kind="tokenizer") from exc
+
+
+def _tiktoken_encoding(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The ``tiktoken.Encoding`` a Python tokenizer class keeps (Kimi's keep it as ``.model``), or None."""
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    return next((v for v in vars(tokenizer).values() if isinstance(v, tiktoken.Encoding)), None)
+
+
+def _tiktoken_offsets(encoding: Any, ids: list[int], text: str) -> list[tuple[int, int]]:
+    """Character spans of ``ids`` in ``text``, from tiktoken's own decoder (a token that starts inside a
+    character starts at that character). The decoded text must be ``text`` itself, else spans would lie."""
+    decoded, starts = encoding.decode_with_offsets(ids)
+    if decoded != text:
+        at = _first_difference(decoded, text)
+        raise SpecError(f"the tokenizer does not round-trip the rendered text (differs at character {at})")
+    return list(zip(starts, [*starts[1:], len(text)], strict=True))
 
 
 def _first_difference(a: str, b: str) -> int:
@@ -208,21 +273,27 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[Span]) -> list[
 
 
 def check_loss_mask(row: ParsedRow, sample: TokenizedSample) -> None:
-    """Dataset-level guard, called on every sample: stop the run when the template breaks the mask.
+    """Raise RowError (kind ``loss_mask``) when a conversation with user and assistant turns comes out
+    with an all-0 or all-1 loss mask: the sample would train the drafter on nothing, or on everything.
 
-    A conversation with both user and assistant turns must come out with some 0s and some 1s. All-0
-    means the template rendered no assistant tokens; all-1 means it rendered nothing but them. Either
-    way every sample would train the drafter wrongly and silently, so raise DatasetError.
+    On one row that is the row's doing (e.g. an assistant turn the template drops); a template that
+    does it to every row is caught once, before the first conversation, by ``ChatTokenizer.tokenize``.
     """
+    if (what := _degenerate_mask(row, sample)) is not None:
+        raise RowError(
+            f"loss mask is {what}, although the row has user and assistant turns; the chat template does "
+            "not render this row's assistant turns in a way that can be located",
+            row=sample.index,
+            sample_id=sample.sample_id,
+            kind="loss_mask",
+        )
+
+
+def _degenerate_mask(row: ParsedRow, sample: TokenizedSample) -> str | None:
+    """ "all 0: ..." or "all 1: ..." for a conversation with user and assistant turns whose mask is, else None."""
     if not (isinstance(row, Conversation) and row.has_role("user") and row.has_role("assistant")):
-        return
+        return None
     ones = int(sample.loss_mask.sum())
     if 0 < ones < sample.num_tokens:
-        return
-    kind = "all 0: no assistant token was found" if ones == 0 else "all 1: user and system tokens are masked in"
-    raise DatasetError(
-        f"loss mask of sample {sample.sample_id!r} (row {sample.index}) is {kind}, although it has user and "
-        "assistant turns; the chat template does not render assistant turns in a way that can be located. "
-        "Pass a chat template (chat_template override) that renders every turn, or pretokenize the dataset "
-        "with input_ids and loss_mask"
-    )
+        return None
+    return "all 0: no assistant token was found" if ones == 0 else "all 1: user and system tokens are masked in"

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import ijson
 import pyarrow.parquet as pq
 
 from layertap.errors import DatasetError, RowError
@@ -46,11 +46,11 @@ def iter_rows(
     Raises DatasetError when the path is missing, unreadable or of an unknown format.
     """
     path = Path(path)
-    if not path.exists():
-        raise DatasetError(f"dataset not found: {path}")
-    if stop is not None and stop <= start:
-        return
-    try:
+    try:  # exists() raises on a name too long for the filesystem
+        if not path.exists():
+            raise DatasetError(f"dataset not found: {path}")
+        if stop is not None and stop <= start:
+            return
         if path.is_dir():
             yield from _iter_arrow_folder(path, start, stop, columns)
             return
@@ -110,7 +110,7 @@ def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[RowItem]:
             if number >= start:
                 try:
                     value = json.loads(line)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json can parse
                     yield number, RowError(f"line {line_no}: malformed JSON: {exc}", row=number)
                 else:
                     yield _as_row(number, value, f"line {line_no}")
@@ -154,14 +154,86 @@ def _iter_json(path: Path, start: int, stop: int | None) -> Iterator[RowItem]:
             )
         number = 0
         try:
-            for value in ijson.items(f, "item", use_float=True):
+            for raw in _array_items(f):
                 if stop is not None and number >= stop:
                     return
                 if number >= start:
-                    yield _as_row(number, value, f"array item {number}")
+                    try:
+                        value = json.loads(raw)
+                    except (ValueError, RecursionError) as exc:
+                        yield number, RowError(f"array item {number}: malformed JSON: {exc}", row=number)
+                    else:
+                        yield _as_row(number, value, f"array item {number}")
                 number += 1
-        except ijson.JSONError as exc:
+        except _UnclosedArray as exc:
             raise DatasetError(f"{path} is malformed JSON after {number} rows: {exc}") from exc
+
+
+class _UnclosedArray(Exception):
+    pass
+
+
+# Outside strings: what changes the nesting or ends an item. Inside: what ends the string or escapes.
+_STRUCTURE = re.compile(rb'["\[\]{},]')
+_IN_STRING = re.compile(rb'["\\]')
+_CHUNK = 1 << 20
+
+
+def _array_items(f: IO[bytes]) -> Iterator[bytes]:
+    """The raw bytes of each item of the JSON array ``f`` holds (``f`` at its start), split at the
+    array's own commas, so each item is parsed alone: an item with NaN, a lone-surrogate escape,
+    bytes that are not UTF-8 or nesting too deep to parse is one bad row, not an unreadable file.
+    (A streaming parser would stop at the first such item, or silently turn a surrogate into "?".)
+    Raises _UnclosedArray when the file ends inside the array."""
+    opened, depth, in_string, escaped = False, 0, False, False
+    item = bytearray()
+    while chunk := f.read(_CHUNK):
+        i, n = 0, len(chunk)
+        if escaped:  # the previous chunk ended with a backslash inside a string
+            item += chunk[:1]
+            i, escaped = 1, False
+        while i < n:
+            if in_string:
+                m = _IN_STRING.search(chunk, i)
+                j = n if m is None else m.start()
+                item += chunk[i : j + 1]
+                if m is not None and chunk[j] == ord("\\"):
+                    if j + 1 < n:
+                        item += chunk[j + 1 : j + 2]
+                    escaped = j + 1 >= n
+                    j += 1
+                elif m is not None:
+                    in_string = False
+                i = j + 1
+                continue
+            m = _STRUCTURE.search(chunk, i)
+            if m is None:
+                item += chunk[i:] if opened else b""
+                break
+            j, c = m.start(), chunk[m.start() : m.start() + 1]
+            if not opened:  # the caller checked that the first byte is "["
+                opened, i = True, j + 1
+                continue
+            item += chunk[i:j]
+            i = j + 1
+            if c == b'"':
+                in_string = True
+                item += c
+            elif c in b"[{":
+                depth += 1
+                item += c
+            elif depth > 0 and c in b"]}":
+                depth -= 1
+                item += c
+            elif depth > 0 or c not in b",]":  # a comma inside an item, or a stray "}" (bad item JSON)
+                item += c
+            else:  # an item ends at the array's comma or its closing bracket
+                if c == b"," or item.strip():
+                    yield bytes(item)
+                item = bytearray()
+                if c == b"]":
+                    return
+    raise _UnclosedArray("the file ends inside the array (truncated?)")
 
 
 def _iter_table_rows(batches: Iterator[Any], first_number: int, start: int, stop: int | None) -> Iterator[RowItem]:

@@ -7,9 +7,10 @@ Accepted rows (fields are tried in this order, a ``None`` value counts as absent
 - ``conversations``: ShareGPT ``{from, value}`` (or role/content dicts, as SpecForge writes).
 - ``text``: one preformatted string (the chat template already applied).
 
-Optional row fields: ``id``/``conversation_id`` (the sample id), ``system`` (a system prompt put
-first, as LLaMA-Factory's ShareGPT rows carry it) and ``tools`` (tool schemas for the template).
-Every problem raises ``RowError`` naming the row, the sample id and exactly what is wrong.
+Optional row fields: ``id``/``conversation_id`` (the sample id: a string or an integer), ``system``
+(a system prompt put first, as LLaMA-Factory's ShareGPT rows carry it) and ``tools`` (tool schemas
+for the template). Every problem raises ``RowError`` naming the row, the sample id, its kind and
+exactly what is wrong; text the tokenizer could not take (lone surrogates) is kind ``encoding``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Fail = Callable[[str], RowError]
 # ShareGPT speakers and OpenAI roles, matched case-insensitively.
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
+    "developer": "system",  # newer OpenAI chats' name for the system role
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -78,11 +80,41 @@ ParsedRow = Conversation | Preformatted | Pretokenized
 
 
 def sample_id_of(row_number: int, row: dict[str, Any]) -> str:
-    """The row's ``id`` or ``conversation_id`` (stringified), else its row number as a string."""
+    """The row's ``id`` or ``conversation_id`` (stringified), else its row number as a string.
+
+    Raises RowError when the id is neither a string nor an integer, or is not valid UTF-8: it names
+    the sample in every record, so it must survive JSON, Redis and a terminal unchanged.
+    """
     for key in ID_FIELDS:
-        if row.get(key) is not None:
-            return str(row[key])
+        value = row.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise RowError(f"'{key}' must be a string or an integer, got {type(value).__name__}", row=row_number)
+        if (where := unencodable(value, key)) is not None:
+            raise RowError(f"'{key}' {where}", row=row_number, kind="encoding")
+        return str(value)
     return str(row_number)
+
+
+def unencodable(value: Any, path: str) -> str | None:
+    """Where the first string in ``value`` (nested lists and dicts, keys too) that is not valid UTF-8 is,
+    or None. Walks with a stack: rows can be nested deeper than Python's recursion limit."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start : exc.end]
+                return f"at {where} is not valid UTF-8 text ({bad!r} at character {exc.start}: a lone surrogate)"
+        elif isinstance(item, dict):
+            for k, v in reversed(item.items()):
+                stack += [(f"{where}[{k!r}]", v), (f"a key of {where}", k)]
+        elif isinstance(item, list | tuple):
+            stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item)))]
+    return None
 
 
 def parse_row(row_number: int, row: dict[str, Any]) -> ParsedRow:
@@ -92,6 +124,18 @@ def parse_row(row_number: int, row: dict[str, Any]) -> ParsedRow:
     def fail(reason: str) -> RowError:
         return RowError(reason, row=row_number, sample_id=sid)
 
+    parsed = _parse(row, fail)
+    text: dict[str, Any] = {}  # what reaches the template and the tokenizer
+    if isinstance(parsed, Preformatted):
+        text = {"text": parsed.text}
+    elif isinstance(parsed, Conversation):
+        text = {"messages": parsed.messages, "tools": parsed.tools}
+    if (where := unencodable(text, "row")) is not None:
+        raise RowError(f"text {where}; the tokenizer cannot take it", row=row_number, sample_id=sid, kind="encoding")
+    return parsed
+
+
+def _parse(row: dict[str, Any], fail: Fail) -> ParsedRow:
     if row.get("input_ids") is not None:
         return _pretokenized(row["input_ids"], row.get("loss_mask"), fail)
     for key in ("messages", "conversations"):

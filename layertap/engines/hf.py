@@ -1,5 +1,8 @@
 """In-process HF transformers engine (CPU or GPU): the reference-quality, no-server path.
 
+The model is the folder's language model, always built by transformers itself: a multimodal wrapper
+(Kimi-K2.5) gives its ``text_config`` and its ``language_model.`` weights, and no vendor code runs.
+
 Batches are right-padded: with a causal mask a real token never attends to a later pad, so the
 rows of each sample are identical to a batch-of-one forward; only the first T rows per sample are
 kept, so padding is never stored.
@@ -13,9 +16,11 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from layertap.engines.base import Engine
+from layertap.errors import SpecError
+from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import CaptureSpec
 
@@ -37,6 +42,27 @@ def token_batches(
         yield batch
 
 
+def load_language_model(folder: ModelFolder, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
+    ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out."""
+    if not folder.wrapped:
+        return AutoModelForCausalLM.from_pretrained(folder.path, dtype=dtype or "auto")
+    config = AutoConfig.for_model(**folder.text_config)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder.path,
+        config=config,
+        dtype=dtype or getattr(torch, folder.dtype),
+        key_mapping={"^" + folder.prefix.replace(".", r"\."): ""},
+        output_loading_info=True,
+    )
+    if info["missing_keys"]:  # random-initialised weights would pass for the model's own
+        missing = sorted(info["missing_keys"])
+        raise SpecError(
+            f"model {folder.path}: no weights under {folder.prefix!r} for {missing[:5]} ({len(missing)} in all)"
+        )
+    return model
+
+
 class HFEngine(Engine):
     """Captures with ``output_hidden_states`` plus a pre-hook on the final norm for the pre-norm state."""
 
@@ -52,7 +78,7 @@ class HFEngine(Engine):
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+        causal = load_language_model(ModelFolder.read(model_dir), dtype)
         # The base model skips the LM head: we only need hidden states.
         self.model = causal.get_decoder().to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype

@@ -32,7 +32,8 @@ import httpx
 
 from layertap.engines.base import Engine
 from layertap.engines.sglang_server import ServerConfig, SGLangServer
-from layertap.errors import SampleError, ServerError
+from layertap.errors import LayertapError, SampleError, ServerError
+from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
 from layertap.spec import CaptureSpec
 from sglang_patch.contract import (
@@ -72,8 +73,12 @@ class SGLangEngine(Engine):
         request_timeout_s: float = 3600.0,
         max_server_restarts: int = 3,
         observe: Callable[[str, float], None] | None = None,
+        on_writer: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
-        """``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times."""
+        """``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times;
+        ``on_writer(stats)`` the server's writer stats each dump carries (`DumpMeta.writer`: how long
+        the forward pass waited for the writers, queue depth, host memory held), since the plugin
+        runs in the server's process and has no metrics endpoint of its own."""
         self.spec = spec
         self.server = server
         self.dump_root = dump_root
@@ -83,6 +88,7 @@ class SGLangEngine(Engine):
         self.dump_timeout_s = dump_timeout_s
         self.max_server_restarts = max_server_restarts
         self.observe = observe
+        self.on_writer = on_writer
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
@@ -96,6 +102,17 @@ class SGLangEngine(Engine):
             log.warning(
                 "removed %d dumps left in %s over %d s ago by clients that died", swept, dump_root, STALE_DUMP_AGE_S
             )
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
+        makes of the model folder's own dtype."""
+        server = self.describe()["server"]
+        try:
+            folder_dtype = ModelFolder.read(Path(server["model_path"])).dtype
+        except (KeyError, LayertapError):  # a folder only the server sees
+            folder_dtype = "unknown"
+        return sglang_compute_dtype(str(server.get("dtype", "auto")), folder_dtype)
 
     def describe(self) -> dict[str, Any]:
         if self._server_info is None:
@@ -170,6 +187,8 @@ class SGLangEngine(Engine):
             self._discard(rid)
             raise SampleError(f"unreadable dump for {rid}: {exc}") from exc
         meta = dump.meta
+        if meta.writer is not None and self.on_writer is not None:
+            self.on_writer(meta.writer)
         finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
         problems = []
         if meta.status != "ok":
@@ -185,7 +204,7 @@ class SGLangEngine(Engine):
         source = None
         if meta.layout != "states":
             t = unpack_sample(meta.layout, t, len(meta.layers))
-            source = SampleFile(path / meta.file, meta.layout)
+            source = SampleFile(path / meta.file, meta.layout, meta.file_sha256)
         self._observe("validate", t1)
         return CapturedSample(
             sample=sample,
@@ -281,6 +300,33 @@ def dump_layout(store_format: str, capture: CaptureSpec) -> str:
     return "states"
 
 
+def sglang_compute_dtype(server_dtype: str, folder_dtype: str) -> str:
+    """What SGLang computes in for ``--dtype server_dtype`` on a folder saved in ``folder_dtype``: ``auto``
+    keeps the folder's dtype except float32, which it downcasts to float16 (sglang 0.5.10 and 0.5.14)."""
+    if server_dtype != "auto":
+        return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(server_dtype, server_dtype)
+    return "float16" if folder_dtype == "float32" else folder_dtype
+
+
+def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remote_code: bool) -> list[str]:
+    """Flags a launched server needs for ``folder``: its own dtype unless ``--dtype`` is given (a warning
+    when the given one downcasts), and ``--trust-remote-code`` when the run allows the folder's code."""
+    extra = []
+    given = next((a.split("=", 1)[1] if "=" in a else sglang_args[i + 1] for i, a in enumerate(sglang_args)
+                  if a == "--dtype" or a.startswith("--dtype=")), None)  # fmt: skip
+    if given is None:
+        extra += ["--dtype", folder.dtype]
+    elif (computed := sglang_compute_dtype(given, folder.dtype)) != folder.dtype:
+        log.warning(
+            "the SGLang server will compute in %s (--dtype %s) while %s is saved in %s: expect states to differ "
+            "from the model's own (MoE routing can flip on near-ties); leave --dtype out to compute in %s",
+            computed, given, folder.path, folder.dtype, folder.dtype,
+        )  # fmt: skip
+    if trust_remote_code and "--trust-remote-code" not in sglang_args:
+        extra.append("--trust-remote-code")
+    return extra
+
+
 def start_server(
     capture: CaptureSpec,
     model: Path,
@@ -292,16 +338,19 @@ def start_server(
     rid_prefix: str,
     log_path: Path,
     store_format: str,
+    trust_remote_code: bool = False,
 ) -> SGLangServer:
     """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
     environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited), writing dumps for a store in
-    `store_format`; returns it ready."""
+    `store_format`, computing in the model's own dtype unless ``sglang_args`` say otherwise; returns it ready."""
     if server_url:
         server = SGLangServer(url=server_url)
     else:
+        args = shlex.split(sglang_args)
+        args += server_model_args(ModelFolder.read(model), args, trust_remote_code=trust_remote_code)
         config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers,
                               final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
-                              sglang_args=tuple(shlex.split(sglang_args)), layout=dump_layout(store_format, capture))  # fmt: skip
+                              sglang_args=tuple(args), layout=dump_layout(store_format, capture))  # fmt: skip
         server = SGLangServer(config)
     server.start()
     return server

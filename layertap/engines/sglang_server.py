@@ -2,9 +2,11 @@
 
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
-it. The server runs in its own process group (so stop() takes the scheduler and detokenizer with it)
-and is told to die with its parent (PR_SET_PDEATHSIG), so a SIGKILLed worker leaves no orphan
-holding GPU memory.
+it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
+a bounded number of times; the final error says in two lines how the last try ended, the decisive
+line of its log, and the log's path. The server runs in its own process group (so stop() takes the
+scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
+SIGKILLed worker leaves no orphan holding GPU memory.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import ctypes
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,11 +67,15 @@ class ServerConfig:
     log_path: Path
     rid_prefix: str = "hscap"
     layout: str = "states"
+    writer_threads: int | None = None  # None: the plugin's default (sglang_patch.settings)
+    pinned_cap: str | None = None  # bytes, e.g. "4G"; None: the plugin's default
     sglang_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int | None = None
     startup_timeout_s: float = 900.0
+    start_attempts: int = 3
+    start_backoff_s: float = 5.0  # before the 2nd try; doubles after each failed try
 
     def command(self, port: int) -> list[str]:
         return [
@@ -77,6 +85,8 @@ class ServerConfig:
             "--capture-final", self.final,
             "--rid-prefix", self.rid_prefix,
             "--dump-layout", self.layout,
+            *(["--writer-threads", str(self.writer_threads)] if self.writer_threads else []),
+            *(["--pinned-cap", self.pinned_cap] if self.pinned_cap else []),
             "--model-path", str(self.model),
             "--host", self.host, "--port", str(port),
             *self.sglang_args,
@@ -95,6 +105,47 @@ def free_port(low: int = 20000, high: int = 40000) -> int:
     raise ServerError(f"no free port in [{low}, {high})")
 
 
+# After the last traceback's exception line: a line that names an error, then one that says something failed.
+_DECISIVE = (
+    re.compile(r"\b[A-Za-z_.]*(Error|Exception|Interrupt)\b:"),
+    re.compile(r"\b(error|fatal|killed|out of memory|timed? ?out|failed)\b", re.IGNORECASE),
+)
+
+
+def describe_exit(code: int) -> str:
+    """``subprocess`` return code -> "with code 1" or "on signal 9 (SIGKILL)"."""
+    if code >= 0:
+        return f"with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown"
+    return f"on signal {-code} ({name})"
+
+
+def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
+    """The line of the log (from byte ``offset``) that best says why the server stopped, quoted, at most
+    ``limit`` characters: the exception line of the last Python traceback, else the last line naming an
+    error, else the last line."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            lines = [ln.rstrip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError as exc:
+        return f"(log unreadable: {exc})"
+    if not lines:
+        return "(the log is empty)"
+    hit = None
+    tracebacks = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("Traceback (most recent call last)")]
+    if tracebacks:  # its exception line is the first unindented line after the frames
+        hit = next((ln for ln in lines[tracebacks[-1] + 1 :] if not ln[0].isspace()), None)
+    for pattern in _DECISIVE:
+        if hit is None:
+            hit = next((ln for ln in reversed(lines) if pattern.search(ln)), None)
+    line = (hit if hit is not None else lines[-1]).strip()
+    return repr(line if len(line) <= limit else line[: limit - 3] + "...")
+
+
 def _die_with_parent() -> None:
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -109,6 +160,7 @@ class SGLangServer:
         self.config = config
         self._url = url
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0  # where the current try's lines start in the log
         self.restarts = 0
 
     @property
@@ -118,12 +170,47 @@ class SGLangServer:
         return self._url
 
     def start(self) -> None:
-        """Launch (if we own it) and block until it serves ``/health``."""
-        if self.config is not None:
-            self._launch(self.config)
-        self.wait_ready()
+        """Launch (if we own it) and block until it serves ``/health``, retrying a failed start with backoff
+        ``start_attempts`` times; raises ServerError (two lines) when every try failed."""
+        if self.config is None:
+            self.wait_ready()
+            return
+        cfg = self.config
+        for attempt in range(1, cfg.start_attempts + 1):
+            self._launch(cfg, f"start attempt {attempt}/{cfg.start_attempts}")
+            failure = self._wait_ready(cfg.startup_timeout_s)
+            if failure is None:
+                return
+            self.kill()
+            if attempt == cfg.start_attempts:
+                raise ServerError(self._failure(f"failed to start ({attempt} tries); the last {failure}"))
+            delay = cfg.start_backoff_s * 2 ** (attempt - 1)
+            log.warning(
+                "SGLang server start %d/%d failed (%s: %s); retrying in %.0f s",
+                attempt, cfg.start_attempts, failure, decisive_log_line(cfg.log_path, self._log_offset), delay,
+            )  # fmt: skip
+            time.sleep(delay)
 
-    def _launch(self, cfg: ServerConfig) -> None:
+    def launch(self) -> None:
+        """Start an owned server's process without waiting for it (`wait_ready` waits; `start` does both and
+        retries). The calling thread must live as long as the server: the process dies with it (PR_SET_PDEATHSIG)."""
+        if self.config is not None:
+            self._launch(self.config, "launch")
+
+    def wait_ready(self) -> None:
+        """Block until the server answers ``/health``; raises ServerError if it dies or times out first."""
+        if (failure := self._wait_ready(self.config.startup_timeout_s if self.config else 60.0)) is not None:
+            raise ServerError(self._failure(failure))
+
+    def _failure(self, what: str) -> str:
+        """Two lines: what happened with the decisive line of this try's log, then the log's path."""
+        if self.config is None:
+            return f"SGLang server at {self.url} {what}"
+        decisive = decisive_log_line(self.config.log_path, self._log_offset)
+        return f"SGLang server {what}: {decisive}\nserver log: {self.config.log_path}"
+
+    def _launch(self, cfg: ServerConfig, what: str) -> None:
+        """Start the server process; notes where this try's lines start in the log."""
         cfg.dump_root.mkdir(parents=True, exist_ok=True)
         cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = cfg.port or free_port()
@@ -132,26 +219,32 @@ class SGLangServer:
         env = {**os.environ, **cfg.env, "PYTHONPATH": pythonpath}
         env.pop("VIRTUAL_ENV", None)
         with cfg.log_path.open("ab") as logf:
-            self._proc = subprocess.Popen(
-                cfg.command(port), env=env, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-            )
+            logf.write(f"--- layertap: {what} on port {port} ---\n".encode())
+            logf.flush()
+            self._log_offset = logf.tell()
+            try:
+                self._proc = subprocess.Popen(
+                    cfg.command(port), env=env, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                )
+            except OSError as exc:  # no such python, not executable: no retry can help
+                raise ServerError(f"cannot run the SGLang server's python {cfg.python}: {exc}") from exc
         self._url = f"http://{cfg.host}:{port}"
         log.info("started SGLang capture server pid %d at %s (log %s)", self._proc.pid, self._url, cfg.log_path)
 
-    def wait_ready(self) -> None:
-        timeout = self.config.startup_timeout_s if self.config else 60.0
+    def _wait_ready(self, timeout: float) -> str | None:
+        """None once ``/health`` answers 200; else how the wait ended ("exited with code 1", ...)."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=10.0) as client:
             while time.monotonic() < deadline:
-                if self._proc is not None and self._proc.poll() is not None:
-                    raise ServerError(f"SGLang server exited with {self._proc.returncode}:\n{self.log_tail()}")
+                if self._proc is not None and (code := self._proc.poll()) is not None:
+                    return f"exited {describe_exit(code)}"
                 try:
                     if client.get(self.url + "/health").status_code == 200:
-                        return
+                        return None
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
-        raise ServerError(f"SGLang server at {self.url} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+        return f"was not healthy after {timeout:.0f} s"
 
     def alive(self, *, probe: bool = True) -> bool:
         """Whether the server answers ``/health`` (for an owned one: also whether its process still runs).
@@ -179,9 +272,11 @@ class SGLangServer:
         self.start()
 
     def kill(self) -> None:
-        """SIGKILL the whole server process group (fault-injection in tests; stop() is the polite way)."""
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        """SIGKILL the whole server process group (fault-injection in tests; stop() is the polite way),
+        also when the launcher itself already died: its scheduler processes may not have."""
+        if self._proc is not None:
+            with suppress(ProcessLookupError):  # the group is gone already
+                os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
 
     def stop(self) -> None:

@@ -1,7 +1,10 @@
 """Tiny random-weight models for the demo, the tests and the CPU SGLang server.
 
-Two architectures stand in for the real targets: `llama` (dense, GQA) and `kimi-k2` (DeepseekV3: MLA,
-MoE with routed + shared experts and noaux_tc routing, first layer dense, yarn rope). Weights come from
+Three architectures stand in for the real targets: `llama` (dense, GQA), `kimi-k2` (DeepseekV3: MLA,
+MoE with routed + shared experts and noaux_tc routing, first layer dense, yarn rope) and `kimi-k2.5` (the
+same language model inside Kimi-K2.5's multimodal wrapper folder, tokenizer as code: `kimi_k25.py`).
+The DeepseekV3 ones come in named shapes (`SHAPES`): `tiny` (CPU tests), `mla-gpu` (Kimi's own MLA head
+sizes, which SGLang's GPU MLA kernels need, still small) and `kimi-k2-width` (hidden 7168). Weights come from
 an explicit seeded CPU generator, so a seed always gives the same bytes, and they are scaled so that
 every decoder layer changes the residual stream by a sizeable fraction: a capture taken one layer off
 then differs clearly from the reference instead of hiding inside float tolerance.
@@ -9,6 +12,9 @@ then differs clearly from the reference instead of hiding inside float tolerance
 
 import json
 import math
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,10 +29,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from layertap.models.kimi_k25 import build_kimi_k25
 from layertap.models.tokenizer import build_tokenizer
 
-TinyArch = Literal["llama", "kimi-k2"]
-TINY_ARCHS: tuple[TinyArch, ...] = ("llama", "kimi-k2")
+TinyArch = Literal["llama", "kimi-k2", "kimi-k2.5"]
+TINY_ARCHS: tuple[TinyArch, ...] = ("llama", "kimi-k2", "kimi-k2.5")
 
 _LLAMA: dict[str, Any] = {
     "hidden_size": 64,
@@ -75,6 +82,35 @@ _KIMI_K2: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# Kimi-K2's MLA as it is (q_lora 1536, kv_lora 512, rope 64, nope 128, v 128): SGLang's GPU MLA kernels
+# accept these head sizes and not the tiny ones. Routing as Kimi-K2's (one group).
+_KIMI_MLA: dict[str, Any] = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+}
+Shape = Literal["tiny", "mla-gpu", "kimi-k2-width"]
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    # Small enough for the CPU server (hidden 1024, 8 experts top-2), runnable on the GPU.
+    "mla-gpu": {**_KIMI_MLA, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16,
+                "intermediate_size": 2048, "moe_intermediate_size": 256, "n_routed_experts": 8,
+                "num_experts_per_tok": 2},
+    # Kimi-K2's width with 4 layers and 16 routed experts top-8 + 1 shared: ~3B parameters (~6 GB bf16).
+    "kimi-k2-width": {**_KIMI_MLA, "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+                      "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 16,
+                      "num_experts_per_tok": 8, "vocab_size": 4096},
+}  # fmt: skip
+# The tiny Kimi-K2.5 tokenizer has ~1.6K tokens; its language model's embedding has room to spare.
+_KIMI_K25_VOCAB = 2048
+
 # Fields real Kimi-K2 / DeepSeek-V3 config.json files carry that DeepseekV3Config does not save; SGLang
 # reads them (moe_layer_freq at least), so they are written into config.json after save_pretrained.
 KIMI_K2_EXTRA_CONFIG: dict[str, Any] = {
@@ -84,6 +120,14 @@ KIMI_K2_EXTRA_CONFIG: dict[str, Any] = {
     "num_nextn_predict_layers": 0,
     "ep_size": 1,
 }
+
+
+def deepseek_v3_config(shape: Shape, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields of a kimi-k2-like DeepseekV3 language model of `shape`, with `overrides`."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {tuple(SHAPES)}")
+    config = DeepseekV3Config(**{**_KIMI_K2, "vocab_size": _KIMI_K25_VOCAB, **SHAPES[shape], **overrides})
+    return {**config.to_diff_dict(), **KIMI_K2_EXTRA_CONFIG}
 
 
 def _make_model(arch: TinyArch, tokenizer: PreTrainedTokenizerFast, overrides: dict[str, Any]) -> PreTrainedModel:
@@ -101,8 +145,9 @@ def _make_model(arch: TinyArch, tokenizer: PreTrainedTokenizerFast, overrides: d
 
 
 @torch.no_grad()
-def _init_weights(model: PreTrainedModel, generator: torch.Generator) -> None:
-    """Draw every weight from `generator` in name order, scaled to keep activations O(1).
+def _init_weights(model: PreTrainedModel, seed: int) -> None:
+    """Draw every weight from its own generator (seeded by `seed` and the tensor's name, so tensors are
+    drawn in parallel threads and still reproducibly), scaled to keep activations O(1).
 
     Matrices get std 1/sqrt(fan_in) (the last dim, also for the stacked [E, out, in] expert tensors);
     embeddings std 1 so the residual stream starts at unit scale; norm gains 1 +- 0.1 so that a norm
@@ -111,17 +156,22 @@ def _init_weights(model: PreTrainedModel, generator: torch.Generator) -> None:
     """
     tensors = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
-    for name in sorted(tensors):
-        t = tensors[name]
+
+    def draw(name: str) -> None:
+        # In the tensor's own dtype, in place: no float32 copy of a multi-GB bf16 model.
+        t = tensors[name].detach()
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("e_score_correction_bias"):
-            value = 0.1 * torch.randn(t.shape, generator=generator)
+            t.normal_(0.0, 0.1, generator=generator)
         elif t.ndim == 1:
-            value = 1.0 + 0.1 * torch.randn(t.shape, generator=generator)
+            t.normal_(1.0, 0.1, generator=generator)
         elif "embed_tokens" in name:
-            value = torch.randn(t.shape, generator=generator)
+            t.normal_(0.0, 1.0, generator=generator)
         else:
-            value = torch.randn(t.shape, generator=generator) / math.sqrt(t.shape[-1])
-        t.copy_(value.to(t.dtype))
+            t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=generator)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # normal_ releases the GIL
+        list(pool.map(draw, sorted(tensors)))
 
 
 def build_tiny_model(
@@ -130,23 +180,37 @@ def build_tiny_model(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    shape: Shape = "tiny",
     **overrides: Any,
 ) -> Path:
     """Write a tiny random-weight model folder loadable by `AutoModelForCausalLM` and `AutoTokenizer`.
 
     The folder holds config.json (with `architectures` and `dtype`), model.safetensors, the tokenizer
-    files with the chat template, and generation_config.json. Same arch, seed, dtype and overrides ->
-    byte-identical files. `overrides` replace config fields (e.g. `num_hidden_layers=2`). The caller's
-    torch RNG state is left untouched. Returns `out_dir`.
+    files with the chat template, and generation_config.json. Same arch, seed, dtype, shape and overrides
+    -> byte-identical files. `shape` picks a named DeepseekV3 size (`SHAPES`; kimi-k2 and kimi-k2.5 only);
+    `overrides` replace (language model) config fields (e.g. `num_hidden_layers=2`). The caller's torch RNG
+    state is left untouched. Returns `out_dir`.
+
+    `kimi-k2.5` writes Kimi-K2.5's wrapper layout (see `kimi_k25.py`), its weights drawn per tensor
+    without building a model: `build_tiny_model("kimi-k2.5", d, dtype=torch.bfloat16,
+    shape="kimi-k2-width")` writes ~6 GB in seconds on a many-core host.
     """
     out_dir = Path(out_dir)
+    if arch == "kimi-k2.5":
+        return build_kimi_k25(out_dir, deepseek_v3_config(shape, overrides), seed=seed, dtype=dtype)
+    if shape != "tiny":
+        if arch != "kimi-k2":
+            raise ValueError(f"shape {shape!r} is a DeepseekV3 size; arch {arch!r} has only the 'tiny' shape")
+        overrides = {**SHAPES[shape], **overrides}
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    # Built without initialising (meta device), then given uninitialised memory in `dtype`: every
+    # saved tensor is drawn by `_init_weights`, so transformers' own init would be thrown away
+    # (minutes at Kimi-K2 width).
+    with torch.device("meta"):
         model = _make_model(arch, tokenizer, overrides)
-    _init_weights(model, torch.Generator(device="cpu").manual_seed(seed))
-    model = model.to(dtype).eval()
+    model = model.to(dtype).to_empty(device="cpu").eval()
+    _init_weights(model, seed)
     for name, buffer in model.named_buffers():
         # Real checkpoints keep the routing bias in float32 whatever the model dtype; so do loaders.
         if name.endswith("e_score_correction_bias"):
@@ -165,9 +229,3 @@ def build_tiny_model(
         config.update(KIMI_K2_EXTRA_CONFIG)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
-
-
-def model_dims(model_dir: Path) -> tuple[int, int]:
-    """(number of decoder layers, hidden size) read from `model_dir/config.json`, without loading weights."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(config["num_hidden_layers"]), int(config["hidden_size"])

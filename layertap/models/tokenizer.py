@@ -22,18 +22,22 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS, PAD, IM_START, IM_END, TOOL_CALL_START, 
 # Once the pairs seen twice run out, the trainer merges pairs seen once (whole corpus words): harmless.
 VOCAB_SIZE = 1536
 
-# ChatML-like. Turns are joined by "\n" placed BEFORE each `<|im_start|>` (never after `<|im_end|>`), so
-# an assistant turn is exactly `<content><|im_end|>`: rendering messages[:k] with add_generation_prompt is
-# a string prefix of rendering messages[:k+1] when message k is the assistant's, and the difference is
-# what the assistant produced. Nothing depends on the number or position of messages for the same reason.
-CHAT_TEMPLATE = (
+# `text(content)`: a message's text, whether content is a string or a list of typed parts (text parts kept).
+TEXT_MACRO = (
     "{%- macro text(content) -%}"
     "{%- if content is string -%}{{- content -}}"
     "{%- elif content is iterable and content is not mapping -%}"
     "{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
-    "{%- set ns = namespace(sep='') -%}"
+)
+
+# ChatML-like. Turns are joined by "\n" placed BEFORE each `<|im_start|>` (never after `<|im_end|>`), so
+# an assistant turn is exactly `<content><|im_end|>`: rendering messages[:k] with add_generation_prompt is
+# a string prefix of rendering messages[:k+1] when message k is the assistant's, and the difference is
+# what the assistant produced. Nothing depends on the number or position of messages for the same reason.
+CHAT_TEMPLATE = (
+    TEXT_MACRO + "{%- set ns = namespace(sep='') -%}"
     "{{- bos_token -}}"
     "{%- if tools -%}"
     "{{- '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>' -}}"
@@ -62,7 +66,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def _train() -> Tokenizer:
+def train_bpe() -> Tokenizer:
+    """The byte-level BPE trained on the corpus (also the source of the tiny Kimi folder's tiktoken ranks)."""
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: a leading space would be text the user never wrote and would shift offsets.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -85,7 +90,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     conversation with or without `add_special_tokens` gives the same ids.
     """
     return PreTrainedTokenizerFast(
-        tokenizer_object=_train(),
+        tokenizer_object=train_bpe(),
         bos_token=BOS,
         eos_token=IM_END,
         pad_token=PAD,

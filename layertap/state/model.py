@@ -62,7 +62,7 @@ class SampleFailure:
     row: int
     sample_id: str | None
     reason: str
-    kind: str  # "row" (bad row), "overlong" (skipped), "capture" (failed every attempt)
+    kind: str  # a key of layertap.errors.ROW_KINDS: "row" (bad row), "duplicate_id", "overlong", "capture"...
 
 
 @dataclass(slots=True)

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layertap.data.scan import scan_dataset
+from layertap.data.scan import save_duplicates, scan_dataset
 from layertap.errors import SpecError, StoreError
-from layertap.models.tiny import model_dims
+from layertap.models.folder import ModelFolder
 from layertap.state.model import JOB_FILE, JobSpec
 from layertap.store.atomic import atomic_write_json
 from layertap.store.manifest import build_manifest
@@ -34,19 +34,28 @@ def plan_shards(num_rows: int, shard_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + shard_size, num_rows)) for start in range(0, num_rows, shard_size)]
 
 
+_NAME_MAX, _PATH_MAX = 255, 4096  # bytes, as Linux filesystems count them
+
+
 def resolve_out(out: Path | None, output_root: Path, job_id: str) -> Path:
-    """The job's output folder: relative to the output root, and never outside it."""
+    """The job's output folder: relative to the output root, and never outside it; a name every
+    filesystem call accepts (UTF-8, no NUL, parts and whole within Linux's limits)."""
+    if out is not None:
+        try:
+            parts = [part.encode() for part in out.parts]
+        except UnicodeEncodeError as exc:
+            raise SpecError(f"out {str(out)!r} is not valid UTF-8 text ({exc.reason})") from exc
+        if any(b"\0" in part for part in parts):
+            raise SpecError(f"out {str(out)!r} holds a NUL character")
+        if max(map(len, parts), default=0) > _NAME_MAX or len(str(out).encode()) > _PATH_MAX - 256:
+            raise SpecError(
+                f"out is too long for a path ({len(str(out))} characters; folder names at most {_NAME_MAX} bytes)"
+            )
     root = output_root.resolve()
     path = (root / (out if out is not None else job_id)).resolve()
     if not path.is_relative_to(root) or path == root:
         raise SpecError(f"out {str(out)!r} resolves to {path}, outside the output root {root}")
     return path
-
-
-def config_dtype(model_dir: Path) -> str:
-    """The dtype the model computes in when loaded with dtype "auto" (what the manifest records)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def job_of_store(out: Path) -> tuple[str, JobSpec] | None:
@@ -62,32 +71,35 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
     """Validate ``spec`` against the filesystem, create the output store, and cut the dataset into shards.
 
     Raises SpecError (bad paths, layers outside the model, out outside the root), DatasetError (the
-    dataset cannot be read, has no rows or repeats ids) or StoreError (the folder holds another run
-    or belongs to another job).
+    dataset cannot be read or has no rows; a repeated id is one row's error, recorded for the shards)
+    or StoreError (the folder holds another run or belongs to another job).
     """
     for name in ("model", "data"):
         if not getattr(spec, name).is_absolute():
             raise SpecError(f"{name} must be an absolute path that every worker can read, got {getattr(spec, name)}")
-    if not (spec.model / "config.json").is_file():
-        raise SpecError(f"model {spec.model} is not a model folder (no config.json)")
+    try:
+        folder = ModelFolder.read(spec.model)
+    except (OSError, ValueError) as exc:  # a name the filesystem refuses (too long, NUL, not UTF-8), a file
+        raise SpecError(f"model {spec.model} cannot be read as a model folder: {exc}") from exc
+    folder.check_remote_code(spec.trust_remote_code)
     out = resolve_out(spec.out, output_root, job_id)
     if (existing := job_of_store(out)) is not None:
         raise StoreError(
             f"{out} already belongs to job {existing[0]}: resume that job, or rebuild its state "
             "(layertap rebuild-state) if Redis lost it"
         )
-    num_layers, hidden_size = model_dims(spec.model)
-    capture = spec.resolve(num_layers)
+    capture = spec.resolve(folder.num_layers)
     scan = scan_dataset(spec.data)
     resolved = spec.model_copy(update={"out": out})
     manifest = build_manifest(
         resolved.extraction(),
         capture,
-        hidden_size=hidden_size,
-        compute_dtype=config_dtype(spec.model),
+        hidden_size=folder.hidden_size,
+        compute_dtype=folder.dtype,
         dataset_rows=scan.num_rows,
         engine={"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"},
     )
     OutputStore.create_or_resume(out, manifest).close()
+    save_duplicates(out, scan)  # before any shard runs: shards see only their rows, the scan saw every id
     atomic_write_json(out / JOB_FILE, {"job_id": job_id, "spec": json.loads(resolved.model_dump_json())})
     return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(scan.num_rows, spec.shard_size))

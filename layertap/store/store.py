@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from layertap.errors import SampleError, StoreError
-from layertap.sample import CapturedSample
+from layertap.sample import CapturedSample, SampleFile
 from layertap.store.atomic import TMP_MARK, WrittenFile, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
 from layertap.store.formats.base import DTYPES, Layout
@@ -31,6 +31,8 @@ from layertap.store.index import (
     read_jsonl_dir,
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
+from layertap.store.token_freq import TOKEN_FREQ_DIR, committed_counts, count_line, write_token_freq
+from layertap.trainers import write_training_guide
 from layertap.validate import all_finite, state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
@@ -50,8 +52,7 @@ class OutputStore:
             dtype=DTYPES[manifest.store_dtype],
         )
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._index_log: JsonlLog | None = None
-        self._error_log: JsonlLog | None = None
+        self._logs: dict[str, JsonlLog] = {}  # folder -> this writer's log in it
         self._log_lock = threading.Lock()
 
     # -- opening ---------------------------------------------------------------------------------
@@ -96,11 +97,12 @@ class OutputStore:
         )
         dest = self.root / record.file
         if self._can_adopt(captured):
-            written = self._adopt(captured.source.path, dest, record)
+            written = self._adopt(captured.source, dest, record)
         else:
             written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
         record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
-        self._log("index").append(record.to_json())
+        self._log(TOKEN_FREQ_DIR).append(count_line(sample, record.ids_sha256))  # counted as committed
+        self._log(INDEX_DIR).append(record.to_json())
         return record
 
     def _can_adopt(self, captured: CapturedSample) -> bool:
@@ -111,37 +113,33 @@ class OutputStore:
             and captured.aux.dtype == self.layout.dtype
         )
 
-    def _adopt(self, src: Path, dest: Path, record: SampleRecord) -> WrittenFile:
-        """Check a ready-made sample file against the record (keys, shapes, dtypes, ids, loss mask),
-        then move it into place."""
-        problems = self._content_problems(src, record, "quick")
+    def _adopt(self, source: SampleFile, dest: Path, record: SampleRecord) -> WrittenFile:
+        """Check a ready-made sample file against the record (keys, shapes, dtypes, ids, loss mask) and
+        against the sha256 its writer computed (the file's one full read here: finiteness was checked
+        on the same mapped pages), then move it into place."""
+        problems = self._content_problems(source.path, record, "quick")
+        digest = sha256_file(source.path) if source.sha256 is not None and not problems else None
+        if digest is not None and digest != source.sha256:
+            problems.append(f"sha256 {digest} differs from the one its writer computed, {source.sha256}")
         if problems:
-            raise SampleError(f"sample {record.sample_id!r}: its dump file {src.name}: " + "; ".join(problems))
-        return move_into_place(src, dest)
+            raise SampleError(f"sample {record.sample_id!r}: its dump file {source.path.name}: " + "; ".join(problems))
+        return move_into_place(source.path, dest, digest)
 
     def record_error(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         """Keep a per-row failure (bad row, skipped over-long sample, failed capture) for the report."""
         entry = {"row": row, "sample_id": sample_id, "reason": reason, "kind": kind, "time": time.time()}
-        self._log("errors").append(json.dumps(entry))
+        self._log(ERRORS_DIR).append(json.dumps(entry))
 
-    def _log(self, which: str) -> JsonlLog:
+    def _log(self, folder: str) -> JsonlLog:
         with self._log_lock:  # commits run in several threads; open each log once
-            return self._open_log(which)
-
-    def _open_log(self, which: str) -> JsonlLog:
-        if which == "index":
-            if self._index_log is None:
-                self._index_log = JsonlLog(self.root / INDEX_DIR / f"{self.writer_id}.jsonl")
-            return self._index_log
-        if self._error_log is None:
-            self._error_log = JsonlLog(self.root / ERRORS_DIR / f"{self.writer_id}.jsonl")
-        return self._error_log
+            if folder not in self._logs:
+                self._logs[folder] = JsonlLog(self.root / folder / f"{self.writer_id}.jsonl")
+            return self._logs[folder]
 
     def close(self) -> None:
-        for log in (self._index_log, self._error_log):
-            if log is not None:
-                log.close()
-        self._index_log = self._error_log = None
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -217,6 +215,8 @@ class OutputStore:
         """Build the format's extra files from the index and rewrite the manifest with the count."""
         records = sorted(self.records().values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
+        write_token_freq(self.root, committed_counts(self.root, records, self.format.ids_key))
         self.manifest = self.manifest.model_copy(update={"complete": complete, "samples_committed": len(records)})
         atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
+        write_training_guide(self.root, self.manifest, records)
         return records

@@ -13,14 +13,16 @@ from tests.core.datasets import conversation_rows, write_jsonl
 
 @pytest.fixture
 def make_api(redis_server, redis_client, tmp_path, monkeypatch) -> Iterator[Callable[..., TestClient]]:
-    """``make_api(token=None)`` -> a started TestClient; outputs go under ``tmp_path / "outputs"``."""
+    """``make_api(token=None, allow_remote_code=False)`` -> a started TestClient; outputs go under
+    ``tmp_path / "outputs"``."""
     clients: list[TestClient] = []
 
-    def make(token: str | None = None) -> TestClient:
+    def make(token: str | None = None, allow_remote_code: bool = False) -> TestClient:
         monkeypatch.setenv("LAYERTAP_REDIS_URL", redis_server.url)
         monkeypatch.setenv("LAYERTAP_OUTPUT_ROOT", str(tmp_path / "outputs"))
         monkeypatch.setenv("LAYERTAP_REAPER_INTERVAL_S", "3600")
         monkeypatch.setenv("LAYERTAP_API_TOKEN", token or "")
+        monkeypatch.setenv("LAYERTAP_ALLOW_REMOTE_CODE", "1" if allow_remote_code else "0")
         client = TestClient(app)
         client.__enter__()
         clients.append(client)

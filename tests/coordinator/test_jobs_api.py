@@ -8,7 +8,7 @@ from layertap.state.keys import SHARD_QUEUE, Keys
 
 
 def job_body(model: Path, data: Path, **extra) -> dict:
-    return {"model": str(model), "data": str(data), "layers": [1, 3], "shard_size": 10, **extra}
+    return {"model": str(model), "data": str(data), "layers": [1, 3, 5], "shard_size": 10, **extra}
 
 
 def nothing_enqueued(redis_client, tmp_path: Path) -> bool:
@@ -75,6 +75,22 @@ def test_an_unreadable_dataset_is_rejected_before_anything_is_enqueued(api, tiny
     assert nothing_enqueued(redis_client, tmp_path)
 
 
+def test_remote_code_is_refused_unless_the_operator_allowed_it(
+    make_api, tiny_kimi25, dataset, redis_client, tmp_path
+) -> None:
+    closed = make_api()
+    reply = closed.post("/jobs", json=job_body(tiny_kimi25, dataset, trust_remote_code=True))
+    assert reply.status_code == 403 and "LAYERTAP_ALLOW_REMOTE_CODE" in reply.json()["detail"], reply.text
+    # A folder whose tokenizer is code, without trust_remote_code: refused naming the flag and the file.
+    reply = closed.post("/jobs", json=job_body(tiny_kimi25, dataset))
+    assert reply.status_code == 422 and "tokenization_tiny_kimi.py" in reply.json()["detail"], reply.text
+    assert nothing_enqueued(redis_client, tmp_path)
+    opened = make_api(allow_remote_code=True)
+    reply = opened.post("/jobs", json=job_body(tiny_kimi25, dataset, trust_remote_code=True, layers=[1, 2, 4]))
+    assert reply.status_code == 201, reply.text
+    assert reply.json()["num_shards"] == 5
+
+
 def test_an_output_folder_of_another_job_is_a_conflict(api, tiny_llama, dataset) -> None:
     first = api.post("/jobs", json=job_body(tiny_llama, dataset, out="shared")).json()
     again = api.post("/jobs", json=job_body(tiny_llama, dataset, out="shared"))
@@ -122,3 +138,12 @@ def test_openapi_docs_are_served(api) -> None:
     } <= set(schema["paths"])
     assert "shard_size" in schema["components"]["schemas"]["JobCreate"]["properties"]
     assert api.get("/docs").status_code == 200
+
+
+def test_a_specforge_job_with_2_aux_layers_is_refused_unless_the_spec_allows_any_count(
+    api, tiny_llama, dataset
+) -> None:
+    refused = api.post("/jobs", json=job_body(tiny_llama, dataset, layers=[1, 3]))
+    assert refused.status_code == 422 and "takes exactly 3" in refused.json()["detail"], refused.text
+    allowed = api.post("/jobs", json=job_body(tiny_llama, dataset, layers=[1, 3], allow_any_aux_layers=True))
+    assert allowed.status_code == 201, allowed.text

@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from layertap.diskspace import bytes_per_token, free_bytes
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.spec import ExtractionSpec
 from layertap.state.keys import SHARD_QUEUE, Keys
 from layertap.state.shards import ShardAttempt, publish_worker
@@ -95,7 +95,7 @@ def test_a_job_whose_expected_output_does_not_fit_is_refused_before_anything_is_
 ) -> None:
     root = tmp_path / "outputs"
     num_layers, hidden = model_dims(tiny_llama)
-    per_token = bytes_per_token(ExtractionSpec(model=tiny_llama, data=dataset, layers=[1, 3]).resolve(num_layers),
+    per_token = bytes_per_token(ExtractionSpec(model=tiny_llama, data=dataset, layers=[1, 3, 5]).resolve(num_layers),
                                 hidden, "bfloat16")  # fmt: skip
     free = free_bytes(root)
     small = 1000  # tokens: well under a MiB

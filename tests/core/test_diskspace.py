@@ -6,7 +6,7 @@ import pytest
 
 from layertap.cli import hf_engine_factory
 from layertap.diskspace import bytes_per_token, free_bytes, job_bytes_estimate
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -10,9 +11,10 @@ from layertap.cli import hf_engine_factory
 from layertap.errors import DatasetError
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
+from layertap.store.index import ERRORS_DIR, INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
 
 
 def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path) -> None:
@@ -28,7 +30,7 @@ def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path
     out = tmp_path / "out"
     cli = subprocess.run(
         [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "2,4", "--out", str(out)],
+         "--layers", "2,3,4", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -49,7 +51,7 @@ def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path
 
 def test_overlong_truncate_and_skip_are_counted(tiny_llama, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=2, max_words=80))
-    base = {"model": tiny_llama, "data": data, "layers": (1, 2), "max_length": 240}
+    base = {"model": tiny_llama, "data": data, "layers": (1, 2, 3), "max_length": 240}
     factory = hf_engine_factory(tiny_llama, "cpu", 4096)
 
     skipped = run_extraction(ExtractionSpec(**base, overlong="skip"), tmp_path / "skip", factory)
@@ -77,21 +79,33 @@ def test_broken_template_stops_the_run(tiny_llama, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(4))
     with pytest.raises(DatasetError, match="all 0"):
         run_extraction(
-            ExtractionSpec(model=model, data=data, layers=(1,)), tmp_path / "out", hf_engine_factory(model, "cpu", 4096)
-        )
-
-
-def test_duplicate_ids_are_refused_before_anything_is_written(tiny_llama, tmp_path) -> None:
-    rows = conversation_rows(5)
-    rows[3]["id"] = rows[1]["id"]
-    data = write_jsonl(tmp_path / "data.jsonl", rows)
-    with pytest.raises(DatasetError, match="conv-1"):
-        run_extraction(
-            ExtractionSpec(model=tiny_llama, data=data, layers=(1,)),
+            ExtractionSpec(model=model, data=data, layers=(1, 2, 3)),
             tmp_path / "out",
-            hf_engine_factory(tiny_llama, "cpu", 4096),
+            hf_engine_factory(model, "cpu", 4096),
         )
-    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_each_bad_one(tiny_llama, tmp_path) -> None:
+    model = strict_template_model(tiny_llama, tmp_path / "model")
+    bad = malformed_dataset(tmp_path / "data.jsonl")
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(model), "--data", str(bad.data), "--layers", "1,2,4", "--out", str(out),
+            "--max-length", str(bad.max_length), "--overlong", "skip"]  # fmt: skip
+    cli = subprocess.run([sys.executable, "-m", "layertap", *args], capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "Traceback" not in cli.stderr
+
+    store = OutputStore.open_existing(out)
+    errors = {e["row"]: e for e in store.errors()}
+    assert {row: e["kind"] for row, e in errors.items()} == bad.kinds
+    assert {sid: r.index for sid, r in store.records().items()} == bad.good
+    assert "row 0 has it first" in errors[8]["reason"] and errors[8]["sample_id"] == "good-openai"
+    assert "Conversation roles must alternate" in errors[21]["reason"]
+    # Each bad row once in errors/, each good row once in the index.
+    assert Counter(e["row"] for e in read_jsonl_dir(out / ERRORS_DIR)) == dict.fromkeys(bad.kinds, 1)
+    assert Counter(d["sample_id"] for d in read_jsonl_dir(out / INDEX_DIR)) == dict.fromkeys(bad.good, 1)
+    check = verify_store(out)
+    assert check.ok and check.samples == len(bad.good), check.problems
 
 
 def test_demo_command_runs_end_to_end(tmp_path) -> None:
@@ -107,13 +121,13 @@ def test_demo_command_runs_end_to_end(tmp_path) -> None:
 def test_tokenizer_is_loaded_once_per_process_until_its_files_change(tiny_llama, tmp_path) -> None:
     import shutil
 
-    from layertap.pipeline import load_tokenizer
+    from layertap.models.folder import ModelFolder
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
-    first = load_tokenizer(model)
-    assert load_tokenizer(model) is first  # the next shard reuses it
+    first = ModelFolder.read(model).load_tokenizer()
+    assert ModelFolder.read(model).load_tokenizer() is first  # the next shard reuses it
     template = model / "chat_template.jinja"
     template.write_text(template.read_text() + "\n")
-    again = load_tokenizer(model)
+    again = ModelFolder.read(model).load_tokenizer()
     assert again is not first and again.chat_template.endswith("\n")

@@ -29,13 +29,14 @@ def test_capture_flags_are_split_from_sglang_flags(tmp_path: Path) -> None:
     sglang_argv = ["--model-path", "/m", "--chunked-prefill-size", "64", "--disable-radix-cache", "--tp", "8"]
     options = parse_launch_args(
         ["--dump-root", str(tmp_path), *sglang_argv[:2], "--capture-layers", "3,31,59", "--capture-final", "post",
-         *sglang_argv[2:], "--rid-prefix", "cap", "--max-pending-writes", "4"],
+         *sglang_argv[2:], "--rid-prefix", "cap", "--writer-threads", "2", "--pinned-cap", "1M"],
         environ={},
     )  # fmt: skip
     assert options.sglang_argv == sglang_argv
     assert options.settings == CaptureSettings(
-        dump_root=str(tmp_path), layers=(3, 31, 59), finals=("post",), rid_prefix="cap", max_pending_writes=4
-    )
+        dump_root=str(tmp_path), layers=(3, 31, 59), finals=("post",), rid_prefix="cap", writer_threads=2,
+        pinned_cap_bytes=1 << 20,
+    )  # fmt: skip
     assert not options.dry_run and not options.keep_radix_cache
     kept = parse_launch_args(["--keep-radix-cache", "--model-path", "/m"], environ=ENV)
     assert kept.keep_radix_cache and kept.sglang_argv == ["--model-path", "/m"]
@@ -85,6 +86,18 @@ def test_forced_flags_in_each_version_spelling() -> None:
         "disabled",
         "--enforce-disable-flashinfer-allreduce-fusion",
     ]
+
+
+def test_fusion_kept_only_when_a_measurement_asks() -> None:
+    """``--allreduce-fusion sglang`` leaves fusion to SGLang (no enforce flag, no refusal); the default forces it off."""
+    options = parse_launch_args(["--allreduce-fusion", "sglang", "--model-path", "/m"], environ=ENV)
+    assert options.settings.allreduce_fusion == "sglang" and options.sglang_argv == ["--model-path", "/m"]
+    assert parse_launch_args(["--model-path", "/m"], environ=ENV).settings.allreduce_fusion == "off"
+    kept = forced_flags(fields_of("0.5.14"), keep_allreduce_fusion=True)
+    assert "--enforce-disable-flashinfer-allreduce-fusion" not in kept and "--disable-radix-cache" in kept
+    fused = v0514_args(enable_flashinfer_allreduce_fusion=True, flashinfer_allreduce_fusion_backend="auto")
+    assert unsafe_settings(fused, allow_allreduce_fusion=True) == []
+    assert len(unsafe_settings(fused)) == 1
 
 
 def v0510_args(**overrides: object) -> SimpleNamespace:

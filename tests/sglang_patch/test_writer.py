@@ -1,4 +1,4 @@
-"""The writer thread: atomic dumps, backpressure, no overwrite, CPU staging."""
+"""The writer threads: atomic dumps, the host-memory cap, no overwrite, CPU staging."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_patch.contract import TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
-from sglang_patch.writer import DumpJob, DumpWriter, HostStaging, build_meta, write_dump
+from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
 
 
 class FakeCudaEvent:
@@ -45,7 +45,7 @@ def wait_for(path: Path, timeout: float = 10.0) -> None:
 
 
 def test_writer_writes_dumps_and_error_dumps(tmp_path: Path) -> None:
-    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), max_pending=4)
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=2)
     ok, bad = format_rid("j", "ok", 0), format_rid("j", "bad", 0)
     tensors = states(7, 0)
     writer.submit(DumpJob(ok, tensors=tensors))
@@ -59,26 +59,60 @@ def test_writer_writes_dumps_and_error_dumps(tmp_path: Path) -> None:
     assert list((tmp_path / TMP_DIR).iterdir()) == []
 
 
-def test_writer_waits_for_the_copy_event_and_applies_backpressure(tmp_path: Path) -> None:
-    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), max_pending=1)
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def test_writer_waits_for_the_copy_event_and_the_cap_blocks_new_requests(tmp_path: Path) -> None:
+    dumps = [states(5, i) for i in range(3)]
+    size = nbytes(dumps[0])
+    budget = HostBudget(2 * size)  # room for two dumps' buffers
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), budget=budget, threads=2)
     events = [FakeCudaEvent() for _ in range(3)]
     rids = [format_rid("j", str(i), 0) for i in range(3)]
-    writer.submit(DumpJob(rids[0], tensors=states(5, 0), ready=events[0]))
-    writer.submit(DumpJob(rids[1], tensors=states(5, 1), ready=events[1]))  # fills the queue
-    third = threading.Thread(target=writer.submit, args=(DumpJob(rids[2], tensors=states(5, 2), ready=events[2]),))
+    for i in range(2):
+        assert budget.reserve(size) == 0.0
+        writer.submit(DumpJob(rids[i], tensors=dumps[i], ready=events[i], nbytes=size))
+    third = threading.Thread(target=budget.reserve, args=(size,))  # the forward pass, for a third request
     third.start()
     time.sleep(0.3)
-    # The first dump waits for its copies to land; the queue is full, so the forward pass blocks.
-    assert events[0].waited and not dump_dir(tmp_path, rids[0]).exists()
-    assert third.is_alive()
+    # Both dumps wait for their copies to land; the cap is reached, so the forward pass blocks.
+    assert events[0].waited and events[1].waited and not dump_dir(tmp_path, rids[0]).exists()
+    assert third.is_alive() and budget.in_use == 2 * size
     events[0].release()
     wait_for(dump_dir(tmp_path, rids[0]))
     third.join(10)
-    assert not third.is_alive()
+    assert not third.is_alive() and budget.peak == 2 * size and budget.waited_s >= 0.25
+    writer.submit(DumpJob(rids[2], tensors=dumps[2], ready=events[2], nbytes=size))
     events[1].release()
     events[2].release()
     writer.close(timeout=30)
-    assert sorted(iter_dump_rids(tmp_path)) == sorted(rids)
+    assert sorted(iter_dump_rids(tmp_path)) == sorted(rids) and budget.in_use == 0
+    # The wait is reported once, with the dump queued after it; every dump says how busy the writers were.
+    writers = [read_dump(dump_dir(tmp_path, rid)).meta.writer for rid in rids]
+    assert [w["wait_s"] > 0.2 for w in writers] == [False, False, True]
+    assert all(w["pinned_cap_bytes"] == 2 * size and w["threads"] == 2 and w["queued"] >= 1 for w in writers)
+
+
+def test_cap_does_not_wait_when_no_dump_is_being_written() -> None:
+    budget = HostBudget(100)
+    budget.reserve(80)  # a request still being prefilled: only forward passes can finish it
+    assert budget.reserve(80) == 0.0 and budget.in_use == 160  # waiting would deadlock
+    budget.release(160, handed=False)
+    assert budget.in_use == 0
+
+
+def test_dump_records_the_sha256_of_its_file_as_written(tmp_path: Path) -> None:
+    import hashlib
+
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=3)
+    rids = [format_rid("j", str(i), 0) for i in range(12)]
+    for i, rid in enumerate(rids):
+        writer.submit(DumpJob(rid, tensors=states(3 + i, i)))
+    writer.close(timeout=30)
+    for rid in rids:
+        dump = read_dump(dump_dir(tmp_path, rid))
+        assert dump.meta.file_sha256 == hashlib.sha256((dump.path / dump.meta.file).read_bytes()).hexdigest()
 
 
 def test_existing_dump_is_not_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -87,7 +121,7 @@ def test_existing_dump_is_not_replaced(tmp_path: Path, caplog: pytest.LogCapture
     write_dump(tmp_path, build_meta(rid, first, None, layers=(1, 4), finals=("post",)), first, tag="a")
     with pytest.raises(FileExistsError):
         write_dump(tmp_path, build_meta(rid, second, None, layers=(1, 4), finals=("post",)), second, tag="b")
-    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), max_pending=2)
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=2)
     writer.submit(DumpJob(rid, tensors=second))
     writer.submit(DumpJob(format_rid("j", "after", 0), tensors=second))
     writer.close(timeout=30)
@@ -101,7 +135,8 @@ def test_cpu_staging_is_plain_memory_without_events() -> None:
     staging = HostStaging(torch.device("cpu"))
     buffer = staging.alloc((3, 4), torch.bfloat16)
     assert buffer.shape == (3, 4) and buffer.dtype == torch.bfloat16 and not buffer.is_pinned()
-    assert staging.record() is None
+    assert staging.record() is None and staging.footprint(1000) == 1000
+    assert HostStaging(torch.device("cuda")).footprint(1000) == 1024  # torch's pinned blocks are powers of 2
 
 
 def both_finals(t: int, seed: int) -> dict[str, torch.Tensor]:
@@ -116,7 +151,9 @@ def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout:
     from layertap.store.formats import get_format
     from layertap.store.formats.base import Layout
 
-    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post", "pre"), max_pending=2, layout=layout)
+    writer = DumpWriter(
+        tmp_path, layers=(1, 4), finals=("post", "pre"), budget=HostBudget(1 << 30), threads=2, layout=layout
+    )
     rid, tensors = format_rid("j", "s", 0), both_finals(9, 3)
     runs = [[1, 4], [6, 9]]
     writer.submit(DumpJob(rid, tensors=tensors, loss_mask_runs=runs))
@@ -142,7 +179,9 @@ def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout:
     [(None, "request carried none"), ([[2, 1]], "bad loss mask run"), ([[0, 99]], "bad loss mask run"), ("x", "list")],
 )
 def test_specforge_dump_without_a_usable_loss_mask_is_an_error_dump(tmp_path: Path, runs: object, reason: str) -> None:
-    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("post",), max_pending=2, layout="specforge")
+    writer = DumpWriter(
+        tmp_path, layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=2, layout="specforge"
+    )
     rid = format_rid("j", "s", 0)
     writer.submit(DumpJob(rid, tensors=states(5, 1), loss_mask_runs=runs))
     writer.close(timeout=30)

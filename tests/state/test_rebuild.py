@@ -35,7 +35,7 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
     rows = conversation_rows(30, seed=4)
     rows[13] = {"id": "no-assistant", "messages": [{"role": "user", "content": "hello?"}]}
     data = write_jsonl(tmp_path / "data.jsonl", rows)
-    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3), out=Path("job"), shard_size=10)
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), out=Path("job"), shard_size=10)
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="job7")
     store = OutputStore.open_existing(planned.spec.out)
     engine = HFEngine(tiny_llama, spec.resolve(6), max_batch_size=1)

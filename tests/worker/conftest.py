@@ -29,6 +29,7 @@ from layertap.store.index import INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.trainer_reads import masked_token_counts, token_freq_file
 from tests.service_fixtures import REPO_ROOT, Coordinator, Proc, RedisServer, Services, wait_for
 
 LAYERS = (1, 3, 5)
@@ -195,3 +196,5 @@ def check_output(out: Path, reference: dict[str, str], *, missing: set[str] = fr
     lines = Counter(d["sample_id"] for d in read_jsonl_dir(out / INDEX_DIR))
     assert max(lines.values()) == 1, [sid for sid, n in lines.items() if n > 1]
     assert json.loads((out / "manifest.json").read_text())["samples_committed"] == len(reference) - len(missing)
+    # token_freq.pt merges the workers' per-sample counts: it equals a recount from the stored samples.
+    assert token_freq_file(out) == dict(masked_token_counts(out)) and (out / "TRAIN.md").exists()

@@ -14,6 +14,7 @@ import pytest
 
 from layertap.store.index import INDEX_DIR
 from layertap.store.store import OutputStore
+from layertap.store.token_freq import TOKEN_FREQ_DIR
 from tests.service_fixtures import wait_for
 from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
@@ -49,6 +50,9 @@ def test_a_job_submitted_with_the_cli_completes_exactly_once_over_two_workers(
     check_output(Path(job["out"]), reference)
     records = OutputStore.open_existing(Path(job["out"])).records().values()
     assert job["tokens_done"] == sum(r.num_tokens for r in records)
+    # token_freq.pt (checked in check_output) was merged from both workers' counts.
+    counted_by = {log.name.split("-s")[0] for log in (Path(job["out"]) / TOKEN_FREQ_DIR).glob("*.jsonl")}
+    assert counted_by == {"w1", "w2"}
 
     shown = layertap("status", job_id, "--json", env=api)
     assert shown.returncode == 0, shown.stderr

@@ -9,11 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from layertap.engines.hf import HFEngine
+from layertap.pipeline import run_extraction
+from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
 from tests.service_fixtures import REPO_ROOT
-from tests.worker.conftest import NUM_SAMPLES, check_output, layertap
+from tests.worker.conftest import LAYERS, NUM_SAMPLES, check_output, layertap
 
 POISON_TOKEN = 1534  # "ĠFibonacci" in the tiny tokenizer: never produced from the conversation words
 
@@ -67,6 +70,34 @@ def test_bad_rows_and_poison_samples_are_reported_and_everything_else_is_done(
     }
     report = verify_store(out)
     assert report.ok and report.complete and report.samples == 56, report.problems
+
+
+def test_every_kind_of_bad_row_through_two_workers_gives_what_one_process_gives(
+    start_cluster, tiny_llama, tmp_path
+) -> None:
+    """Shards of 4 rows: the duplicate at row 8 has its first at row 0, in another shard (and worker)."""
+    model = strict_template_model(tiny_llama, tmp_path / "model")
+    bad = malformed_dataset(tmp_path / "data.jsonl")
+    limits = {"max_length": bad.max_length, "overlong": "skip"}
+    alone = tmp_path / "alone"
+    spec = ExtractionSpec(model=model, data=bad.data, layers=LAYERS, **limits)
+    run_extraction(spec, alone, lambda capture: HFEngine(model, capture, max_batch_size=1))
+    one = OutputStore.open_existing(alone)
+
+    cluster = start_cluster()
+    job_id = cluster.submit(model, bad.data, shard_size=4, **limits)
+    job = cluster.wait_state(job_id, "done")
+    assert (job["samples_done"], job["samples_failed"]) == (len(bad.good), len(bad.kinds))
+    assert job["shards"] == {"done": 6}
+    many = OutputStore.open_existing(Path(job["out"]))
+    assert {sid: r.sha256 for sid, r in many.records().items()} == {sid: r.sha256 for sid, r in one.records().items()}
+    assert {sid: r.index for sid, r in many.records().items()} == bad.good
+    kinds = {e["row"]: e["kind"] for e in many.errors()}
+    assert kinds == {e["row"]: e["kind"] for e in one.errors()} == bad.kinds
+    with cluster.api() as api:
+        listed = api.get(f"/jobs/{job_id}/errors").json()["errors"]
+    assert {e["row"]: e["kind"] for e in listed} == bad.kinds
+    assert verify_store(Path(job["out"])).ok
 
 
 def test_a_model_no_worker_can_load_fails_the_job_after_retries_and_resume_completes_it(

@@ -41,7 +41,7 @@ class PoisonedEngine(Engine):
 @pytest.fixture
 def store(tiny_llama: Path, tmp_path: Path) -> tuple[ExtractionSpec, OutputStore]:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(30, seed=6))
-    planned = plan_job(JobSpec(model=tiny_llama, data=data, layers=(2, 4)), output_root=tmp_path / "o", job_id="j")
+    planned = plan_job(JobSpec(model=tiny_llama, data=data, layers=(2, 3, 4)), output_root=tmp_path / "o", job_id="j")
     return planned.spec.extraction(), OutputStore.open_existing(planned.spec.out)
 
 

@@ -60,3 +60,32 @@ def test_a_failed_finalize_is_reported_and_done_again_by_the_watchdog(context, t
     report = verify_store(planned.spec.out)
     assert report.ok and report.complete, report.problems
     assert Path(planned.spec.out / "hidden_states").is_dir()  # speculators' finalize ran
+
+
+def test_a_job_with_remote_code_runs_only_on_a_worker_allowed_to(redis_server, redis_client, tiny_kimi25, tmp_path):
+    from layertap.errors import ServerError
+
+    data = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
+    spec = JobSpec(model=tiny_kimi25, data=data, layers=(1, 2, 3), shard_size=10, trust_remote_code=True)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jr")
+    keys = Keys()
+    create_job(redis_client, keys, "jr", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+    reap(redis_client, keys, lambda task, args: sent.append((task, args)), queue_len=0, queued_grace_ms=0, lease_ms=1)
+    [(_, args)] = sent
+
+    settings = {"redis_url": redis_server.url, "lease_ttl_s": 30}
+    closed = WorkerContext(WorkerSettings(worker_name="closed", **settings))
+    try:
+        with pytest.raises(ServerError, match="LAYERTAP_ALLOW_REMOTE_CODE"):
+            closed.run_shard(*args)
+    finally:
+        closed.close()
+    assert verify_store(planned.spec.out).samples == 0
+    redis_client.delete(keys.lease("jr", 0))  # the refusing worker's lease runs out
+    opened = WorkerContext(WorkerSettings(worker_name="open", allow_remote_code=True, **settings))
+    try:
+        assert opened.run_shard(*args) in ("done", "finalized")
+    finally:
+        opened.close()
+    assert verify_store(planned.spec.out).samples == 6

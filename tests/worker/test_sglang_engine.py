@@ -16,13 +16,13 @@ import torch
 
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from sglang_patch.contract import iter_dump_rids, parse_rid
+from sglang_patch.contract import dump_dir, iter_dump_rids, parse_rid
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
 from tests.sglang_patch.test_server import HealthProber, rel
 
@@ -104,14 +104,37 @@ def test_prefix_cache_hit_is_caught_and_never_stored(sglang_servers, tiny_llama,
     assert verify_store(tmp_path / "out").ok
 
 
-def test_server_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_llama, cuda_stub_dir, tmp_path, hf_reference):
+class _KillWhileWritersHoldDumps(SGLangEngine):
+    """The SGLang engine, killing its server (once, after `after` replies) at a reply whose dump the
+    server's writers have not written yet: the moment a crash could lose an answered request. What
+    the store held then is kept in `committed_at_kill` (sample id -> sha256)."""
+
+    def __init__(self, *args: Any, out: Path, after: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.out, self.after, self.replies = out, after, itertools.count(1)
+        self.committed_at_kill: dict[str, str] | None = None
+
+    def _wait_for_dump(self, rid: str, restarts: int) -> Path:
+        n = next(self.replies)
+        if self.committed_at_kill is None and n >= self.after and not dump_dir(self.dump_root, rid).exists():
+            records = OutputStore.open_existing(self.out).records().values()
+            self.committed_at_kill = {r.sample_id: r.sha256 for r in records}
+            self.server.kill()
+        return super()._wait_for_dump(rid, restarts)
+
+
+def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
+    tiny_llama, cuda_stub_dir, tmp_path, hf_reference
+):
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
     layers = DEFAULT_LAYERS["llama"]
-    # The server writes specforge files itself (loss masks sent with the requests): commits are renames.
+    # The server writes specforge files itself (loss masks sent with the requests): commits are
+    # renames. Several writer threads under a small host-memory cap, so dumps queue up in the server.
     config = ServerConfig(
         python=SGLANG_PYTHON, model=tiny_llama, dump_root=tmp_path / "dumps", layers=layers, final="post",
         log_path=tmp_path / "server.log", env=cpu_server_env(cuda_stub_dir), layout="specforge",
+        writer_threads=3, pinned_cap="256K",
         sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "64"),
     )  # fmt: skip
     server = SGLangServer(config)
@@ -125,34 +148,30 @@ def test_server_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_llama, cuda
     data = _dataset(tmp_path / "d.jsonl", rows)
     out = tmp_path / "out"
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=layers, store_dtype="float32")
+    engines: list[_KillWhileWritersHoldDumps] = []
 
-    replies = itertools.count(1)
-
-    def kill_after_a_reply(stage: str, seconds: float) -> None:
-        # Killed right after its 30th reply, the server has answered requests whose dumps its writer
-        # thread has not written yet (and holds others mid-prefill): both must be sent again.
-        if stage == "prefill" and next(replies) == 30:
-            server.kill()
+    def engine(cap):
+        engines.append(_KillWhileWritersHoldDumps(server, cap, dump_root=config.dump_root, job="kill", in_flight=16,
+                                                  out=out, after=30))  # fmt: skip
+        return engines[0]
 
     try:
-        report = run_extraction(
-            spec,
-            out,
-            lambda cap: SGLangEngine(
-                server, cap, dump_root=config.dump_root, job="kill", in_flight=8, observe=kill_after_a_reply
-            ),
-            check_level="full",
-        )
+        report = run_extraction(spec, out, engine, check_level="full")
     finally:
         server.stop()
-    assert server.restarts == 1
+    committed = engines[0].committed_at_kill
+    assert committed is not None, "no reply ever came before its dump: the server was never killed"
+    assert server.restarts == 1 and len(committed) >= 1
     assert report.failed == 0 and len(report.computed) == len(rows)
     check = verify_store(out)
     assert check.ok and check.samples == len(rows), check.problems
-    ref = hf_reference(tiny_llama)
     store = OutputStore.open_existing(out)
+    records = store.records()
+    # Everything the store had committed when the server died is still there, byte for byte.
+    assert {sid: records[sid].sha256 for sid in committed} == committed
+    ref = hf_reference(tiny_llama)
     masks = {r["id"]: r["loss_mask"] for r in rows}
-    for rec in store.records().values():
+    for rec in records.values():
         obj = store.format.load(out / rec.file)
         assert obj["loss_mask"].tolist() == masks[rec.sample_id]
         hidden, _ = ref.states(obj["input_ids"])

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import resolve_capture
 from worker.metrics import WorkerMetrics

@@ -35,6 +35,12 @@ def submit_job(
     shards and enqueue one task per shard."""
     job_id = uuid.uuid4().hex[:12]
     spec = JobSpec(**body.model_dump(exclude={"expected_tokens"}))
+    if spec.trust_remote_code and not settings.allow_remote_code:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            "this coordinator does not accept trust_remote_code: its operator has not enabled remote code "
+            "(LAYERTAP_ALLOW_REMOTE_CODE)",
+        )
     if body.expected_tokens is not None:
         try:
             estimate = job_bytes_estimate(spec, body.expected_tokens)

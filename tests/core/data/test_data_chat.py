@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from layertap.data import ChatTokenizer, Conversation, Preformatted, Pretokenized, check_loss_mask, parse_row
 from layertap.errors import DatasetError, RowError
 from layertap.models.tokenizer import build_tokenizer
+from layertap.sample import TokenizedSample
 
 CALL_ID = "functions.get_weather:0"
 ROW = {
@@ -184,27 +185,34 @@ SIMPLE = {"id": "s1", "messages": [{"role": "user", "content": "Hi"}, {"role": "
 
 
 @pytest.mark.parametrize(("template", "kind"), [(ASSISTANT_ONLY, "all 1"), (DROPS_ASSISTANT, "all 0")])
-def test_guard_stops_on_all_one_or_all_zero_masks(tiny_tokenizer, template: str, kind: str):
-    conv = parse_row(4, SIMPLE)
-    sample = ChatTokenizer(tiny_tokenizer, chat_template=template).tokenize(
-        4, "s1", conv, max_length=None, overlong="skip"
-    )
-    ones = int(sample.loss_mask.sum())
-    assert ones == (sample.num_tokens if kind == "all 1" else 0)
-    with pytest.raises(DatasetError, match=rf"sample 's1' \(row 4\) is {kind}.*chat template"):
-        check_loss_mask(conv, sample)
+def test_a_template_that_masks_a_plain_chat_all_one_or_all_zero_stops_the_run(tiny_tokenizer, template, kind):
+    ct = ChatTokenizer(tiny_tokenizer, chat_template=template)
+    with pytest.raises(DatasetError, match=rf"plain user/assistant chat a loss mask that is {kind}.*chat template"):
+        ct.tokenize(4, "s1", parse_row(4, SIMPLE), max_length=None, overlong="skip")
+    assert ct.tokenize(5, "t", Preformatted("Hi"), max_length=None, overlong="skip").num_tokens > 0  # no template
 
 
-def test_guard_ignores_rows_without_roles(tiny_tokenizer):
-    ct = ChatTokenizer(tiny_tokenizer)
-    text = Preformatted("<|im_start|>user\nHi<|im_end|>")
-    check_loss_mask(text, ct.tokenize(0, "t", text, max_length=None, overlong="skip"))  # all 1 by design
-    no_user = parse_row(0, {"messages": [{"role": "assistant", "content": "Alone"}]})
-    sample = ChatTokenizer(tiny_tokenizer, chat_template=ASSISTANT_ONLY).tokenize(
-        0, "a", no_user, max_length=None, overlong="skip"
+def test_a_degenerate_mask_on_one_row_is_that_rows_error(tiny_tokenizer):
+    """A template that drops some assistant turns (here: the ones marked hidden) fails only those rows."""
+    hides = (
+        "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if not m.content.startswith('(hidden)') -%}{{ m.content + '<|im_end|>' }}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
     )
-    assert bool(sample.loss_mask.all())
-    check_loss_mask(no_user, sample)
+    ct = ChatTokenizer(tiny_tokenizer, chat_template=hides)
+    good = parse_row(3, SIMPLE)
+    check_loss_mask(good, ct.tokenize(3, "s1", good, max_length=None, overlong="skip"))
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "(hidden) yes"}]}
+    hidden = parse_row(4, row)
+    with pytest.raises(RowError, match=r"loss mask is all 0.*this row's assistant turns") as info:
+        check_loss_mask(hidden, ct.tokenize(4, "s2", hidden, max_length=None, overlong="skip"))
+    assert (info.value.row, info.value.sample_id, info.value.kind) == (4, "s2", "loss_mask")
+
+
+def test_guard_ignores_rows_without_roles():
+    all_one = TokenizedSample("t", 0, torch.tensor([5, 6, 7]), torch.ones(3, dtype=torch.uint8))
+    check_loss_mask(Preformatted("<|im_start|>user\nHi<|im_end|>"), all_one)  # all 1 by design
+    check_loss_mask(parse_row(0, {"messages": [{"role": "assistant", "content": "Alone"}]}), all_one)
 
 
 @pytest.mark.parametrize("template", [COUNTS_TURNS, THINK_PROMPT])
@@ -273,3 +281,10 @@ def test_truncate_and_skip(tiny_tokenizer):
 def test_conversation_dataclass_roles():
     conv = Conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     assert conv.has_role("user") and conv.has_role("assistant") and not conv.has_role("tool")
+
+
+def test_what_the_tokenizer_raises_is_that_rows_error(tiny_tokenizer):
+    """parse_row refuses lone surrogates first (kind encoding); the tokenizer's own refusal is the net under it."""
+    with pytest.raises(RowError, match=r"tokenizer failed: TypeError") as info:
+        ChatTokenizer(tiny_tokenizer).tokenize(6, "t", Preformatted("a \ud800 b"), max_length=None, overlong="skip")
+    assert (info.value.row, info.value.sample_id, info.value.kind) == (6, "t", "tokenizer")

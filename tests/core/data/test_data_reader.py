@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 from pathlib import Path
 
 import datasets
@@ -74,6 +75,30 @@ def test_json_array_streams_rows_and_flags_non_objects(tmp_path: Path):
     assert [n for n, _ in items] == list(range(len(rows) + 1))
     assert isinstance(items[2][1], RowError) and "not a JSON object (got int)" in items[2][1].reason
     assert [r for _, r in items if isinstance(r, dict)] == rows
+
+
+def test_json_array_items_are_parsed_one_by_one(tmp_path: Path):
+    """NaN, a lone-surrogate escape, bytes that are not UTF-8, nesting deeper than any parser goes, a
+    broken item: each costs its own row, the rows after it still come (and a surrogate is never "?")."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    items = [b'{"text": NaN}', b'{"text": "a\\ud800b"}', b'{"text": "caf\xe9"}', b'{"text": ' + deep + b"}",
+             b'{"text": "x", }', b'{"text": "last, [with] {brackets}\\" \\\\"}']  # fmt: skip
+    path = tmp_path / "rows.json"
+    path.write_bytes(b"[\n" + b",\n".join(items) + b"\n]\n")
+    got = dict(iter_rows(path))
+    assert list(got) == list(range(6))
+    assert math.isnan(got[0]["text"]) and got[1] == {"text": "a\ud800b"}
+    for n in (2, 3, 4):
+        assert isinstance(got[n], RowError) and got[n].row == n and "malformed JSON" in got[n].reason
+    assert got[5] == {"text": 'last, [with] {brackets}" \\'}
+    assert dict(iter_rows(path, start=4, stop=5)).keys() == {4}
+
+
+def test_jsonl_line_nested_too_deep_is_one_bad_row(tmp_path: Path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"messages": ' + "[" * 100_000 + "]" * 100_000 + '}\n{"text": "fine"}\n')
+    got = dict(iter_rows(path))
+    assert isinstance(got[0], RowError) and "malformed JSON" in got[0].reason and got[1] == {"text": "fine"}
 
 
 def test_json_malformed_as_a_whole(tmp_path: Path):

@@ -177,6 +177,39 @@ def test_sample_ids():
     assert sample_id_of(5, {"conversation_id": "c"}) == "c"
     assert sample_id_of(5, {"id": "a", "conversation_id": "c"}) == "a"
     assert sample_id_of(5, {"text": "x"}) == "5"
+    for bad, kind, reason in [
+        ([1], "row", "'id' must be a string or an integer, got list"),
+        (True, "row", "got bool"),
+        (float("nan"), "row", "got float"),
+        ("a\ud800", "encoding", "'id' at id is not valid UTF-8 text ('\\ud800' at character 1"),
+    ]:
+        with pytest.raises(RowError) as info:
+            sample_id_of(5, {"id": bad, "text": "x"})
+        assert (info.value.row, info.value.kind) == (5, kind) and reason in info.value.reason
+
+
+def test_developer_role_is_the_system_role():
+    row = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "a"}]}  # fmt: skip
+    assert parse_row(0, row).messages[0] == {"role": "system", "content": "Be brief."}
+
+
+@pytest.mark.parametrize(
+    ("row", "where"),
+    [
+        ({"text": "ok \udfff"}, "row['text']"),
+        ({"messages": [{"role": "user", "content": "q\ud800"}, {"role": "assistant", "content": "a"}]},
+         "row['messages'][0]['content']"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"\ud83d": 1}}]}]},
+         "a key of row['messages'][0]['tool_calls'][0]['function']['arguments']"),
+        ({"tools": [{"name": "f", "description": "\udc80"}], "messages": [{"role": "assistant", "content": "a"}]},
+         "row['tools'][0]['description']"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_utf8_is_an_encoding_error(row: dict, where: str):
+    with pytest.raises(RowError) as info:
+        parse_row(2, row)
+    assert info.value.kind == "encoding" and f"text at {where} is not valid UTF-8" in info.value.reason
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The pre-scan counts rows, keeps ids in order (unreadable rows too) and refuses duplicate ids."""
+"""The pre-scan counts rows, keeps ids in order (None for unreadable rows) and maps each duplicate to its first row."""
 
 import json
 from pathlib import Path
@@ -25,29 +25,30 @@ def test_scan_counts_every_row_and_keeps_ids_in_order():
         "tok-1",
         "tok-2",
         "tools-1",
-        "7",  # malformed JSON: counted, named by its row number
+        None,  # malformed JSON: counted, no id
         "no-assistant",
         "empty-text",
         "bad-role",
-        "11",  # not an object
+        None,  # not an object
         "sharegpt-tools",
     ]
     assert scan.unreadable_rows == [7, 11]
+    assert scan.duplicates == {}
 
 
-def test_duplicate_ids_are_named_with_their_counts():
-    with pytest.raises(DatasetError) as info:
-        scan_dataset(DATASETS / "duplicate_ids.jsonl")
-    message = str(info.value)
-    assert "3 duplicate sample ids: 'a' (x3), 'b' (x2), '3' (x2)" in message
-    assert "duplicate_ids.jsonl" in message
+def test_each_duplicate_points_at_the_first_row_with_its_id():
+    scan = scan_dataset(DATASETS / "duplicate_ids.jsonl")
+    assert scan.num_rows == 7 and scan.sample_ids == ["a", "b", "a", "3", "3", "b", "a"]
+    assert scan.duplicates == {2: 0, 4: 3, 5: 1, 6: 0}  # row 4's id 3 is row 3's row-number id
 
 
-def test_many_duplicates_are_summarised(tmp_path: Path):
-    path = tmp_path / "dups.jsonl"
-    path.write_text("".join(json.dumps({"id": f"d{i % 8}", "text": "x"}) + "\n" for i in range(16)))
-    with pytest.raises(DatasetError, match=r"8 duplicate sample ids: 'd0' \(x2\), .*'d4' \(x2\) and 3 more"):
-        scan_dataset(path)
+def test_rows_with_unusable_ids_take_no_part_in_duplicates(tmp_path: Path):
+    path = tmp_path / "ids.jsonl"
+    rows = [{"id": "x"}, {"id": ["x"]}, {"id": "\ud800"}, {"id": True}, {"id": "x"}, {"id": "\ud800"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "[1]\n")
+    scan = scan_dataset(path)
+    assert scan.sample_ids == ["x", None, None, None, "x", None, None]
+    assert scan.duplicates == {4: 0} and scan.unreadable_rows == [6]
 
 
 def test_columnar_scans_read_ids_only_and_agree_with_jsonl(tmp_path: Path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from layertap.engines.hf import HFEngine, token_batches
-from layertap.models.tiny import model_dims
+from layertap.models.folder import model_dims
 from layertap.sample import TokenizedSample
 from layertap.spec import resolve_capture
 
@@ -28,7 +28,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_kimi"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_kimi", "tiny_kimi25"])
 def test_every_layer_and_both_finals_match_reference_in_mixed_batches(arch, request, hf_reference) -> None:
     model_dir = request.getfixturevalue(arch)
     num_layers, _ = model_dims(model_dir)

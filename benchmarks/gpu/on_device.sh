@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Run a GPU benchmark on the lent H200 machine (see ../shared/sglang/README.md, section B).
+#
+#   call 1 (carry .whl1):  bash benchmarks/gpu/on_device.sh install .whl1
+#   call 2 (carry .whl2):  bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/tp_bench.py --out "$OUT"
+#
+# .whl1 holds the bundle's chunk1 (sglang 0.5.14 and its kernels), .whl2 chunk2 (transformers 5.8.1) plus
+# the cp312 wheels of datasets, multiprocess and tiktoken that the layertap CLI imports. /tmp/site survives
+# between calls only while the machine stays warm (~30 s idle).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+[[ "${1:-}" == install ]] || { echo "usage: $0 install DIR [-- SCRIPT ARGS...]" >&2; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$2"/*.whl
+shift 2
+[[ "${1:-}" == -- ]] || exit 0
+shift
+export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a
+export PATH=$CUDA_HOME/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+echo "cores: $(nproc), memory: $(free -g | awk '/Mem/{print $2}') GiB"
+exec python3 "$@"

@@ -1,0 +1,172 @@
+"""The facts of a model folder as users have it, read once for every component.
+
+A real target is not always a plain causal LM folder. Kimi-K2.5 wraps a DeepseekV3 language model in a
+multimodal config (``text_config`` beside ``vision_config``, weights under ``language_model.``) and ships
+its tokenizer as Python code (``tokenizer_config.json`` ``auto_map``, a tiktoken ranks file). The
+pipeline, the planner, the HF engine, the SGLang launcher and the manifest all ask this module, so they
+agree on the layer count, the hidden size, the module paths to hook and whether remote code must run.
+
+Remote code is opt-in per run (``trust_remote_code``): a folder that needs it fails before any work,
+naming the flag and the file that would run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from layertap.errors import SpecError
+
+# Where a wrapper keeps its language model: the weight-name prefix and the module path in SGLang.
+WRAPPED_PREFIX = "language_model."
+REMOTE_CODE_FLAG = "--trust-remote-code"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFolder:
+    """What layertap needs to know about a model folder, without loading weights.
+
+    ``config`` is the whole ``config.json``; ``text_config`` the language model's part of it (the same
+    dict for a plain causal LM). ``prefix`` is ``"language_model."`` for a multimodal wrapper, else ``""``.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    text_config: dict[str, Any]
+    prefix: str
+    remote_code: tuple[str, ...]  # the folder's Python files that loading its tokenizer, processor or config would run
+
+    @classmethod
+    def read(cls, path: Path) -> ModelFolder:
+        """Read ``path``'s config.json and tokenizer_config.json; SpecError if it is not a model folder."""
+        path = Path(path)
+        config = _read_json(path / "config.json")
+        if config is None:
+            raise SpecError(f"model {path} is not a model folder (no config.json)")
+        text = config.get("text_config")
+        wrapped = isinstance(text, dict)
+        text_config = text if wrapped else config
+        for key in ("num_hidden_layers", "hidden_size"):
+            if key not in text_config:
+                where = "text_config" if wrapped else "config.json"
+                raise SpecError(f"model {path}: {where} has no {key!r}; not a causal language model layertap can read")
+        return cls(
+            path=path,
+            config=config,
+            text_config=text_config,
+            prefix=WRAPPED_PREFIX if wrapped else "",
+            remote_code=_remote_code_files(path, config),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the language model (MTP/nextn layers excluded: they are not in the stack)."""
+        return int(self.text_config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config["hidden_size"])
+
+    @property
+    def family(self) -> str:
+        """The language model's ``model_type`` (``deepseek_v3`` for Kimi-K2/K2.5, ``llama``...)."""
+        return str(self.text_config.get("model_type", self.config.get("model_type", "unknown")))
+
+    @property
+    def wrapped(self) -> bool:
+        """True for a multimodal wrapper whose language model sits under ``language_model.``."""
+        return bool(self.prefix)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the weights are meant to compute in (config ``dtype``/``torch_dtype``; float32 if unset)."""
+        for cfg in (self.text_config, self.config):
+            if value := cfg.get("dtype") or cfg.get("torch_dtype"):
+                return str(value).removeprefix("torch.")
+        return "float32"
+
+    def decoder_layer(self, index: int) -> str:
+        """Module path of decoder layer ``index`` (0-based) in SGLang's and HF's module trees."""
+        return f"{self.prefix}model.layers.{index}"
+
+    @property
+    def final_norm(self) -> str:
+        """Module path of the final norm (its input is the pre-norm final state, its output the post-norm one)."""
+        return f"{self.prefix}model.norm"
+
+    @property
+    def needs_remote_code(self) -> bool:
+        return bool(self.remote_code)
+
+    def check_remote_code(self, trust_remote_code: bool) -> None:
+        """SpecError naming the flag and the files when the folder needs code the run did not allow."""
+        if self.remote_code and not trust_remote_code:
+            files = ", ".join(str(self.path / name) for name in self.remote_code)
+            raise SpecError(
+                f"model {self.path} ships code that loading it would run ({files}, named by auto_map). "
+                f"Read it, and if you trust it pass {REMOTE_CODE_FLAG} (job spec: trust_remote_code: true)"
+            )
+
+    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+        """The folder's tokenizer, loaded once per process while its files stay the same (a worker runs
+        many shards, and a large model's tokenizer can take seconds to load). Checks remote code first."""
+        self.check_remote_code(trust_remote_code)
+        files = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in self.path.iterdir()))
+        return _cached_tokenizer(str(self.path.resolve()), files, trust_remote_code)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _auto_map_files(path: Path, auto_map: Any) -> list[str]:
+    """``module.Class`` references of an auto_map -> the folder's ``module.py`` files (other repos' code
+    named as ``repo--module.Class`` are listed as given: they would be downloaded and run too)."""
+    refs: list[str] = []
+    for value in (auto_map or {}).values():
+        refs.extend(v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, str))
+    files = []
+    for ref in refs:
+        module = ref.rsplit(".", 1)[0]
+        name = module if "--" in module else f"{module.replace('.', '/')}.py"
+        if name not in files:
+            files.append(name)
+    return files
+
+
+def _remote_code_files(path: Path, config: dict[str, Any]) -> tuple[str, ...]:
+    """The files a run would execute: the tokenizer's and the processor's auto_map always (their classes exist
+    nowhere else; SGLang loads the processor at start-up); config.json's auto_map only when transformers lacks
+    the model type and the folder is no wrapper whose language model layertap loads itself."""
+    files: list[str] = []
+    for name in ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json"):
+        files += [f for f in _auto_map_files(path, (_read_json(path / name) or {}).get("auto_map")) if f not in files]
+    if not isinstance(config.get("text_config"), dict):
+        from transformers import CONFIG_MAPPING
+
+        if config.get("model_type") not in CONFIG_MAPPING:
+            files += [f for f in _auto_map_files(path, config.get("auto_map")) if f not in files]
+    return tuple(files)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(
+    model: str, files: tuple[tuple[str, int], ...], trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def model_dims(model_dir: Path) -> tuple[int, int]:
+    """(number of decoder layers, hidden size) of the folder's language model, without loading weights."""
+    folder = ModelFolder.read(model_dir)
+    return folder.num_layers, folder.hidden_size

@@ -1,0 +1,115 @@
+"""Starting a capture server: a failed start is retried with backoff; when every try fails, the error
+says in two lines how the last one ended, the decisive line of its log and where the log is.
+
+The failing server is a real process: a stand-in for the server's python (``FakeServerPython``) that
+writes what a dying SGLang writes and exits; after it, the real CPU SGLang server (marked ``sglang``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
+from layertap.errors import ServerError
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
+
+# What SGLang 0.5.10 printed when its warm-up could not reach /model_info on a cold H200, shortened.
+DYING_LOG = """\
+[2026-11-30 10:00:01] server_args=ServerArgs(model_path='/models/kimi', tp_size=8, ...)
+[2026-11-30 10:00:40] Load weight end. type=DeepseekV3ForCausalLM, avail mem=21.05 GB
+Traceback (most recent call last):
+  File "/opt/sglang-venv/lib/python3.11/site-packages/sglang/srt/entrypoints/http_server.py", line 1190, in _wait_and_warmup
+    res = requests.get(url + "/model_info", timeout=5, headers=headers)
+requests.exceptions.ReadTimeout: HTTPConnectionPool(host='127.0.0.1', port=30000): Read timed out. (read timeout=5)
+[2026-11-30 10:02:11] Received sigquit from a child process. It usually means the child failed.
+"""
+
+
+def fake_server_python(folder: Path, *, fail_times: int, how: str = "exit 3") -> Path:
+    """An executable standing in for the server's python: its first ``fail_times`` runs print DYING_LOG
+    and end with ``how`` (``exit 3``, ``kill -9 $$``); later runs exec the real SGLang python."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "python"
+    log_text = DYING_LOG.replace("'", "'\\''")
+    script.write_text(
+        "#!/bin/bash\n"
+        f'runs="{folder}/runs"; n=$(cat "$runs" 2>/dev/null || echo 0); echo $((n + 1)) > "$runs"\n'
+        f"if [ \"$n\" -lt {fail_times} ]; then printf '%s' '{log_text}'; {how}; fi\n"
+        f'exec {SGLANG_PYTHON} "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def _config(python: Path, model: Path, tmp_path: Path, **kw) -> ServerConfig:
+    return ServerConfig(python=python, model=model, dump_root=tmp_path / "dumps", layers=DEFAULT_LAYERS["llama"],
+                        final="post", log_path=tmp_path / "server.log", **kw)  # fmt: skip
+
+
+def test_when_every_start_fails_the_error_is_two_lines_naming_the_exit_the_log_line_and_the_log(tiny_llama, tmp_path):
+    fake = fake_server_python(tmp_path / "fake", fail_times=99)
+    server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=3, start_backoff_s=0.05))
+    with pytest.raises(ServerError) as info:
+        server.start()
+    message = str(info.value)
+    assert message == (
+        'SGLang server failed to start (3 tries); the last exited with code 3: "requests.exceptions.ReadTimeout: '
+        "HTTPConnectionPool(host='127.0.0.1', port=30000): Read timed out. (read timeout=5)\"\n"
+        f"server log: {tmp_path / 'server.log'}"
+    )
+    assert (tmp_path / "fake" / "runs").read_text().strip() == "3"
+    log = (tmp_path / "server.log").read_text()
+    assert re.findall(r"--- layertap: (start attempt \d/3) on port \d+ ---", log) == [
+        f"start attempt {n}/3" for n in (1, 2, 3)
+    ]
+
+
+def test_a_server_killed_by_a_signal_is_described_so(tiny_llama, tmp_path):
+    fake = fake_server_python(tmp_path / "fake", fail_times=99, how="kill -9 $$")
+    server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=1))
+    with pytest.raises(ServerError, match=r"\(1 tries\); the last exited on signal 9 \(SIGKILL\): .*ReadTimeout"):
+        server.start()
+
+
+def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(tiny_llama, tmp_path):
+    fake = fake_server_python(tmp_path / "fake", fail_times=99)
+    data = write_jsonl(tmp_path / "chats.jsonl", conversation_rows(3))
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
+         "--layers", "1,2,3", "--out", str(tmp_path / "out"), "--engine", "sglang", "--sglang-python", str(fake),
+         "--dump-root", str(tmp_path / "dumps")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"},
+    )  # fmt: skip
+    assert cli.returncode == 2, cli.stderr[-3000:]
+    assert "Traceback" not in cli.stderr and 'File "' not in cli.stderr
+    *retries, error, log = [line for line in cli.stderr.splitlines() if line.strip()]
+    assert [r.split(" failed")[0] for r in retries] == ["SGLang server start 1/3", "SGLang server start 2/3"]
+    assert error.startswith("error: SGLang server failed to start (3 tries); the last exited with code 3: ")
+    assert error.endswith('Read timed out. (read timeout=5)"')
+    assert log == f"server log: {tmp_path / 'sglang-server.log'}"
+
+
+@pytest.mark.sglang
+def test_a_start_that_fails_once_is_retried_and_the_server_then_serves(tiny_llama, cuda_stub_dir, tmp_path):
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
+    fake = fake_server_python(tmp_path / "fake", fail_times=1, how="kill -9 $$")
+    config = _config(fake, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5,
+                     sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32"))  # fmt: skip
+    server = SGLangServer(config)
+    try:
+        server.start()
+        assert server.alive()
+    finally:
+        server.stop()
+    assert (tmp_path / "fake" / "runs").read_text().strip() == "2"
+    log = (tmp_path / "server.log").read_text()
+    first, second = log.split("--- layertap: start attempt 2/3")
+    assert "start attempt 1/3" in first and "Read timed out" in first and "Read timed out" not in second

@@ -1,0 +1,156 @@
+"""The trainers' own EAGLE-3 code trains on layertap's output, run as its TRAIN.md says, on the CPU.
+
+SpecForge 0.2.0 and speculators 0.9.0 live in their own venv (scripts/setup_trainers.sh; they pin
+torch/transformers of their own) and run as subprocesses through their own CLIs: their data loaders read
+the tiny outputs made here, their draft models and losses take optimizer steps, and the loss must be finite
+and fall. Where their code is bound to a GPU, `run_specforge.py` / `run_speculators.py` beside this file
+bypass it in the smallest way and say how. Test-only settings (fewer steps, a smaller draft vocabulary,
+CPU-capable attention and loss implementations, DDP instead of FSDP) are added to what TRAIN.md gives;
+nothing TRAIN.md says is taken out.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors import safe_open
+
+from layertap.cli import hf_engine_factory
+from layertap.pipeline import run_extraction
+from layertap.spec import ExtractionSpec
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.trainer_reads import token_freq_file
+
+TRAINERS_PYTHON = Path(os.environ.get("LAYERTAP_TRAINERS_PYTHON", "/opt/trainers-venv/bin/python"))
+HERE = Path(__file__).parent
+EPOCHS = 3
+DRAFT_VOCAB = 64  # smaller than the tiny target's 1536: the draft vocabulary comes from token_freq.pt
+
+pytestmark = pytest.mark.trainers
+
+
+@pytest.fixture(scope="module")
+def trainers_python() -> Path:
+    if not TRAINERS_PYTHON.exists():
+        message = f"no trainers venv at {TRAINERS_PYTHON}: run scripts/setup_trainers.sh"
+        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
+            pytest.fail(message)
+        pytest.skip(message)
+    return TRAINERS_PYTHON
+
+
+def _extract(model: Path, tmp_path: Path, fmt: str, samples: int) -> Path:
+    data = write_jsonl(tmp_path / f"{fmt}.jsonl", conversation_rows(samples, seed=21, max_words=25))
+    out = tmp_path / f"states-{fmt}"
+    spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5), format=fmt)  # type: ignore[arg-type]
+    run_extraction(spec, out, hf_engine_factory(model, "cpu", 4096))
+    return out
+
+
+def _block(guide: str, lang: str) -> str:
+    [block] = re.findall(rf"```{lang}\n(.*?)```", guide, flags=re.S)
+    return block
+
+
+def _train(python: Path, script: str, args: list[str], cwd: Path) -> str:
+    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}  # one rich log record per line
+    run = subprocess.run([str(python), str(HERE / script), *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-6000:]
+    return output
+
+
+def _falls(losses: list[float], per_epoch: int) -> None:
+    assert losses and all(math.isfinite(x) for x in losses), losses
+    first, last = losses[:per_epoch], losses[-per_epoch:]
+    assert sum(last) / len(last) < sum(first) / len(first), losses
+
+
+def _specforge_run(out: Path, tmp_path: Path) -> tuple[dict, Path]:
+    """TRAIN.md's SpecForge config with the test-only settings added, saved; returns (config, its path)."""
+    config = yaml.safe_load(_block((out / "TRAIN.md").read_text(), "yaml"))
+    assert config["data"]["hidden_states_path"] == str(out.resolve())
+    # SpecForge's target head finds the LM head through `*.index.json` (TRAIN.md says so); the tiny model is
+    # one model.safetensors, so the test gives a copy of it an index.
+    target = tmp_path / "target"
+    shutil.copytree(config["model"]["target_model_path"], target)
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # Its generated draft config has a 32000-token draft vocabulary, more than the tiny target's 1536.
+    target_config = json.loads((target / "config.json").read_text())
+    draft = {k: target_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
+             "num_key_value_heads", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+             "head_dim", "bos_token_id", "eos_token_id", "pad_token_id")}  # fmt: skip
+    draft |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+              "tie_word_embeddings": False, "draft_vocab_size": DRAFT_VOCAB}  # fmt: skip
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    config["model"] |= {"target_model_path": str(target), "draft_model_config": str(tmp_path / "draft.json")}
+    config["training"] |= {"num_epochs": EPOCHS, "log_interval": 1, "learning_rate": 3e-3,
+                           "fsdp_sharding": "NO_SHARD",  # DDP: FSDP refuses to run without an accelerator
+                           "attention_backend": "sdpa"}  # fmt: skip
+    config["output_dir"] = str(tmp_path / "specforge-run")
+    config["data"]["cache_dir"] = str(tmp_path / "specforge-cache")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    return config, tmp_path / "run.yaml"
+
+
+def test_specforge_trains_on_a_specforge_output_as_train_md_says(trainers_python, tiny_llama, tmp_path) -> None:
+    samples = 6
+    config, path = _specforge_run(_extract(tiny_llama, tmp_path, "specforge", samples), tmp_path)
+    assert config["model"]["aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang ids of capture indices 1, 3, 5
+
+    output = _train(trainers_python, "run_specforge.py", ["train", "--config", str(path)], tmp_path)
+    steps = [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", output, flags=re.M)]
+    assert len(steps) == EPOCHS * samples, output[-3000:]  # one sample per step: every file read each epoch
+    _falls([s["loss"] for s in steps], samples)
+
+
+def test_stock_specforge_cannot_train_on_2_aux_layers_which_layertap_refuses(
+    trainers_python, tiny_llama, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "two.jsonl", conversation_rows(3, seed=22))
+    out = tmp_path / "states-two"
+    spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3), allow_any_aux_layers=True)
+    run_extraction(spec, out, hf_engine_factory(tiny_llama, "cpu", 4096))
+    _, path = _specforge_run(out, tmp_path)
+    run = subprocess.run([str(trainers_python), str(HERE / "run_specforge.py"), "train", "--config", str(path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode != 0 and "must contain exactly three" in run.stdout + run.stderr, run.stderr[-3000:]
+
+
+def test_speculators_trains_on_a_speculators_output_as_train_md_says(trainers_python, tiny_llama, tmp_path) -> None:
+    out = _extract(tiny_llama, tmp_path, "speculators", 20)
+    command = shlex.split(_block((out / "TRAIN.md").read_text(), "bash").replace("\\\n", " "))
+    assert command[:2] == ["speculators", "train"]
+    ids = command[command.index("--target-layer-ids") + 1 : command.index("--target-layer-ids") + 4]
+    assert ids == ["1", "3", "5"]  # vLLM ids = capture indices
+
+    extra = ["--draft-vocab-size", str(DRAFT_VOCAB), "--epochs", str(EPOCHS), "--total-seq-len", "512",
+             "--num-workers", "0", "--lr", "3e-3", "--save-path", str(tmp_path / "speculators-run"),
+             "--draft-attn-impl", "sdpa",  # flex attention has no backward on the CPU
+             "--loss-implementation", "eager"]  # the fused loss needs Triton  # fmt: skip
+    output = _train(trainers_python, "run_speculators.py", [*command[1:], *extra], tmp_path)
+
+    # Its draft vocabulary came from our token_freq.pt: every token that occurs under the loss mask is in it.
+    freq = token_freq_file(out)
+    assert len(freq) <= DRAFT_VOCAB
+    d2t = np.load(out / f"d2t-{DRAFT_VOCAB}.npy")
+    assert set(freq) <= set((d2t + np.arange(DRAFT_VOCAB)).tolist())
+    train = [float(x) for x in re.findall(r"train/loss=([-+.\de]+)", output)]
+    val = [float(x) for x in re.findall(r"val/loss_epoch=([-+.\de]+)", output)]
+    assert len(val) == EPOCHS and train, output[-3000:]
+    assert all(math.isfinite(x) for x in train)
+    _falls(val, 1)  # the same held-out samples after each epoch
