@@ -1,14 +1,18 @@
 """The capture plugin's writers and the worker's commit of their dumps, by thread count, with no SGLang.
 
-Three tables, every figure measured in this run on this machine:
+Four tables, every figure measured in this run on this machine:
 
 1. Per-thread costs of the choices made (one Llama-width sample in memory): checksums, finiteness
    checks, torch.save with and without its zip CRC-32, safetensors built in memory vs streamed.
-2. The plugin's `DumpWriter` (specforge dumps: serialise, sha256 while writing, fsync, rename) by
+2. The plugin's `DumpWriter` (specforge dumps: serialise, write, fsync, rename) by
    writer threads, on tmpfs and on the local disk: the server side of capture.
 3. The worker's commit of those dumps (`OutputStore.commit` through `run_shard`: read the dump,
-   check ids, shapes, dtypes, loss mask, finiteness, the writer's sha256, rename into the store,
-   append the index record) by commit threads, on tmpfs: the client side.
+   check ids, shapes, dtypes, loss mask, finiteness, rename into the store, hash the file, append
+   the index record) by commit threads, on tmpfs: the client side.
+4. One writer beside a busy Python loop, as the writers run beside SGLang's scheduler loop: the
+   loop in a thread (sharing the writer's GIL) or in a process (sharing only the cores), for the
+   way the plugin writes now and the way it wrote before (torch.save through a Python file object
+   that hashed the bytes on their way): how much each slows the other.
 
     .venv/bin/python benchmarks/writer_bench.py [--tokens 2000 --hidden 4096 --samples 16]
 """
@@ -18,12 +22,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save as safetensors_bytes
@@ -37,8 +44,8 @@ from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
 from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, SPECFORGE, dump_dir, format_rid, read_dump
-from sglang_patch.sample_files import mask_runs, unpack_sample, write_safetensors
-from sglang_patch.writer import DumpJob, DumpWriter, HostBudget
+from sglang_patch.sample_files import mask_runs, specforge_tensors, unpack_sample, write_safetensors
+from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, write_tensors_file
 
 LAYERS = (1, 2, 3)
 
@@ -115,6 +122,81 @@ def write_dumps(root: Path, states: dict[str, torch.Tensor], rids: list[str], th
     return time.perf_counter() - t0
 
 
+def spin(stop: Any, counter: Any) -> None:
+    """A pure-Python loop standing for SGLang's scheduler loop (it holds the GIL but to wait)."""
+    while not stop.is_set():
+        for _ in range(1000):
+            pass
+        counter[0] += 1
+
+
+def run_loop(kind: str, seconds: float | None, work: Callable[[], object] | None = None) -> tuple[float, float]:
+    """Run `spin` in a thread or a process while `work()` runs (or for `seconds`); returns (the loop's
+    iterations/s, work's seconds)."""
+    ctx = multiprocessing.get_context("fork")
+    stop, counter = ctx.Event(), ctx.Array("q", 1, lock=False)
+    cls = threading.Thread if kind == "thread" else ctx.Process
+    loop = cls(target=spin, args=(stop, counter))
+    loop.start()
+    time.sleep(0.2)  # the loop is running (a forked process takes a moment)
+    start_count, t0 = counter[0], time.perf_counter()
+    if work is None:
+        time.sleep(seconds or 0.0)
+    else:
+        work()
+    dt = time.perf_counter() - t0
+    rate = (counter[0] - start_count) / dt
+    stop.set()
+    loop.join()
+    return rate, dt
+
+
+def save_hashing(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """How the plugin wrote before: torch.save into a Python file object that hashed every chunk."""
+    digest = hashlib.sha256()
+    with path.open("wb") as raw:
+
+        class Hashing:
+            def write(self, data: memoryview) -> int:
+                digest.update(data)
+                return raw.write(data)
+
+            def flush(self) -> None:
+                raw.flush()
+
+        torch.save(tensors, Hashing())
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def beside_loop(states: dict[str, torch.Tensor], folder: Path, dumps: int) -> list[str]:
+    """Table 4: one writer thread writing `dumps` specforge files, beside nothing, a busy thread or a
+    busy process; the writer's rate, and the loop's rate against the loop alone."""
+    tensors = specforge_tensors(states[INPUT_IDS], torch.ones_like(states[INPUT_IDS]), states[AUX],
+                                states[FINAL_TENSORS["post"]])  # fmt: skip
+    nbytes = sum(t.nbytes for t in tensors.values()) * dumps
+    methods = {"before: torch.save to a hashing Python file": save_hashing,
+               "now: torch.save to a path, no hash": lambda p, t: write_tensors_file(p, SPECFORGE, t)}  # fmt: skip
+    rows = ["| writer | loop in | writer GB/s | loop's rate vs alone |", "|---|---|---|---|"]
+    for name, write in methods.items():
+
+        def work(write: Callable[[Path, dict], object] = write) -> None:
+            for i in range(dumps):
+                write(folder / f"loop-{i}.pt", tensors)
+
+        t0 = time.perf_counter()
+        work()
+        rows.append(f"| {name} | (no loop) | {nbytes / (time.perf_counter() - t0) / 1e9:.2f} | - |")
+        for kind in ("thread", "process"):
+            alone, _ = run_loop(kind, 2.0)
+            rate, dt = run_loop(kind, None, work)
+            rows.append(f"| {name} | a {kind} | {nbytes / dt / 1e9:.2f} | {rate / alone:.2f} |")
+            print(rows[-1], flush=True)
+    for path in folder.glob("loop-*.pt"):
+        path.unlink()
+    return rows
+
+
 class DumpEngine(Engine):
     """Hands out the plugin's dumps as the SGLang engine does once a reply came: read the dump (its
     tensors memory-mapped), take the file and the writer's sha256 as the sample's source."""
@@ -127,54 +209,39 @@ class DumpEngine(Engine):
         for s in samples:
             dump = read_dump(dump_dir(self.root, self.rids[s.sample_id]))
             views = unpack_sample(SPECFORGE, dump.tensors, len(LAYERS))
-            source = SampleFile(dump.path / dump.meta.file, SPECFORGE, dump.meta.file_sha256)
+            source = SampleFile(dump.path / dump.meta.file, SPECFORGE)
             yield CapturedSample(s, views[AUX], views[FINAL_TENSORS["post"]], None, source=source)
 
     def describe(self) -> dict:
         return {"name": "plugin dumps"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-writer-bench"))
-    ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-writer-bench"))
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--threads", default="1,2,4,8")
-    args = ap.parse_args()
-    threads = [int(t) for t in args.threads.split(",")]
-    for folder in (args.tmpfs, args.disk):
-        folder.mkdir(parents=True, exist_ok=True)
-    states = captured_states(args.tokens, args.hidden, 0)
-    stacked = torch.cat([states[AUX], states[FINAL_TENSORS["post"]].unsqueeze(1)], dim=1)
-    mb = stacked.nbytes / 1e6
-    out = [f"{args.samples} samples x {args.tokens} tokens, hidden {args.hidden}, 3 aux + final, bf16 specforge "
-           f"(~{mb:.0f} MB per sample); {os.cpu_count()} cores.", "", "### 1. Per-thread costs", "",
-           *micro(stacked, args.tmpfs), "", "### 2. Plugin writers (DumpWriter, specforge dumps)", "",
-           "| volume | writer threads | GB/s | vs 1 thread |", "|---|---|---|---|"]  # fmt: skip
-    rids = [format_rid("bench", f"s{i}", 0) for i in range(args.samples)]
-    total = args.samples * stacked.nbytes
+def writer_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str], nbytes: int) -> list[str]:
+    """Table 2: `DumpWriter` by writer threads, on tmpfs and on the disk."""
+    rows = ["| volume | writer threads | GB/s | vs 1 thread |", "|---|---|---|---|"]
     for volume, folder in (("tmpfs", args.tmpfs), ("disk", args.disk)):
         base = None
-        for n in threads:
-            rate = total / write_dumps(folder / "dumps", states, rids, n)
+        for n in args.threads:
+            rate = len(rids) * nbytes / write_dumps(folder / "dumps", states, rids, n)
             base = base or rate
-            out.append(f"| {volume} | {n} | {rate / 1e9:.2f} | {rate / base:.2f}x |")
-            print(out[-1], flush=True)
-    out += ["", "### 3. Worker commit of those dumps (tmpfs; dumps and store on one filesystem)", "",
-            "| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]  # fmt: skip
+            rows.append(f"| {volume} | {n} | {rate / 1e9:.2f} | {rate / base:.2f}x |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
+    """Table 3: the worker's `run_shard` + `OutputStore.commit` of the writers' dumps, by commit threads."""
+    rows = ["| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]
     data = args.tmpfs / "data.jsonl"
     data.write_text(
-        "".join(json.dumps({"id": f"s{i}", "input_ids": [5] * args.tokens}) + "\n" for i in range(args.samples))
+        "".join(json.dumps({"id": f"s{i}", "input_ids": [5] * args.tokens}) + "\n" for i in range(len(rids)))
     )
     model = args.disk / "model"  # only its tokenizer is used (rows are pretokenized)
     if not (model / "config.json").exists():
         build_tiny_model("llama", model)
-    mask = mask_runs(torch.ones(args.tokens, dtype=torch.uint8))
-    assert mask == ((0, args.tokens),)
+    assert mask_runs(torch.ones(args.tokens, dtype=torch.uint8)) == ((0, args.tokens),)
     base = None
-    for n in threads:
+    for n in args.threads:
         write_dumps(args.tmpfs / "dumps", states, rids, 4)
         root = args.tmpfs / "store"
         shutil.rmtree(root, ignore_errors=True)
@@ -185,19 +252,50 @@ def main() -> None:
             tokenizer_sha256="-", chat_template_sha256=None, compute_dtype="bfloat16", store_dtype="bfloat16",
             hidden_size=args.hidden, num_layers=5, layer_ids_given=list(LAYERS), layer_convention="capture",
             capture_indices=list(LAYERS), final_post_norm=True, final_pre_norm=False, max_length=None,
-            overlong="truncate", dataset_path=str(data), dataset_rows=args.samples, engine={"name": "bench"},
+            overlong="truncate", dataset_path=str(data), dataset_rows=len(rids), engine={"name": "bench"},
         )  # fmt: skip
         store = OutputStore.create_or_resume(root, manifest)
         t0 = time.perf_counter()
         report = run_shard(spec, store, engine, commit_threads=n, check_level="quick")
         dt = time.perf_counter() - t0
-        assert len(report.computed) == args.samples and report.failed == 0, report
-        nbytes = sum(r.nbytes for r in store.records().values())
-        base = base or nbytes / dt
-        out.append(f"| {n} | {nbytes / dt / 1e9:.2f} | {report.tokens / dt:,.0f} | {nbytes / dt / base:.2f}x |")
-        print(out[-1], flush=True)
+        assert len(report.computed) == len(rids) and report.failed == 0, report
+        written = sum(r.nbytes for r in store.records().values())
+        base = base or written / dt
+        rows.append(f"| {n} | {written / dt / 1e9:.2f} | {report.tokens / dt:,.0f} | {written / dt / base:.2f}x |")
+        print(rows[-1], flush=True)
         store.close()
         shutil.rmtree(root)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-writer-bench"))
+    ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-writer-bench"))
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2, 4, 8])
+    ap.add_argument("--tables", type=lambda s: {int(t) for t in s.split(",")}, default={1, 2, 3, 4})
+    args = ap.parse_args()
+    for folder in (args.tmpfs, args.disk):
+        folder.mkdir(parents=True, exist_ok=True)
+    states = captured_states(args.tokens, args.hidden, 0)
+    stacked = torch.cat([states[AUX], states[FINAL_TENSORS["post"]].unsqueeze(1)], dim=1)
+    rids = [format_rid("bench", f"s{i}", 0) for i in range(args.samples)]
+    tables = {
+        1: ("Per-thread costs", lambda: micro(stacked, args.tmpfs)),
+        2: ("Plugin writers (DumpWriter, specforge dumps)", lambda: writer_table(args, states, rids, stacked.nbytes)),
+        3: ("Worker commit of those dumps (tmpfs; dumps and store on one filesystem)",
+            lambda: commit_table(args, states, rids)),
+        4: ("One writer beside a busy Python loop (the scheduler's), tmpfs",
+            lambda: beside_loop(states, args.tmpfs, args.samples)),
+    }  # fmt: skip
+    out = [f"{args.samples} samples x {args.tokens} tokens, hidden {args.hidden}, 3 aux + final, bf16 specforge "
+           f"(~{stacked.nbytes / 1e6:.0f} MB per sample); {os.cpu_count()} cores."]  # fmt: skip
+    for number, (title, table) in tables.items():
+        if number in args.tables:
+            out += ["", f"### {number}. {title}", "", *table()]
     for folder in (args.tmpfs, args.disk):
         shutil.rmtree(folder, ignore_errors=True)
     print("\n".join(out))

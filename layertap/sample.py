@@ -29,12 +29,10 @@ class TokenizedSample:
 
 @dataclass(frozen=True, slots=True)
 class SampleFile:
-    """A file already holding a sample in a store format (written so by the SGLang plugin), and the
-    sha256 its writer computed from the bytes as it wrote them (None: unknown)."""
+    """A file already holding a sample in a store format (written so by the SGLang plugin)."""
 
     path: Path
     format: str
-    sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

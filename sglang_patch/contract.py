@@ -58,7 +58,7 @@ from urllib.parse import quote, unquote
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: no file_sha256 (the client hashes the file as it commits it)
 DEFAULT_RID_PREFIX = "hscap"
 LAYER_CONVENTION = "capture"
 
@@ -216,12 +216,10 @@ class DumpMeta:
     layout: str = "states"
     format_version: int = FORMAT_VERSION
     layer_convention: str = LAYER_CONVENTION
-    # sha256 of the tensors file, computed by the writer as it wrote the bytes: the client checks it
-    # once (the same read that checks finiteness) and records it in the store's index as is.
-    file_sha256: str | None = None
     # The server's writer when this dump was queued: "wait_s" (seconds the forward pass waited for
     # host memory since the previous dump was queued), "queued" (dumps queued or being written),
-    # "pinned_bytes" (host memory held by captured rows), "pinned_cap_bytes", "threads".
+    # "pinned_bytes" (host memory held by captured rows), "pinned_cap_bytes", "threads"; and as it
+    # wrote it: "ready_s" (its wait for the device-to-host copies), "write_s" (serialise, write, fsync).
     writer: dict[str, float] | None = None
 
     def to_json(self) -> str:

@@ -7,19 +7,22 @@ CPU the copies are plain and there is no event.
 Host memory is bounded in bytes (`HostBudget`): a request's buffers are reserved when its first
 rows arrive and given back once its dump is written. The forward pass waits only when a new
 request would pass the cap while written dumps are still to come back, i.e. when the writers (the
-disk) are slower than prefill. Several writer threads (`DumpWriter`) take dumps from one queue:
-serialising, hashing and writing release the GIL, so they scale with cores.
+disk) are slower than prefill. Several writer threads (`DumpWriter`) take dumps from one queue.
 
-Each dump is written to a temp folder, its sha256 computed from the bytes on their way to the file
-(no read back), every file and the folder are fsynced, then the folder is renamed to
-``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point). The tensors
-file is laid out as the server's dump layout says (`sglang_patch.contract`): all captured states,
-or the sample already in a trainer's format (`sglang_patch.sample_files`).
+The writers share the scheduler's GIL, whose loop rarely lets go of it: each time a writer needs it
+back it may wait a switch interval (5 ms), and each time it takes it the scheduler waits. So a dump
+is written in a handful of calls that run without the GIL (torch.save to a path: C++ writes every
+record; safetensors: one write per tensor), and nothing is hashed here: the worker hashes the file
+once as it commits it, in its own process (benchmarks/results/writer_commit.md, table 4).
+
+Each dump is written to a temp folder, every file and the folder are fsynced, then the folder is
+renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point).
+The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
+captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -29,7 +32,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
 
 import torch
 
@@ -51,7 +53,6 @@ from sglang_patch.sample_files import (
     specforge_tensors,
     speculators_tensors,
     write_safetensors,
-    write_sample,
 )
 
 logger = logging.getLogger(__name__)
@@ -219,8 +220,8 @@ def write_dump(
     tag: str,
     loss_mask: torch.Tensor | None = None,
 ) -> Path:
-    """Write one dump folder atomically and durably, its tensors file in `meta.layout` and that file's
-    sha256 in meta.json; returns its final path.
+    """Write one dump folder atomically and durably, its tensors file in `meta.layout`; returns its
+    final path.
 
     Refuses (FileExistsError) to replace an existing dump of the same rid: a retry must use a new
     attempt number, and the first dump stays what the client may already have read.
@@ -232,8 +233,10 @@ def write_dump(
     tmp.mkdir(parents=True)
     try:
         if tensors is not None:
-            digest = _write_tensors(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
-            meta = replace(meta, file_sha256=digest)
+            started = time.monotonic()
+            write_tensors_file(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
+            if meta.writer is not None:  # the writer's own time per dump, beside its wait for the copies
+                meta = replace(meta, writer={**meta.writer, "write_s": round(time.monotonic() - started, 6)})
         with (tmp / META_FILE).open("w") as f:
             f.write(meta.to_json())
             f.flush()
@@ -247,33 +250,14 @@ def write_dump(
     return final
 
 
-class _HashingFile:
-    """A write-only file that hashes the bytes on their way out (torch.save and the safetensors
-    writer hand it views of tensor memory: nothing is copied to hash it)."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self.sha256 = hashlib.sha256()
-
-    def write(self, data: bytes | memoryview) -> int:
-        self.sha256.update(data)
-        return self._raw.write(data)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-def _write_tensors(path: Path, layout: str, tensors: dict[str, torch.Tensor]) -> str:
-    """Write and fsync the tensors file; returns its sha256."""
-    with path.open("wb") as raw:
-        f = _HashingFile(raw)
-        if layout in (SPECFORGE, SPECULATORS):
-            write_sample(layout, tensors, f)  # type: ignore[arg-type]
-        else:
-            write_safetensors(tensors, f)  # type: ignore[arg-type]
-        raw.flush()
-        os.fsync(raw.fileno())
-    return f.sha256.hexdigest()
+def write_tensors_file(path: Path, layout: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write and fsync the tensors file in calls that release the GIL (see the module docstring)."""
+    if layout == SPECFORGE:
+        torch.save(tensors, str(path))  # a path: torch's C++ writer, no Python callback per record
+    else:
+        with path.open("wb", buffering=0) as f:
+            write_safetensors(tensors, f)
+    fsync_path(path)
 
 
 class DumpWriter:
@@ -345,6 +329,7 @@ class DumpWriter:
         started = time.monotonic()
         if job.ready is not None:
             job.ready.synchronize()
+        stats = {**stats, "ready_s": round(time.monotonic() - started, 6)}
         tensors, error, loss_mask = job.tensors, job.error, None
         if tensors is not None and self._layout == SPECFORGE:
             try:

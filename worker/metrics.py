@@ -66,6 +66,14 @@ WRITER_PINNED = Gauge(
     ["worker"],
 )
 WRITER_PINNED_CAP = Gauge("layertap_writer_pinned_cap_bytes", "The server's cap on that memory.", ["worker"])
+WRITER_PHASES = ("write", "copy_wait")
+WRITER_BUSY = Counter(
+    "layertap_writer_busy_seconds",
+    "Seconds the capture plugin's writer threads spent per dump, by phase: write (serialise, write, fsync) "
+    "or copy_wait (waiting for the device-to-host copies of its rows).",
+    ["worker", "phase"],
+)
+WRITER_THREADS = Gauge("layertap_writer_threads", "The server's writer threads.", ["worker"])
 
 
 class WorkerMetrics:
@@ -87,6 +95,8 @@ class WorkerMetrics:
         self.writer_queued = WRITER_QUEUED.labels(worker)
         self.writer_pinned = WRITER_PINNED.labels(worker)
         self.writer_pinned_cap = WRITER_PINNED_CAP.labels(worker)
+        self.writer_busy = {phase: WRITER_BUSY.labels(worker, phase) for phase in WRITER_PHASES}
+        self.writer_threads = WRITER_THREADS.labels(worker)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """The timing callback handed to code that must not import prometheus (the SGLang engine)."""
@@ -98,6 +108,9 @@ class WorkerMetrics:
         self.writer_queued.set(stats.get("queued", 0))
         self.writer_pinned.set(stats.get("pinned_bytes", 0))
         self.writer_pinned_cap.set(stats.get("pinned_cap_bytes", 0))
+        self.writer_busy["write"].inc(max(0.0, float(stats.get("write_s", 0.0))))
+        self.writer_busy["copy_wait"].inc(max(0.0, float(stats.get("ready_s", 0.0))))
+        self.writer_threads.set(stats.get("threads", 0))
 
     def error(self, kind: str) -> Counter:
         """The error counter of ``kind`` (made on first use for a kind not listed in ERROR_KINDS)."""

@@ -83,6 +83,31 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:4.0f}s] {message}", flush=True)
 
 
+@dataclass(frozen=True)
+class CaptureRun:
+    """One capture + commit run: rates, and where its time went. A `*_busy` is the share of that
+    side's thread-time spent working (1.0: every thread busy the whole run, the side is the bound)."""
+
+    tok_s: float
+    bytes_s: float
+    waited_s: float  # the forward pass, on the writers' host-memory cap
+    writers_busy: float  # the plugin's writers serialising + writing + fsyncing (meta "write_s")
+    copy_wait: float  # the plugin's writers waiting for the device-to-host copies (meta "ready_s")
+    commit_busy: float  # the worker's checks + rename + hash + index append
+
+
+class TimedStore(OutputStore):
+    """An OutputStore that adds up its commits' seconds (commit threads append; list.append is atomic)."""
+
+    commit_s: list[float]
+
+    def commit(self, captured: Any) -> Any:
+        t0 = time.perf_counter()
+        record = super().commit(captured)
+        self.commit_s.append(time.perf_counter() - t0)
+        return record
+
+
 @dataclass
 class Results:
     """Everything measured so far; `write` renders it (called after each measurement)."""
@@ -90,7 +115,7 @@ class Results:
     path: Path
     header: list[str]
     plain: dict[str, dict[int, float]] = field(default_factory=dict)
-    capture: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = field(default_factory=dict)
+    capture: dict[tuple[str, str], dict[int, CaptureRun]] = field(default_factory=dict)
     volume: dict[tuple[str, str], float] = field(default_factory=dict)  # (shape, volume) -> bytes/s
     volume_threads: int = 8
     bytes_per_token: dict[str, float] = field(default_factory=dict)  # measured in the store
@@ -105,11 +130,15 @@ class Results:
                 f"| {shape} | " + " | ".join(f"{rates[n]:,.0f}" if n in rates else "-" for n in IN_FLIGHT_PLAIN) + " |"
             )
         lines += ["", "## Capture + commit", "",
-                  "| shape | volume | in flight | tok/s | written MB/s | forward pass waited on the writers (s) |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "Busy: the share of each side's thread-time spent working (writers: serialise + write + "
+                  "fsync; copy wait: writers waiting for the device-to-host copies; worker: checks + rename + "
+                  "hash + index). A side near 1.0 is the bound.", "",
+                  "| shape | volume | in flight | tok/s | written MB/s | forward pass waited on the writers (s) "
+                  "| writers busy | writers' copy wait | worker commit busy |", "|---" * 9 + "|"]  # fmt: skip
         for (shape, volume), runs in self.capture.items():
-            for n, (tok_s, bytes_s, waited) in runs.items():
-                lines.append(f"| {shape} | {volume} | {n} | {tok_s:,.0f} | {bytes_s / 1e6:,.0f} | {waited:.2f} |")
+            for n, r in runs.items():
+                lines.append(f"| {shape} | {volume} | {n} | {r.tok_s:,.0f} | {r.bytes_s / 1e6:,.0f} | {r.waited_s:.2f} "
+                             f"| {r.writers_busy:.2f} | {r.copy_wait:.2f} | {r.commit_busy:.2f} |")  # fmt: skip
         lines += ["", "## Volumes' own write rate (whole files of the mean sample's size, each fsynced; measured "
                   "first, nothing else running)", "", "| shape | volume | threads | file MB | MB/s |",
                   "|---|---|---|---|---|"]  # fmt: skip
@@ -121,8 +150,8 @@ class Results:
                   "ceiling tok/s | disk capture tok/s | disk / ceiling (>= 0.90) |", "|---" * 9 + "|"]  # fmt: skip
         for shape, rates in self.plain.items():
             plain = max(rates.values())
-            tmpfs = max((r[0] for r in self.capture.get((shape, "tmpfs"), {}).values()), default=0.0)
-            disk = max((r[0] for r in self.capture.get((shape, "disk"), {}).values()), default=0.0)
+            tmpfs = max((r.tok_s for r in self.capture.get((shape, "tmpfs"), {}).values()), default=0.0)
+            disk = max((r.tok_s for r in self.capture.get((shape, "disk"), {}).values()), default=0.0)
             bpt = self.bytes_per_token.get(shape, self.expected_bpt[shape])
             disk_rate = self.volume.get((shape, "disk"))
             ceiling = min(plain, disk_rate / bpt) if disk_rate else None
@@ -196,9 +225,9 @@ def repoint(link: Path, target: Path) -> None:
 
 
 def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], in_flight: int,
-                 commit_threads: int) -> tuple[float, float, float]:  # fmt: skip
-    """(tok/s, bytes/s, seconds the forward pass waited) of prefill + capture + checks + commit into a
-    specforge store under `root`, the server's dumps under `root` too (a commit is a rename)."""
+                 commit_threads: int) -> CaptureRun:  # fmt: skip
+    """Prefill + capture + checks + commit into a specforge store under `root`, the server's dumps
+    under `root` too (a commit is a rename)."""
     tag = f"{bench.shape.arch}-{in_flight}-{uuid.uuid4().hex[:6]}"
     repoint(bench.link, root / f"dumps-{bench.shape.arch}")
     data = work / f"data-{tag}.jsonl"
@@ -206,13 +235,14 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format="specforge")
     num_layers, hidden = model_dims(bench.model)
     cap = spec.resolve(num_layers)
-    waited: list[float] = []
+    writer: list[dict[str, float]] = []
     engine = SGLangEngine(bench.server, cap, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
-                          on_writer=lambda stats: waited.append(float(stats.get("wait_s", 0.0))))  # fmt: skip
+                          on_writer=writer.append)  # fmt: skip
     manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
                               engine=engine.describe())  # fmt: skip
     store_root = root / f"store-{tag}"
-    store = OutputStore.create_or_resume(store_root, manifest)
+    store = TimedStore.create_or_resume(store_root, manifest)
+    store.commit_s = []
     t0 = time.perf_counter()
     report = run_shard(spec, store, engine, check_level="quick", commit_threads=commit_threads)
     dt = time.perf_counter() - t0
@@ -221,7 +251,14 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     store.close()
     shutil.rmtree(store_root)
     data.unlink()
-    return report.tokens / dt, nbytes / dt, sum(waited)
+    writer_time = dt * (writer[0]["threads"] if writer else 1)
+
+    def total(key: str) -> float:
+        return sum(float(stats.get(key, 0.0)) for stats in writer)
+
+    return CaptureRun(tok_s=report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
+                      writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
+                      commit_busy=sum(store.commit_s) / (dt * commit_threads))  # fmt: skip
 
 
 def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool) -> list[Bench]:
@@ -296,7 +333,7 @@ def main() -> None:
         f"Written by `benchmarks/gpu/capture_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). "
         f"{args.prompts} prompts of {low}-{high} random token ids (mean {MEAN_TOKENS:.0f}), max_new_tokens 0, "
         "random bf16 weights, specforge dumps written by the plugin and renamed into the store after the "
-        "worker's checks (ids, shapes, dtypes, loss mask, finite, the writer's sha256). Plugin: "
+        "worker's checks (ids, shapes, dtypes, loss mask, finite), its sha256 hashed by the worker. Plugin: "
         f"{writer_threads} writer threads, pinned cap {args.pinned_cap or f'{DEFAULT_PINNED_CAP_BYTES >> 30}G'}; "
         f"worker: {args.commit_threads} commit threads. Server flags: `{' '.join(CPU_ARGS if smoke else GPU_ARGS)}`.",
         "",
@@ -344,11 +381,9 @@ def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], 
         runs = results.capture.setdefault((name, volume), {})
         for n in capture_in_flight:
             if on_time(f"capture on {volume} at {n} in flight"):
-                tok_s, bytes_s, waited = capture_rate(bench, root, args.work, batch, n, args.commit_threads)
-                runs[n] = (tok_s, bytes_s, waited)
-                results.bytes_per_token[name] = bytes_s / tok_s
-                log(f"{name}: capture on {volume}, {n} in flight: {tok_s:,.0f} tok/s, {bytes_s / 1e9:.2f} GB/s, "
-                    f"forward pass waited {waited:.1f} s")  # fmt: skip
+                run = runs[n] = capture_rate(bench, root, args.work, batch, n, args.commit_threads)
+                results.bytes_per_token[name] = run.bytes_s / run.tok_s
+                log(f"{name}: capture on {volume}, {n} in flight: {run}")
                 results.write()
 
 

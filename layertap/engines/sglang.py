@@ -204,7 +204,7 @@ class SGLangEngine(Engine):
         source = None
         if meta.layout != "states":
             t = unpack_sample(meta.layout, t, len(meta.layers))
-            source = SampleFile(path / meta.file, meta.layout, meta.file_sha256)
+            source = SampleFile(path / meta.file, meta.layout)
         self._observe("validate", t1)
         return CapturedSample(
             sample=sample,

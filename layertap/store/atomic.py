@@ -74,11 +74,11 @@ def atomic_write(dest: Path, write: Callable[[IO[bytes]], None]) -> WrittenFile:
     return WrittenFile(nbytes=hashing.nbytes, sha256=hashing.hexdigest())
 
 
-def move_into_place(src: Path, dest: Path, sha256: str | None = None) -> WrittenFile:
+def move_into_place(src: Path, dest: Path) -> WrittenFile:
     """Move a complete, fsynced file to ``dest`` atomically; return its size and sha256.
 
-    On one filesystem this is a rename (no bytes copied; the hash is `sha256` when the caller has
-    checked it against the file, else the file is read once, from the page cache). Across
+    On one filesystem this is a rename (no bytes copied; the file is read once, from the page cache,
+    to hash it). Across
     filesystems the bytes are copied once through `atomic_write` (hashed on the way) and the source
     is removed.
     """
@@ -93,7 +93,7 @@ def move_into_place(src: Path, dest: Path, sha256: str | None = None) -> Written
         src.unlink()
         return written
     fsync_path(dest.parent)
-    return WrittenFile(nbytes=dest.stat().st_size, sha256=sha256 or sha256_file(dest))
+    return WrittenFile(nbytes=dest.stat().st_size, sha256=sha256_file(dest))
 
 
 def atomic_write_json(dest: Path, obj: Any) -> WrittenFile:

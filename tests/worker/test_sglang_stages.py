@@ -1,5 +1,6 @@
 """The SGLang engine's stage timings reach the worker's histograms: prefill, dump_wait and validate,
-once per captured sample, on a real CPU capture server."""
+once per captured sample, on a real CPU capture server; and the writer stats its dumps carry reach
+the writer series."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_each_sample_reports_its_prefill_dump_wait_and_validate_times(sglang_lla
     spec = resolve_capture(list(sglang_llama.layers), convention="capture", num_layers=model_dims(tiny_llama)[0],
                            final="both")  # fmt: skip
     engine = SGLangEngine(SGLangServer(url=sglang_llama.url), spec, dump_root=sglang_llama.dump_root, job="stages",
-                          in_flight=4, observe=observe)  # fmt: skip
+                          in_flight=4, observe=observe, on_writer=metrics.observe_writer)  # fmt: skip
     t0 = time.perf_counter()
     results = list(engine.capture(samples))
     wall = time.perf_counter() - t0
@@ -58,3 +59,7 @@ def test_each_sample_reports_its_prefill_dump_wait_and_validate_times(sglang_lla
         assert count == len(samples) and total == pytest.approx(sum(times))
     # A prefill is an HTTP round trip through the model: it takes longer than nothing at all.
     assert min(t for s, t in seen if s == "prefill") > 1e-4
+    writer = {"worker": "stage-test"}
+    assert REGISTRY.get_sample_value("layertap_writer_threads", writer) >= 1
+    assert REGISTRY.get_sample_value("layertap_writer_busy_seconds_total", {**writer, "phase": "write"}) > 0
+    assert REGISTRY.get_sample_value("layertap_writer_busy_seconds_total", {**writer, "phase": "copy_wait"}) >= 0
