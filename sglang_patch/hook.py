@@ -168,17 +168,20 @@ class _Capturer:
         captured = self._rows
         self._rows = {}
         needed = max(p.row_start + p.num_rows for p in self._pieces)
+        # Tensors of our own (copied once on the device): the copies to the host run on a side stream
+        # while the forward pass goes on, which may reuse SGLang's buffers (input ids, the final norm's).
         rows = {
-            INPUT_IDS: batch.input_ids[:needed].to(torch.int64),
+            INPUT_IDS: batch.input_ids[:needed].to(torch.int64, copy=True),
             AUX: torch.stack([captured[aux_role(i)][:needed] for i in self.settings.layers], dim=1),
         }
-        rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed]) for f in self.settings.finals)
+        rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed].clone()) for f in self.settings.finals)
         if self._staging is None or self._accumulator is None:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
         self._reserve(rows)
-        outcomes = self._accumulator.add_pass(self._pieces, rows)
-        ready = self._staging.record() if outcomes else None
+        with self._staging.copying(rows.values()):
+            outcomes = self._accumulator.add_pass(self._pieces, rows)
+            ready = self._staging.record() if outcomes else None
         for outcome in outcomes:
             nbytes = self._reserved.pop(outcome.rid, 0)
             if isinstance(outcome, Completed):

@@ -1,8 +1,8 @@
 """Getting captured rows off the device and onto disk without stalling SGLang's forward pass.
 
-On a GPU, rows are copied with ``non_blocking=True`` into pinned host buffers and a CUDA event is
-recorded after the copies; a writer thread waits on that event, never the forward stream. On the
-CPU the copies are plain and there is no event.
+On a GPU, rows are copied with ``non_blocking=True`` into pinned host buffers on a side stream
+(`HostStaging`) and a CUDA event is recorded after the copies; a writer thread waits on that event,
+never the forward stream. On the CPU the copies are plain and there is no event.
 
 Host memory is bounded in bytes (`HostBudget`): a request's buffers are reserved when its first
 rows arrive and given back once its dump is written. The forward pass waits only when a new
@@ -23,6 +23,7 @@ captured states, or the sample already in a trainer's format (`sglang_patch.samp
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -107,11 +109,18 @@ class HostBudget:
 
 
 class HostStaging:
-    """Host buffers and completion events for rows captured on `device`."""
+    """Host buffers, the copy stream and completion events for rows captured on `device`.
+
+    On a GPU the device-to-host copies run on a side stream that first waits for the pass's rows:
+    on the forward stream they would hold up the next pass (~5 ms per 4096-token pass at Llama-8B
+    width), on their own stream they overlap it. Rows handed to `copying` must be tensors the
+    forward pass will not write again (the hook's own sums, stacks and clones).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None  # made at the first copy (CPU tests build this class)
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor, pinned when the rows come from a GPU (async D2H needs it)."""
@@ -121,12 +130,27 @@ class HostStaging:
         """Host memory a buffer of `nbytes` takes: torch's pinned allocator rounds up to a power of 2."""
         return 1 << (nbytes - 1).bit_length() if self._pinned and nbytes > 1 else nbytes
 
+    @contextlib.contextmanager
+    def copying(self, rows: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Issue the copies made inside on the copy stream, after the work that produced `rows`; their
+        memory is not reused before those copies are done. A no-op on the CPU."""
+        if not self._pinned:
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in rows:
+            t.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            yield
+
     def record(self) -> torch.cuda.Event | None:
-        """An event after the copies issued so far on the current stream; None on the CPU."""
+        """An event after the copies issued so far (on the copy stream); None on the CPU."""
         if not self._pinned:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._stream or torch.cuda.current_stream(self.device))
         return event
 
 
