@@ -279,7 +279,7 @@ def write_tensors_file(path: Path, layout: str, tensors: dict[str, torch.Tensor]
     if layout == SPECFORGE:
         torch.save(tensors, str(path))  # a path: torch's C++ writer, no Python callback per record
     else:
-        with path.open("wb", buffering=0) as f:
+        with path.open("wb") as f:  # buffered: it loops over partial writes (a raw write stops at 2 GiB)
             write_safetensors(tensors, f)
     fsync_path(path)
 

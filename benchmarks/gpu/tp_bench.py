@@ -1,12 +1,12 @@
 """Kimi-K2-width capture at TP=1 and TP=2 on two H200s: equality with HF, routing flips, all-reduce
 fusion on/off, throughput. Writes ``benchmarks/results/gpu_tp2.md``-style markdown to ``--out``.
 
-Run on ``nvidia-h200-x2`` (sglang 0.5.14 in /tmp/site from the two wheel chunks)::
+Run on ``nvidia-h200-x2`` (sglang 0.5.14 in /tmp/site from the two wheel chunks), one command::
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/gpu/tp_bench.py --out $OUT --work /tmp/tpbench
 
-Stages (``--stages``, default all), each resumable: its results land in ``<work>/results/<stage>.json``
-and a later call skips stages already done, so the run can be split over two device calls:
+Stages (``--stages``, default all); each one's results land in ``<work>/results/<stage>.json`` and a
+later call skips stages already done:
 
 - ``build``: the model folder (Kimi-K2.5 wrapper by default, Kimi-K2 width: hidden 7168, 4 layers with
   the first dense, 16 routed experts top-8 + 1 shared, MLA as Kimi's own) and two datasets: chats plus
@@ -14,14 +14,20 @@ and a later call skips stages already done, so the run can be split over two dev
 - ``tp1``, ``tp2``, ``tp2-fused``: a capture server launched by `sglang_patch.launch` (TP=1 on GPU 0;
   TP=2 with FlashInfer all-reduce fusion forced off, as the launcher always does; TP=2 with fusion
   left at SGLang's default via ``--allreduce-fusion sglang``), then ``layertap extract --engine sglang
-  --server-url`` over both datasets (as a user runs it), and plain prefill (rids outside the capture
-  namespace) on the same server.
+  --server-url`` over the equality set (as a user runs it), then plain prefill (rids outside the
+  capture namespace) and capture + commit over the throughput set on the same server.
 - ``ref``: HF transformers on the same bf16 weights (DeepseekV3 built from ``text_config``, the
   ``language_model.`` weights; nothing from our engines), in float32 and in bf16, on the token ids
   the servers stored; per token: the relative error of every captured state, and the routing margin
   of every MoE layer (the gap between the k-th and (k+1)-th expert score, k = experts per token: a
   near-tie where bf16 can flip).
 - ``report``: the tables.
+
+To fit one device call, the server stages run together: every server starts at once (small static
+memory each: the model is a few GB and the KV pool is capped), the fused one's first start spends
+~6 min building FlashInfer's all-reduce kernels meanwhile; each server's equality run starts as soon
+as it is up; throughput is measured one server at a time (the others idle), and skipped for what
+the ``--deadline-s`` leaves no time for.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -50,7 +57,10 @@ from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLang
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
-            "--mem-fraction-static", "0.6", "--dtype", "bfloat16")  # fmt: skip
+            "--sleep-on-idle", "--dtype", "bfloat16",
+            # Three servers share GPU 0: ~28 GB of static memory each (weights ~5 GB, the KV pool capped
+            # at what 64 prompts of 4000 tokens need, ~1.4 GB with MLA at 4 layers).
+            "--mem-fraction-static", "0.2", "--max-total-tokens", "300000")  # fmt: skip
 # Kimi-K2's own MLA and width (the builder's named shape), 4 layers (first dense), 16 routed experts top-8
 # in one group as Kimi-K2 routes them (so the routing margin below is exactly what selection compares).
 WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -120,9 +130,9 @@ class Bench:
 
     # -- servers ----------------------------------------------------------------------------------
 
-    def serve(self, stage: str) -> dict:
+    def launch(self, stage: str) -> SGLangServer:
+        """Start `stage`'s server process without waiting (from the main thread: it dies with its launcher)."""
         tp, extras, gpus = CONFIGS[stage]
-        dumps = self.work / stage / "dumps"
         shutil.rmtree(self.work / stage, ignore_errors=True)
         if self.cpu:
             env, sglang_args, python = cpu_server_env(Path("/opt/sglang-venv/layertap-cuda-stub"), tp), (
@@ -130,36 +140,80 @@ class Bench:
         else:
             env, sglang_args, python = {"CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS, Path(sys.executable)
         sglang_args = (*sglang_args, "--tp-size", str(tp), *self.args.server_flags.split(), *extras)
-        cfg = ServerConfig(python=python, env=env, model=self.model, dump_root=dumps, layers=LAYERS, final="post",
-                           layout="specforge", log_path=self.out / f"server-{stage}.log", sglang_args=sglang_args)  # fmt: skip
+        cfg = ServerConfig(python=python, env=env, model=self.model, dump_root=self.work / stage / "dumps",
+                           layers=LAYERS, final="post", layout="specforge", log_path=self.out / f"server-{stage}.log",
+                           sglang_args=sglang_args)  # fmt: skip
         server = SGLangServer(cfg)
+        server.launch()
+        return server
+
+    def equality(self, stage: str, server: SGLangServer, launched: float) -> dict:
+        """Wait for `stage`'s server, warm it up, capture the equality set."""
+        server.wait_ready()
+        result: dict = {"tp": CONFIGS[stage][0], "server_up_s": time.time() - launched,
+                        "flags": " ".join(server.config.sglang_args)}  # fmt: skip
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        result["fusion"] = {k: info.get(k) for k in ("enable_flashinfer_allreduce_fusion",
+                                                      "enforce_disable_flashinfer_allreduce_fusion",
+                                                      "flashinfer_allreduce_fusion_backend") if k in info}  # fmt: skip
         t = time.time()
-        server.start()
-        result: dict = {"tp": tp, "server_up_s": time.time() - t, "flags": " ".join(sglang_args)}
-        self.log(f"{stage}: server up in {result['server_up_s']:.0f}s")
-        client = httpx.Client(timeout=900)
-        try:
-            info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-            result["fusion"] = {k: info.get(k) for k in ("enable_flashinfer_allreduce_fusion",
-                                                          "enforce_disable_flashinfer_allreduce_fusion",
-                                                          "flashinfer_allreduce_fusion_backend") if k in info}  # fmt: skip
-            t = time.time()
+        with httpx.Client(timeout=900) as client:
             plain_rate(client, server.url, [[5] * 64, [7] * 600], 2)  # first-request kernel builds
-            result["warmup_s"] = time.time() - t
-            self.log(f"{stage}: warm-up {result['warmup_s']:.0f}s; fusion {result['fusion']}")
-            result["eq"] = self.extract(stage, "eq", server.url, dumps, in_flight=16)
-            tput = [json.loads(line)["input_ids"] for line in (self.work / "tput.jsonl").read_text().splitlines()]
+        result["warmup_s"] = time.time() - t
+        self.log(
+            f"{stage}: up in {result['server_up_s']:.0f}s, warm-up {result['warmup_s']:.0f}s; fusion {result['fusion']}"
+        )
+        result["eq"] = self.extract(stage, "eq", server.url, server.config.dump_root, in_flight=16)
+        self.log(f"{stage}: equality set captured")
+        return result
+
+    def throughput(self, stage: str, server: SGLangServer, result: dict) -> None:
+        """Plain prefill and capture + commit at each in-flight setting, into `result` (the deadline allowing)."""
+        tput = [json.loads(line)["input_ids"] for line in (self.work / "tput.jsonl").read_text().splitlines()]
+        with httpx.Client(timeout=900) as client:
             for n in self.args.in_flight:
+                if time.time() - self.t0 > self.args.deadline_s:
+                    result.setdefault("skipped", []).append(f"throughput at {n} in flight (past the deadline)")
+                    continue
                 result[f"plain_{n}"] = plain_rate(client, server.url, tput, n)
-                result[f"capture_{n}"] = self.extract(stage, f"tput{n}", server.url, dumps, in_flight=n)
+                result[f"capture_{n}"] = self.extract(
+                    stage, f"tput{n}", server.url, server.config.dump_root, in_flight=n
+                )
                 self.log(f"{stage}: in flight {n}: plain {result[f'plain_{n}']:,.0f} tok/s, "
                          f"capture {result[f'capture_{n}']['tok_s']:,.0f} tok/s")  # fmt: skip
+
+    def serve_all(self, stages: list[str]) -> None:
+        """Every server stage at once (see the module docstring); a failed config is a result too."""
+        launched = time.time()
+        servers = {stage: self.launch(stage) for stage in stages}
+        results: dict[str, dict] = {}
+        try:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                pending: dict[str, Future] = {
+                    s: pool.submit(self.equality, s, srv, launched) for s, srv in servers.items()
+                }
+                # No equality run beside a throughput run, except the fused server's (its kernel build
+                # comes first and takes minutes): the unfused ones finish theirs before any throughput.
+                for stage, future in pending.items():
+                    if stage != "tp2-fused":
+                        future.exception()
+                for stage, future in pending.items():  # throughput in CONFIGS order, one server at a time
+                    try:
+                        results[stage] = future.result()
+                        self.throughput(stage, servers[stage], results[stage])
+                    except Exception as exc:
+                        results[stage] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+                        self.log(f"{stage}: FAILED {results[stage]['error']}")
+                    servers[stage].stop()
         finally:
-            client.close()
-            server.stop()
-        log_text = (self.out / f"server-{stage}.log").read_text(errors="replace")
-        result["partial_sum_warnings"] = log_text.count("capturing per-rank partial sums")
-        return result
+            for server in servers.values():
+                server.stop()
+        for stage, result in results.items():
+            log_text = (self.out / f"server-{stage}.log").read_text(errors="replace")
+            result.setdefault("partial_sum_warnings", log_text.count("capturing per-rank partial sums"))
+            self.save(stage, result)
+        if "error" in results.get("tp1", {}):
+            raise RuntimeError(f"tp1 failed: {results['tp1']['error']}")
 
     def extract(self, stage: str, data: str, url: str, dumps: Path, in_flight: int) -> dict:
         """``layertap extract --engine sglang`` attached to the running server, as a user runs it."""
@@ -278,6 +332,8 @@ class Bench:
             )
         for stage, error in failed.items():
             lines.append(f"| {stage} | failed: `{error.splitlines()[0][:300]}` (log: server-{stage}.log) | | | | |")
+        lines += [f"- {stage}: skipped {what}" for stage, r in runs.items() for what in r.get("skipped", [])]
+        lines += ["", f"This call ran for {time.time() - self.t0:.0f} s (stages done by earlier calls not included)."]
         if ref:
             lines += ["", *equality_tables(ref)]
         lines += ["", "## Throughput", "", f"{build['tput_rows']} prompts of 512..4000 random token ids; plain = the same server, "
@@ -391,24 +447,19 @@ def main() -> None:
     )
     ap.add_argument("--server-flags", default="--trust-remote-code", help="extra SGLang flags for every server")
     ap.add_argument("--cli-flags", default="--trust-remote-code", help="extra `layertap extract` flags")
+    ap.add_argument("--deadline-s", type=float, default=420, help="no throughput run starts after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU SGLang server, to debug the script")
     args = ap.parse_args()
     bench = Bench(args)
-    for stage in args.stages.split(","):
-        if stage == "report":
-            break
-        if bench.done(stage) is not None:
-            bench.log(f"{stage}: already done")
+    stages = args.stages.split(",")
+    for stage in ("build", *[s for s in CONFIGS if s in stages], "ref"):
+        if stage not in stages or bench.done(stage) is not None:
             continue
         bench.log(f"{stage}: start")
-        try:
-            result = getattr(bench, stage)() if stage in ("build", "ref") else bench.serve(stage)
-        except Exception as exc:  # a failed server config is a result too; the others still run
-            if stage in ("build", "tp1", "ref"):
-                raise
-            result = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
-            bench.log(f"{stage}: FAILED {result['error']}")
-        bench.save(stage, result)
+        if stage in CONFIGS:
+            bench.serve_all([s for s in CONFIGS if s in stages and bench.done(s) is None])
+        else:
+            bench.save(stage, getattr(bench, stage)())
         bench.log(f"{stage}: end")
     (args.out / "gpu_tp2.md").write_text("\n".join(bench.report()) + "\n")
     print((args.out / "gpu_tp2.md").read_text())
