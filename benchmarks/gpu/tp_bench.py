@@ -122,7 +122,13 @@ class Bench:
         ]
         for name, rows in (("eq", eq), ("tput", tput)):
             (self.work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return {"build_s": seconds, "shape": shape, "eq_rows": len(eq), "tput_rows": len(tput)}
+        return {
+            "build_s": seconds,
+            "shape": shape,
+            "eq_rows": len(eq),
+            "tput_rows": len(tput),
+            "tput_range": [low, high],
+        }
 
     def text_config(self) -> dict:
         config = json.loads((self.model / "config.json").read_text())
@@ -336,7 +342,7 @@ class Bench:
         lines += ["", f"This call ran for {time.time() - self.t0:.0f} s (stages done by earlier calls not included)."]
         if ref:
             lines += ["", *equality_tables(ref)]
-        lines += ["", "## Throughput", "", f"{build['tput_rows']} prompts of 512..4000 random token ids; plain = the same server, "
+        lines += ["", "## Throughput", "", f"{build['tput_rows']} prompts of {'..'.join(map(str, build.get('tput_range', [512, 4000])))} random token ids; plain = the same server, "
                   "rids outside the capture namespace; capture = `layertap extract` (prefill + capture + validate + commit, "
                   "its own clock).", "", "| config | in flight | plain prefill tok/s | capture+commit tok/s | ratio |", "|---|---|---|---|---|"]  # fmt: skip
         for stage, r in runs.items():
