@@ -23,8 +23,8 @@ later call skips stages already done:
   near-tie where bf16 can flip).
 - ``report``: the tables.
 
-To fit one device call, the server stages run together: every server starts at once (small static
-memory each: the model is a few GB and the KV pool is capped), the fused one's first start spends
+To fit one device call, the server stages run together: every server starts at once (each uses a
+few GB: the model is small and the KV pool is capped), the fused one's first start spends
 ~6 min building FlashInfer's all-reduce kernels meanwhile; each server's equality run starts as soon
 as it is up; throughput is measured one server at a time (the others idle), and skipped for what
 the ``--deadline-s`` leaves no time for.
@@ -58,9 +58,13 @@ from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLang
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
             "--sleep-on-idle", "--dtype", "bfloat16",
-            # Three servers share GPU 0: ~28 GB of static memory each (weights ~5 GB, the KV pool capped
-            # at what 64 prompts of 4000 tokens need, ~1.4 GB with MLA at 4 layers).
-            "--mem-fraction-static", "0.2", "--max-total-tokens", "300000")  # fmt: skip
+            # Three servers share GPU 0. Each uses what it needs: weights ~5 GB and a KV pool capped at
+            # what 64 prompts of 4000 tokens need (~1.4 GB with MLA at 4 layers). SGLang sizes the pool as
+            # free memory after loading minus (1 - fraction) x free memory before: a large fraction keeps
+            # that positive when another server allocates in between.
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "300000")  # fmt: skip
+# Its TP memory-balance check fails a TP=2 server whose GPU 0 already holds the TP=1 server.
+GPU_ENV = {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"}
 # Kimi-K2's own MLA and width (the builder's named shape), 4 layers (first dense), 16 routed experts top-8
 # in one group as Kimi-K2 routes them (so the routing margin below is exactly what selection compares).
 WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -136,26 +140,26 @@ class Bench:
 
     # -- servers ----------------------------------------------------------------------------------
 
-    def launch(self, stage: str) -> SGLangServer:
-        """Start `stage`'s server process without waiting (from the main thread: it dies with its launcher)."""
+    def server(self, stage: str) -> SGLangServer:
+        """`stage`'s server, not started."""
         tp, extras, gpus = CONFIGS[stage]
         shutil.rmtree(self.work / stage, ignore_errors=True)
         if self.cpu:
             env, sglang_args, python = cpu_server_env(Path("/opt/sglang-venv/layertap-cuda-stub"), tp), (
                 *CPU_SERVER_ARGS, "--dtype", "bfloat16", "--chunked-prefill-size", "256"), Path("/opt/sglang-venv/bin/python")  # fmt: skip
         else:
-            env, sglang_args, python = {"CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS, Path(sys.executable)
+            env, sglang_args, python = {**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS, Path(sys.executable)
         sglang_args = (*sglang_args, "--tp-size", str(tp), *self.args.server_flags.split(), *extras)
         cfg = ServerConfig(python=python, env=env, model=self.model, dump_root=self.work / stage / "dumps",
                            layers=LAYERS, final="post", layout="specforge", log_path=self.out / f"server-{stage}.log",
                            sglang_args=sglang_args)  # fmt: skip
-        server = SGLangServer(cfg)
-        server.launch()
-        return server
+        return SGLangServer(cfg)
 
     def equality(self, stage: str, server: SGLangServer, launched: float) -> dict:
-        """Wait for `stage`'s server, warm it up, capture the equality set."""
-        server.wait_ready()
+        """Start `stage`'s server (retried with backoff: servers sizing memory at once can collide), warm it
+        up, capture the equality set. Runs in a pool thread that outlives the server (it dies with the
+        thread that launched it)."""
+        server.start()
         result: dict = {"tp": CONFIGS[stage][0], "server_up_s": time.time() - launched,
                         "flags": " ".join(server.config.sglang_args)}  # fmt: skip
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
@@ -191,7 +195,7 @@ class Bench:
     def serve_all(self, stages: list[str]) -> None:
         """Every server stage at once (see the module docstring); a failed config is a result too."""
         launched = time.time()
-        servers = {stage: self.launch(stage) for stage in stages}
+        servers = {stage: self.server(stage) for stage in stages}
         results: dict[str, dict] = {}
         try:
             with ThreadPoolExecutor(len(servers)) as pool:
