@@ -145,6 +145,16 @@ class HostStaging:
         with torch.cuda.stream(self._stream):
             yield
 
+    def allocator_stats(self) -> dict[str, float]:
+        """torch's pinned allocator: bytes it holds (in use + cached: freed blocks are kept for reuse,
+        beyond our cap's count) and seconds spent growing it (cudaHostAlloc runs on the forward pass's
+        thread, in `alloc`). Empty on the CPU."""
+        if not self._pinned:
+            return {}
+        stats = torch.cuda.host_memory_stats()
+        held = stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
+        return {"pinned_held_bytes": held, "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6}  # µs
+
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies issued so far (on the copy stream); None on the CPU."""
         if not self._pinned:
@@ -312,8 +322,9 @@ class DumpWriter:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: DumpJob) -> None:
-        """Queue a dump (never blocks: the forward pass waits, if at all, in `HostBudget.reserve`)."""
+    def submit(self, job: DumpJob, host: dict[str, float] | None = None) -> None:
+        """Queue a dump (never blocks: the forward pass waits, if at all, in `HostBudget.reserve`);
+        `host`: the pinned allocator's state (`HostStaging.allocator_stats`), reported with the dump."""
         wait = self.budget.hand_over(job.nbytes)
         stats = {
             "wait_s": round(wait, 6),
@@ -321,6 +332,7 @@ class DumpWriter:
             "pinned_bytes": self.budget.in_use,
             "pinned_cap_bytes": self.budget.cap_bytes,
             "threads": len(self._threads),
+            **(host or {}),
         }
         if wait > 0.001:
             logger.warning(

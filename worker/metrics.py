@@ -66,6 +66,11 @@ WRITER_PINNED = Gauge(
     ["worker"],
 )
 WRITER_PINNED_CAP = Gauge("layertap_writer_pinned_cap_bytes", "The server's cap on that memory.", ["worker"])
+WRITER_PINNED_HELD = Gauge(
+    "layertap_writer_pinned_held_bytes",
+    "Pinned memory torch's allocator holds in the server (in use + cached for reuse), at the last dump; GPU only.",
+    ["worker"],
+)
 WRITER_PHASES = ("write", "copy_wait")
 WRITER_BUSY = Counter(
     "layertap_writer_busy_seconds",
@@ -97,6 +102,7 @@ class WorkerMetrics:
         self.writer_pinned_cap = WRITER_PINNED_CAP.labels(worker)
         self.writer_busy = {phase: WRITER_BUSY.labels(worker, phase) for phase in WRITER_PHASES}
         self.writer_threads = WRITER_THREADS.labels(worker)
+        self.writer_pinned_held = WRITER_PINNED_HELD.labels(worker)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """The timing callback handed to code that must not import prometheus (the SGLang engine)."""
@@ -111,6 +117,8 @@ class WorkerMetrics:
         self.writer_busy["write"].inc(max(0.0, float(stats.get("write_s", 0.0))))
         self.writer_busy["copy_wait"].inc(max(0.0, float(stats.get("ready_s", 0.0))))
         self.writer_threads.set(stats.get("threads", 0))
+        if "pinned_held_bytes" in stats:
+            self.writer_pinned_held.set(stats["pinned_held_bytes"])
 
     def error(self, kind: str) -> Counter:
         """The error counter of ``kind`` (made on first use for a kind not listed in ERROR_KINDS)."""

@@ -94,6 +94,8 @@ class CaptureRun:
     writers_busy: float  # the plugin's writers serialising + writing + fsyncing (meta "write_s")
     copy_wait: float  # the plugin's writers waiting for the device-to-host copies (meta "ready_s")
     commit_busy: float  # the worker's checks + rename + hash + index append
+    pinned_held: float  # torch's pinned allocator, cache included: the most it held (bytes)
+    pinned_alloc_s: float  # seconds the forward pass's thread spent growing it (cudaHostAlloc) in this run
 
 
 class TimedStore(OutputStore):
@@ -134,11 +136,13 @@ class Results:
                   "fsync; copy wait: writers waiting for the device-to-host copies; worker: checks + rename + "
                   "hash + index). A side near 1.0 is the bound.", "",
                   "| shape | volume | in flight | tok/s | written MB/s | forward pass waited on the writers (s) "
-                  "| writers busy | writers' copy wait | worker commit busy |", "|---" * 9 + "|"]  # fmt: skip
+                  "| writers busy | writers' copy wait | worker commit busy | pinned held (GB) | pinned alloc (s) |",
+                  "|---" * 11 + "|"]  # fmt: skip
         for (shape, volume), runs in self.capture.items():
             for n, r in runs.items():
                 lines.append(f"| {shape} | {volume} | {n} | {r.tok_s:,.0f} | {r.bytes_s / 1e6:,.0f} | {r.waited_s:.2f} "
-                             f"| {r.writers_busy:.2f} | {r.copy_wait:.2f} | {r.commit_busy:.2f} |")  # fmt: skip
+                             f"| {r.writers_busy:.2f} | {r.copy_wait:.2f} | {r.commit_busy:.2f} "
+                             f"| {r.pinned_held / 1e9:.1f} | {r.pinned_alloc_s:.2f} |")  # fmt: skip
         lines += ["", "## Volumes' own write rate (whole files of the mean sample's size, each fsynced; measured "
                   "first, nothing else running)", "", "| shape | volume | threads | file MB | MB/s |",
                   "|---|---|---|---|---|"]  # fmt: skip
@@ -256,9 +260,15 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     def total(key: str) -> float:
         return sum(float(stats.get(key, 0.0)) for stats in writer)
 
+    def spread(key: str) -> float:
+        values = [float(stats.get(key, 0.0)) for stats in writer] or [0.0]
+        return max(values) - min(values)
+
     return CaptureRun(tok_s=report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
                       writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
-                      commit_busy=sum(store.commit_s) / (dt * commit_threads))  # fmt: skip
+                      commit_busy=sum(store.commit_s) / (dt * commit_threads),
+                      pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
+                      pinned_alloc_s=spread("pinned_alloc_s"))  # fmt: skip
 
 
 def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool) -> list[Bench]:
