@@ -354,12 +354,25 @@ class DumpWriter:
             job, stats = item
             try:
                 self._write(job, stats)
-            except Exception:
+            except FileExistsError:
+                logger.exception("failed to write the dump of %s", job.rid)  # the first dump stays
+            except Exception as exc:
                 logger.exception("failed to write the dump of %s", job.rid)
+                self._write_failure(job.rid, exc, stats)
             finally:
                 # Drop the buffers before giving their bytes back (the budget counts live memory).
                 nbytes, item, job = job.nbytes, None, None
                 self.budget.release(nbytes, handed=True)
+
+    def _write_failure(self, rid: str, exc: Exception, stats: dict[str, float]) -> None:
+        """An error dump saying why the capture's could not be written (a full disk, say), so that its
+        client fails the sample now instead of at its wait's timeout; logged if even that fails."""
+        try:
+            self._write(
+                DumpJob(rid, error=f"the server could not write this capture: {type(exc).__name__}: {exc}"), stats
+            )
+        except Exception:
+            logger.exception("failed to write the error dump of %s", rid)
 
     def _write(self, job: DumpJob, stats: dict[str, float]) -> None:
         started = time.monotonic()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ import torch
 
 from sglang_patch.contract import TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
+from tests.service_fixtures import REPO_ROOT
 
 
 class FakeCudaEvent:
@@ -188,3 +191,28 @@ def test_specforge_dump_without_a_usable_loss_mask_is_an_error_dump(tmp_path: Pa
     writer.close(timeout=30)
     meta = read_dump(dump_dir(tmp_path, rid)).meta
     assert meta.status == "error" and reason in meta.error
+
+
+def test_a_dump_that_cannot_be_written_becomes_an_error_dump_at_once(tmp_path: Path) -> None:
+    """A real write failure (the file size limit, as a full disk would fail the write): the client gets
+    an error dump saying why, instead of waiting for a dump that never comes; nothing half-written stays."""
+    code = f"""
+import resource, signal, torch
+from pathlib import Path
+from sglang_patch.contract import format_rid
+from sglang_patch.writer import DumpJob, DumpWriter, HostBudget
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+writer = DumpWriter(Path({str(tmp_path)!r}), layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=2)
+ids = torch.arange(512)
+writer.submit(DumpJob(format_rid("j", "big", 0), tensors={{"input_ids": ids, "aux": torch.ones(512, 2, 256),
+                                                           "final_post": torch.ones(512, 256)}}))
+writer.close(timeout=30)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "failed to write the dump" in done.stderr
+    dump = read_dump(dump_dir(tmp_path, format_rid("j", "big", 0)))
+    assert dump.meta.status == "error" and "could not write this capture" in (dump.meta.error or "")
+    assert "File too large" in (dump.meta.error or "")
+    assert list((tmp_path / TMP_DIR).iterdir()) == []
