@@ -45,22 +45,27 @@ def retry_delay(retries: int) -> float:
 
 @app.task(bind=True, name=RUN_SHARD_TASK, max_retries=settings.task_max_retries)
 def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
-    """Run one attempt at a shard; server, disk or Redis errors retry with backoff, then fail the shard."""
+    """Run one attempt at a shard; server, disk or Redis errors retry with backoff, then fail the shard.
+    Every attempt's outcome is counted (``layertap_worker_shards_total``)."""
     ctx = context()
     try:
-        return ctx.run_shard(job_id, shard, token)
+        outcome = ctx.run_shard(job_id, shard, token)
     except _NO_RETRY as exc:
         ctx.metrics.error("task").inc()
         ctx.give_up(job_id, shard, token, exc)
-        return "failed"
+        outcome = "failed"
     except Exception as exc:
         ctx.metrics.error("server" if isinstance(exc, ServerError) else "task").inc()
         if self.request.retries >= self.max_retries:
             ctx.give_up(job_id, shard, token, exc)
-            return "failed"
-        delay = retry_delay(self.request.retries)
-        ctx.release_for_retry(job_id, shard, token, delay)
-        raise self.retry(exc=exc, countdown=delay) from exc
+            outcome = "failed"
+        else:
+            delay = retry_delay(self.request.retries)
+            ctx.release_for_retry(job_id, shard, token, delay)
+            ctx.metrics.shard_ended("retried")
+            raise self.retry(exc=exc, countdown=delay) from exc
+    ctx.metrics.shard_ended(outcome)
+    return outcome
 
 
 @app.task(name=FINALIZE_TASK)

@@ -139,8 +139,13 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
     assert stack.query(f'layertap_job_state{{job_id="{job_id}",state="running"}} == 1')
     job = stack.cancel(job_id)
 
-    targets = httpx.get(f"{stack.prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
-    assert {t["labels"]["job"]: t["health"] for t in targets} == {"layertap-coordinator": "up", "layertap-worker": "up"}
+    def health() -> dict[str, str]:
+        targets = httpx.get(f"{stack.prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+        return {t["labels"]["job"]: t["health"] for t in targets}
+
+    # "unknown" until Prometheus's first scrape of a target (this test can run first, seconds after start).
+    wait_for(lambda: "unknown" not in health().values(), timeout=30, what="Prometheus to scrape both targets")
+    assert health() == {"layertap-coordinator": "up", "layertap-worker": "up"}
 
     # Once it has scraped the stopped job, Prometheus holds the API's and the store's numbers.
     def final() -> list[dict]:
@@ -161,6 +166,14 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
     )
     waits = ("layertap_stage_duration_seconds_count", (("stage", "queue_wait"), ("worker", "mon1")))
     assert worker[waits] - before.get(waits, 0) >= max(job["shards"].get("done", 0), 1)  # one per claim
+
+    def shards_ended(metrics: dict) -> float:
+        return sum(v for (name, _), v in metrics.items() if name == "layertap_worker_shards_total")
+
+    # Every claimed shard's attempt ended some way (done, released by the cancel...) and was counted.
+    claims = worker[waits] - before.get(waits, 0)
+    wait_for(lambda: shards_ended(scraped(stack.worker_metrics)) - shards_ended(before) >= claims,
+             timeout=30, what="the worker to count its shards' ends", every=0.2)  # fmt: skip
     states = [v for (name, _), v in worker.items() if name == "layertap_worker_state"]
     assert sorted(states) == [0, 0, 1]  # one state at a time
 
