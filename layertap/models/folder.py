@@ -3,8 +3,10 @@
 A real target is not always a plain causal LM folder. Kimi-K2.5 wraps a DeepseekV3 language model in a
 multimodal config (``text_config`` beside ``vision_config``, weights under ``language_model.``) and ships
 its tokenizer as Python code (``tokenizer_config.json`` ``auto_map``, a tiktoken ranks file). The
-pipeline, the planner, the HF engine, the SGLang launcher and the manifest all ask this module, so they
-agree on the layer count, the hidden size, the module paths to hook and whether remote code must run.
+pipeline, the planner, the HF engine, the SGLang engine and the manifest all ask this module, so they
+agree on the layer count, the hidden size, the dtype, where the language model's weights sit and
+whether remote code must run. (The capture plugin, which may not import layertap, hooks the decoder
+layers under both module prefixes itself: `sglang_patch.launch.MODULE_PREFIXES`.)
 
 Remote code is opt-in per run (``trust_remote_code``): a folder that needs it fails before any work,
 naming the flag and the file that would run.
@@ -73,11 +75,6 @@ class ModelFolder:
         return int(self.text_config["hidden_size"])
 
     @property
-    def family(self) -> str:
-        """The language model's ``model_type`` (``deepseek_v3`` for Kimi-K2/K2.5, ``llama``...)."""
-        return str(self.text_config.get("model_type", self.config.get("model_type", "unknown")))
-
-    @property
     def wrapped(self) -> bool:
         """True for a multimodal wrapper whose language model sits under ``language_model.``."""
         return bool(self.prefix)
@@ -89,19 +86,6 @@ class ModelFolder:
             if value := cfg.get("dtype") or cfg.get("torch_dtype"):
                 return str(value).removeprefix("torch.")
         return "float32"
-
-    def decoder_layer(self, index: int) -> str:
-        """Module path of decoder layer ``index`` (0-based) in SGLang's and HF's module trees."""
-        return f"{self.prefix}model.layers.{index}"
-
-    @property
-    def final_norm(self) -> str:
-        """Module path of the final norm (its input is the pre-norm final state, its output the post-norm one)."""
-        return f"{self.prefix}model.norm"
-
-    @property
-    def needs_remote_code(self) -> bool:
-        return bool(self.remote_code)
 
     def check_remote_code(self, trust_remote_code: bool) -> None:
         """SpecError naming the flag and the files when the folder needs code the run did not allow."""

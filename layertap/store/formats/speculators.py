@@ -31,7 +31,6 @@ from sglang_patch.writer import fsync_path
 
 KEYS = {"token_ids", "hidden_states"}
 PUBLISHED = "hidden_states"
-ARROW_FILES = ("state.json", "dataset_info.json")
 
 
 class SpeculatorsFormat(SampleFormat):

@@ -42,7 +42,6 @@ ROW = {
         {"role": "assistant", "content": "You are welcome.", "reasoning_content": "The user is polite."},
     ],
 }
-NOT_ASSISTANT = ["You are a weather bot.", "Hello there", "How is Paris today?", "sunny, 21 degrees", "Thanks"]
 REPLIES = ["Hi! Ask me about the weather.", "Sunny and 21 degrees in Paris.", "You are welcome."]
 
 

@@ -38,12 +38,10 @@ def test_folder_is_a_wrapper_with_text_config_vision_config_and_prefixed_weights
 
 def test_folder_facts(tiny_kimi25, tiny_kimi) -> None:
     wrapped, plain = ModelFolder.read(tiny_kimi25), ModelFolder.read(tiny_kimi)
-    assert (wrapped.num_layers, wrapped.hidden_size, wrapped.family) == (5, 64, "deepseek_v3")
-    assert wrapped.decoder_layer(3) == "language_model.model.layers.3"
-    assert wrapped.final_norm == "language_model.model.norm"
+    assert (wrapped.num_layers, wrapped.hidden_size, wrapped.prefix) == (5, 64, "language_model.")
     assert wrapped.remote_code == ("tokenization_tiny_kimi.py", "processing_tiny_kimi.py")
     assert wrapped.dtype == "float32"
-    assert (plain.num_layers, plain.decoder_layer(3), plain.needs_remote_code) == (5, "model.layers.3", False)
+    assert (plain.num_layers, plain.prefix, plain.remote_code) == (5, "", ())
 
 
 def test_tokenizer_code_needs_trust_remote_code(tiny_kimi25) -> None:
