@@ -218,10 +218,10 @@ class DumpMeta:
     layer_convention: str = LAYER_CONVENTION
     # The server's writer when this dump was queued: "wait_s" (seconds the forward pass waited for
     # host memory since the previous dump was queued), "queued" (dumps queued or being written),
-    # "pinned_bytes" (host memory held by captured rows), "pinned_cap_bytes", "threads", on a GPU
-    # "pinned_held_bytes" and "pinned_alloc_s" (torch's pinned allocator: bytes held, cache included;
-    # seconds spent growing it); and as it wrote it: "ready_s" (its wait for the device-to-host
-    # copies), "write_s" (serialise, write, fsync).
+    # "pinned_bytes" (host memory held by captured rows), "pinned_cap_bytes", "threads"; and as it
+    # wrote it: "ready_s" (its wait for the device-to-host copies), "write_s" (serialise, write,
+    # fsync), on a GPU "pinned_held_bytes" and "pinned_alloc_s" (torch's pinned allocator: bytes
+    # held, cache included; seconds spent growing it).
     writer: dict[str, float] | None = None
 
     def to_json(self) -> str:

@@ -187,7 +187,7 @@ class _Capturer:
             if isinstance(outcome, Completed):
                 mask = self._prompts.loss_mask_runs(outcome.rid)
                 job = DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, loss_mask_runs=mask, nbytes=nbytes)
-                self._writer.submit(job, self._staging.allocator_stats())
+                self._writer.submit(job)
             else:
                 logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)
                 self._writer.budget.release(nbytes, handed=False)  # its buffers were dropped

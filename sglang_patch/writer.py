@@ -145,16 +145,6 @@ class HostStaging:
         with torch.cuda.stream(self._stream):
             yield
 
-    def allocator_stats(self) -> dict[str, float]:
-        """torch's pinned allocator: bytes it holds (in use + cached: freed blocks are kept for reuse,
-        beyond our cap's count) and seconds spent growing it (cudaHostAlloc runs on the forward pass's
-        thread, in `alloc`). Empty on the CPU."""
-        if not self._pinned:
-            return {}
-        stats = torch.cuda.host_memory_stats()
-        held = stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
-        return {"pinned_held_bytes": held, "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6}  # µs
-
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies issued so far (on the copy stream); None on the CPU."""
         if not self._pinned:
@@ -162,6 +152,15 @@ class HostStaging:
         event = torch.cuda.Event()
         event.record(self._stream or torch.cuda.current_stream(self.device))
         return event
+
+
+def pinned_allocator_stats() -> dict[str, float]:
+    """torch's pinned allocator, process-wide: bytes it holds (in use + cached: freed blocks are kept
+    for reuse, beyond `HostBudget`'s count) and seconds spent growing it (cudaHostAlloc, which runs on
+    the forward pass's thread in `HostStaging.alloc`). Read by the writers, off the forward pass."""
+    stats = torch.cuda.host_memory_stats()
+    held = stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
+    return {"pinned_held_bytes": held, "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6}  # µs
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +321,8 @@ class DumpWriter:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: DumpJob, host: dict[str, float] | None = None) -> None:
-        """Queue a dump (never blocks: the forward pass waits, if at all, in `HostBudget.reserve`);
-        `host`: the pinned allocator's state (`HostStaging.allocator_stats`), reported with the dump."""
+    def submit(self, job: DumpJob) -> None:
+        """Queue a dump (never blocks: the forward pass waits, if at all, in `HostBudget.reserve`)."""
         wait = self.budget.hand_over(job.nbytes)
         stats = {
             "wait_s": round(wait, 6),
@@ -332,7 +330,6 @@ class DumpWriter:
             "pinned_bytes": self.budget.in_use,
             "pinned_cap_bytes": self.budget.cap_bytes,
             "threads": len(self._threads),
-            **(host or {}),
         }
         if wait > 0.001:
             logger.warning(
@@ -376,8 +373,9 @@ class DumpWriter:
 
     def _write(self, job: DumpJob, stats: dict[str, float]) -> None:
         started = time.monotonic()
-        if job.ready is not None:
+        if job.ready is not None:  # rows from a GPU
             job.ready.synchronize()
+            stats = {**stats, **pinned_allocator_stats()}
         stats = {**stats, "ready_s": round(time.monotonic() - started, 6)}
         tensors, error, loss_mask = job.tensors, job.error, None
         if tensors is not None and self._layout == SPECFORGE:
