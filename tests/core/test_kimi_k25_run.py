@@ -6,19 +6,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from layertap.models.folder import ModelFolder
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
+from tests.core.engines.test_hf_engine import max_rel_err
 
 DATA = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
 LAYERS = (1, 2, 4)  # first and last legal index; 2 is the output of the first MoE layer
 REL_TOL = 1e-4
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 def extract(model: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -45,9 +41,9 @@ def check_states_equal_hf(out: Path, model: Path, hf_reference) -> int:
             aux, final, which = states[:, : len(LAYERS)], states[:, len(LAYERS)], "pre"
         hidden, pre = ref.states(ids)
         for j, layer in enumerate(LAYERS):
-            assert rel(aux[:, j], hidden[layer]) < REL_TOL, (rec.sample_id, layer)
-            assert rel(aux[:, j], hidden[layer + 1]) > 1e-2  # a capture one layer off could not pass
-        assert rel(final, hidden[num_layers] if which == "post" else pre) < REL_TOL
+            assert max_rel_err(aux[:, j], hidden[layer]) < REL_TOL, (rec.sample_id, layer)
+            assert max_rel_err(aux[:, j], hidden[layer + 1]) > 1e-2  # a capture one layer off could not pass
+        assert max_rel_err(final, hidden[num_layers] if which == "post" else pre) < REL_TOL
     return len(store.records())
 
 
