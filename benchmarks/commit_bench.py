@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from layertap.engines.base import Engine
-from layertap.models.tiny import build_tiny_model
 from layertap.pipeline import run_shard
 from layertap.sample import CapturedSample, SampleFile, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
+from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import SPECFORGE
 from sglang_patch.sample_files import specforge_tensors, unpack_sample, write_sample
 

@@ -351,7 +351,7 @@ def main() -> None:
     global COUNTS
     COUNTS = install_counter()
     args.load = os.getloadavg()[0]
-    from layertap.models import build_tiny_model
+    from layertap.tiny import build_tiny_model
 
     folder = Path(tempfile.mkdtemp(prefix="submit-bench-"))
     port = free_port()

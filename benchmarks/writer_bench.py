@@ -37,12 +37,12 @@ from safetensors.torch import save as safetensors_bytes
 from torch.utils.serialization import config as serialization_config
 
 from layertap.engines.base import Engine
-from layertap.models.tiny import build_tiny_model
 from layertap.pipeline import run_shard
 from layertap.sample import CapturedSample, SampleFile, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
+from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, SPECFORGE, dump_dir, format_rid, read_dump
 from sglang_patch.sample_files import mask_runs, specforge_tensors, unpack_sample, write_safetensors
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, write_tensors_file

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from layertap.cli_jobs import register_job_commands
+from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
-from layertap.spec import ANY_AUX_HELP, CaptureSpec, ExtractionSpec, parse_layer_list
+from layertap.spec import ANY_AUX_HELP, ExtractionSpec, parse_layer_list
 from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
@@ -21,33 +22,6 @@ console = Console(stderr=True)
 def _fail(message: str) -> None:
     console.print(f"[bold red]error:[/] {escape(message)}")  # server log lines hold [brackets]
     sys.exit(2)
-
-
-def hf_engine_factory(model: Path, device: str, batch_tokens: int):
-    """An engine factory for the in-process HF engine (imported lazily: it loads transformers)."""
-
-    def make(capture: CaptureSpec):
-        from layertap.engines.hf import HFEngine
-
-        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens)
-
-    return make
-
-
-def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
-                          in_flight: int, sglang_python: Path, sglang_args: str, trust_remote_code: bool = False):  # fmt: skip
-    """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
-
-    def make(capture: CaptureSpec):
-        from layertap.engines.sglang import SGLangEngine, start_server
-
-        dumps = dump_root or out.parent / f".{out.name}-dumps"
-        server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
-                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
-                              store_format=store_format, trust_remote_code=trust_remote_code)  # fmt: skip
-        return SGLangEngine(server, capture, dump_root=dumps, job=out.name, in_flight=in_flight)
-
-    return make
 
 
 @click.group()
@@ -229,7 +203,7 @@ def tiny_model(arch: str, shape: str, dtype: str, seed: int, out: Path) -> None:
     """Build a deterministic tiny random-weight model (with tokenizer and chat template) in OUT."""
     import torch
 
-    from layertap.models.tiny import build_tiny_model
+    from layertap.tiny.build import build_tiny_model
 
     try:
         built = build_tiny_model(arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape)

@@ -70,11 +70,11 @@ def demo_rows() -> list[dict]:
 
 def run_demo(out: Path, fmt: str, console: Console) -> None:
     """Build the tiny model and data under ``out``, extract, verify, and print what was produced."""
-    from layertap.cli import hf_engine_factory
-    from layertap.models.tiny import build_tiny_model
+    from layertap.engines.factory import hf_engine_factory
     from layertap.pipeline import run_extraction
     from layertap.progress import RichProgress
     from layertap.store.store import OutputStore
+    from layertap.tiny.build import build_tiny_model
     from layertap.verify import verify_store
 
     out.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layertap.store.atomic import TMP_MARK
+from layertap.store.guide import write_training_guide
 from layertap.store.index import SampleRecord
 from layertap.store.store import CheckLevel, OutputStore
 from layertap.store.token_freq import read_token_freq, recount, write_token_freq
-from layertap.trainers import TOKEN_FREQ_FILE, write_training_guide
+from layertap.trainers import TOKEN_FREQ_FILE
 
 
 @dataclass

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from layertap.models import build_tiny_model
+from layertap.tiny import build_tiny_model
 
 pytest_plugins = ["tests.sglang_fixtures", "tests.service_fixtures"]
 
@@ -21,7 +21,7 @@ settings.register_profile(
 )
 settings.load_profile("layertap")
 
-# --- Tiny models (layertap.models): built once per session, treat the folders as read-only. ---
+# --- Tiny models (layertap.tiny): built once per session, treat the folders as read-only. ---
 
 
 @pytest.fixture(scope="session")

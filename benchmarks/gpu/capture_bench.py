@@ -42,11 +42,11 @@ import torch
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer
 from layertap.models.folder import model_dims
-from layertap.models.tiny import build_tiny_model
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
+from layertap.tiny.build import build_tiny_model
 
 T0 = time.monotonic()
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",

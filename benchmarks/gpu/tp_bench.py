@@ -104,7 +104,7 @@ class Bench:
     # -- build ------------------------------------------------------------------------------------
 
     def build(self) -> dict:
-        from layertap.models.tiny import build_tiny_model
+        from layertap.tiny.build import build_tiny_model
 
         shape = {} if self.cpu else {**WIDE, "shape": self.args.shape}
         t = time.time()

@@ -22,6 +22,7 @@ from layertap.sample import CapturedSample, SampleFile
 from layertap.store.atomic import TMP_MARK, WrittenFile, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
 from layertap.store.formats.base import DTYPES, Layout
+from layertap.store.guide import write_training_guide
 from layertap.store.index import (
     ERRORS_DIR,
     INDEX_DIR,
@@ -32,8 +33,7 @@ from layertap.store.index import (
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
 from layertap.store.token_freq import TOKEN_FREQ_DIR, committed_counts, count_line, write_token_freq
-from layertap.trainers import write_training_guide
-from layertap.validate import all_finite, state_problems
+from layertap.store.validate import all_finite, state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
 CheckLevel = Literal["quick", "full"]

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from layertap.cli import hf_engine_factory
 from layertap.diskspace import bytes_per_token, free_bytes, job_bytes_estimate
+from layertap.engines.factory import hf_engine_factory
 from layertap.models.folder import model_dims
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec

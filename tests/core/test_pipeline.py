@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from layertap.cli import hf_engine_factory
+from layertap.engines.factory import hf_engine_factory
 from layertap.errors import DatasetError
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec

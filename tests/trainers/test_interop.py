@@ -26,7 +26,7 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from layertap.cli import hf_engine_factory
+from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from tests.core.datasets import conversation_rows, write_jsonl

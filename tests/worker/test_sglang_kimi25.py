@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, cpu_server_env
-from layertap.models import build_tiny_model
 from layertap.store.store import OutputStore
+from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 from tests.core.test_kimi_k25_run import LAYERS, check_states_equal_hf, extract
 from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, SGLANG_PYTHON

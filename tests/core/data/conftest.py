@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from layertap.models.tokenizer import build_tokenizer
+from layertap.tiny.tokenizer import build_tokenizer
 
 ASSETS = Path(__file__).parents[2] / "assets"
 DATASETS = ASSETS / "datasets"

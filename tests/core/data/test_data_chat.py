@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from layertap.data import ChatTokenizer, Conversation, Preformatted, Pretokenized, check_loss_mask, parse_row
 from layertap.errors import DatasetError, RowError
-from layertap.models.tokenizer import build_tokenizer
 from layertap.sample import TokenizedSample
+from layertap.tiny.tokenizer import build_tokenizer
 
 CALL_ID = "functions.get_weather:0"
 ROW = {

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from layertap.engines.sglang import server_model_args, sglang_compute_dtype
-from layertap.models import ModelFolder, build_tiny_model
+from layertap.models import ModelFolder
+from layertap.tiny import build_tiny_model
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from layertap.cli import hf_engine_factory
+from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from tests.core.datasets import conversation_rows, write_jsonl

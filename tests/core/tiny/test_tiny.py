@@ -15,8 +15,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3MoE,
 )
 
-from layertap.models import KIMI_K2_EXTRA_CONFIG, TINY_ARCHS, build_tiny_model
 from layertap.models.folder import model_dims
+from layertap.tiny import KIMI_K2_EXTRA_CONFIG, TINY_ARCHS, build_tiny_model
 
 
 def _file_hashes(folder: Path) -> dict[str, str]:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from layertap.models import kimi_processor
 from layertap.models.folder import WRAPPED_PREFIX
-from layertap.models.kimi_tokenizer import BOS, IM_END, MEDIA_PAD, PAD, write_tokenizer_files
+from layertap.tiny import kimi_processor
+from layertap.tiny.kimi_tokenizer import BOS, IM_END, MEDIA_PAD, PAD, write_tokenizer_files
 
 # MoonViT scaled down: head dim 16 (the 2-D rope needs a multiple of 4), one block, a 4x4 position grid.
 TINY_VISION: dict[str, Any] = {

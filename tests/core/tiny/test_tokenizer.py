@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from layertap.models import SPECIAL_TOKENS, build_tokenizer
+from layertap.tiny import SPECIAL_TOKENS, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,7 +30,7 @@ def test_build_is_byte_identical_across_builds_and_processes(tok: PreTrainedToke
     assert _tokenizer_json_sha(build_tokenizer(), tmp_path / "b") == here
     # A fresh interpreter has a different hash seed: training must not depend on it.
     code = (
-        "import hashlib, sys; from layertap.models import build_tokenizer; "
+        "import hashlib, sys; from layertap.tiny import build_tokenizer; "
         "build_tokenizer().save_pretrained(sys.argv[1]); "
         "print(hashlib.sha256(open(sys.argv[1] + '/tokenizer.json', 'rb').read()).hexdigest())"
     )

@@ -29,8 +29,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from layertap.models.kimi_k25 import build_kimi_k25
-from layertap.models.tokenizer import build_tokenizer
+from layertap.tiny.kimi_k25 import build_kimi_k25
+from layertap.tiny.tokenizer import build_tokenizer
 
 TinyArch = Literal["llama", "kimi-k2", "kimi-k2.5"]
 TINY_ARCHS: tuple[TinyArch, ...] = ("llama", "kimi-k2", "kimi-k2.5")

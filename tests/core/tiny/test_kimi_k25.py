@@ -12,8 +12,9 @@ from layertap.data.chat import ChatTokenizer
 from layertap.data.reader import iter_rows
 from layertap.data.rows import parse_row, sample_id_of
 from layertap.errors import SpecError
-from layertap.models import SHAPES, ModelFolder, build_tiny_model
-from layertap.models.kimi_k25 import deepseek_v3_shapes
+from layertap.models import ModelFolder
+from layertap.tiny import SHAPES, build_tiny_model
+from layertap.tiny.kimi_k25 import deepseek_v3_shapes
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "datasets"
 

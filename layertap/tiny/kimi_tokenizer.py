@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from layertap.models import tiktoken_tokenizer
-from layertap.models.tokenizer import SPECIAL_TOKENS, TEXT_MACRO, train_bpe
+from layertap.tiny import tiktoken_tokenizer
+from layertap.tiny.tokenizer import SPECIAL_TOKENS, TEXT_MACRO, train_bpe
 
 TOKENIZER_MODULE = "tokenization_tiny_kimi"
 TOKENIZER_CLASS = "TinyKimiTokenizer"

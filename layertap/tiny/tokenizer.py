@@ -8,7 +8,7 @@ builds give byte-identical `tokenizer.json` files (and so identical tokenizer ha
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from layertap.models.corpus import CORPUS
+from layertap.tiny.corpus import CORPUS
 
 BOS = "<|bos|>"
 PAD = "<|pad|>"

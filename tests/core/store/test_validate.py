@@ -2,7 +2,7 @@
 
 import torch
 
-from layertap.validate import all_finite
+from layertap.store.validate import all_finite
 
 
 def test_all_finite_catches_every_nan_and_inf() -> None:

@@ -1,0 +1,35 @@
+"""Engine factories: what a run calls to build its engine once the capture spec is known. The engines' own
+modules are imported only when a factory is called (they load transformers or httpx)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layertap.spec import CaptureSpec
+
+
+def hf_engine_factory(model: Path, device: str, batch_tokens: int):
+    """An engine factory for the in-process HF engine (imported lazily: it loads transformers)."""
+
+    def make(capture: CaptureSpec):
+        from layertap.engines.hf import HFEngine
+
+        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens)
+
+    return make
+
+
+def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
+                          in_flight: int, sglang_python: Path, sglang_args: str, trust_remote_code: bool = False):  # fmt: skip
+    """An engine factory for a capture server (the worker's SGLang engine; imported only when chosen)."""
+
+    def make(capture: CaptureSpec):
+        from layertap.engines.sglang import SGLangEngine, start_server
+
+        dumps = dump_root or out.parent / f".{out.name}-dumps"
+        server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
+                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
+                              store_format=store_format, trust_remote_code=trust_remote_code)  # fmt: skip
+        return SGLangEngine(server, capture, dump_root=dumps, job=out.name, in_flight=in_flight)
+
+    return make
