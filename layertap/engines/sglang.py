@@ -11,8 +11,9 @@ store's format, loss mask included (sent with the request): the yielded sample t
 and the store commits it by renaming it, no bytes copied when the dump root shares its filesystem.
 
 Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
-process can never be taken for a fresh one. A dead server is restarted and the requests it held are
-sent again (not counted against the samples); one sample's failure is yielded as a FailedCapture.
+process can never be taken for a fresh one. A dead server this process launched is restarted and the
+requests it held are sent again (not counted against the samples); a dead server given by URL ends the
+run (someone else runs it). One sample's failure is yielded as a FailedCapture.
 """
 
 from __future__ import annotations
@@ -271,12 +272,19 @@ class SGLangEngine(Engine):
                     self._discard(rid)
 
     def _recover(self, reason: str) -> None:
-        """The server dropped requests: restart it if it is down, within the restart budget."""
+        """The server dropped requests: restart it if it is down and ours, within the restart budget; the
+        error then names how it ended and the decisive line of its log (the exception that killed it)."""
         if self.server.alive():
             return
-        if self.server.restarts >= self.max_server_restarts:
-            raise ServerError(f"SGLang server down again after {self.server.restarts} restarts: {reason}")
-        log.warning("SGLang server is down (%s); restarting it and resending its requests", reason)
+        if not self.server.owned:
+            raise ServerError(
+                f"the SGLang server at {self.server.url} is down ({reason}). It was given by URL, so layertap does "
+                "not restart it: restart it and run again (committed samples are kept)"
+            )
+        ended, restarts = self.server.ended(), self.server.restarts
+        if restarts >= self.max_server_restarts:
+            raise ServerError(self.server.failure(f"{ended} again after {restarts} restart{'s' * (restarts != 1)}"))
+        log.warning("%s\nrestarting it and resending its requests", self.server.failure(ended))
         self.server.restart()
 
     def release(self, captured: CapturedSample) -> None:
@@ -308,23 +316,35 @@ def sglang_compute_dtype(server_dtype: str, folder_dtype: str) -> str:
     return "float16" if folder_dtype == "float32" else folder_dtype
 
 
+# layertap's own opt-out of --skip-tokenizer-init, given in --sglang-args; never passed to SGLang.
+KEEP_TOKENIZER_FLAG = "--no-skip-tokenizer-init"
+
+
 def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remote_code: bool) -> list[str]:
-    """Flags a launched server needs for ``folder``: its own dtype unless ``--dtype`` is given (a warning
-    when the given one downcasts), and ``--trust-remote-code`` when the run allows the folder's code."""
-    extra = []
-    given = next((a.split("=", 1)[1] if "=" in a else sglang_args[i + 1] for i, a in enumerate(sglang_args)
+    """Every flag a launched server gets for ``folder``: the user's ``sglang_args``, then
+
+    - ``--skip-tokenizer-init``: the engine sends token ids and reads no text, and SGLang's detokenizer
+      would kill the server on a generated id the folder's tokenizer lacks; ``--no-skip-tokenizer-init``
+      in ``sglang_args`` keeps SGLang's tokenizer (and is not passed on);
+    - the folder's own dtype unless ``--dtype`` is given (a warning when the given one downcasts);
+    - ``--trust-remote-code`` when the run allows the folder's code.
+    """
+    args = [a for a in sglang_args if a != KEEP_TOKENIZER_FLAG]
+    if KEEP_TOKENIZER_FLAG not in sglang_args and "--skip-tokenizer-init" not in args:
+        args.append("--skip-tokenizer-init")
+    given = next((a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
                   if a == "--dtype" or a.startswith("--dtype=")), None)  # fmt: skip
     if given is None:
-        extra += ["--dtype", folder.dtype]
+        args += ["--dtype", folder.dtype]
     elif (computed := sglang_compute_dtype(given, folder.dtype)) != folder.dtype:
         log.warning(
             "the SGLang server will compute in %s (--dtype %s) while %s is saved in %s: expect states to differ "
             "from the model's own (MoE routing can flip on near-ties); leave --dtype out to compute in %s",
             computed, given, folder.path, folder.dtype, folder.dtype,
         )  # fmt: skip
-    if trust_remote_code and "--trust-remote-code" not in sglang_args:
-        extra.append("--trust-remote-code")
-    return extra
+    if trust_remote_code and "--trust-remote-code" not in args:
+        args.append("--trust-remote-code")
+    return args
 
 
 def start_server(
@@ -341,13 +361,13 @@ def start_server(
     trust_remote_code: bool = False,
 ) -> SGLangServer:
     """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
-    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited), writing dumps for a store in
-    `store_format`, computing in the model's own dtype unless ``sglang_args`` say otherwise; returns it ready."""
+    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited; SGLang's crash diagnostics are off),
+    writing dumps for a store in `store_format`, with the flags of `server_model_args` (no SGLang tokenizer,
+    the model's own dtype, unless ``sglang_args`` say otherwise); returns it ready."""
     if server_url:
         server = SGLangServer(url=server_url)
     else:
-        args = shlex.split(sglang_args)
-        args += server_model_args(ModelFolder.read(model), args, trust_remote_code=trust_remote_code)
+        args = server_model_args(ModelFolder.read(model), shlex.split(sglang_args), trust_remote_code=trust_remote_code)
         config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers,
                               final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
                               sglang_args=tuple(args), layout=dump_layout(store_format, capture))  # fmt: skip

@@ -4,7 +4,8 @@ It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or atta
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
 it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
 a bounded number of times; the final error says in two lines how the last try ended, the decisive
-line of its log, and the log's path. The server runs in its own process group (so stop() takes the
+line of its log, and the log's path; SGLang's crash diagnostics (a minute of py-spy and CUDA core dumps
+before a crashed server exits) are off, so a retry comes within seconds. The server runs in its own process group (so stop() takes the
 scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
 SIGKILLed worker leaves no orphan holding GPU memory.
 """
@@ -37,6 +38,11 @@ _PR_SET_PDEATHSIG = 1
 # on a small CPU box (the test suite keeps a few servers up for the whole session).
 CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
                    "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
+
+# Crash diagnostics of SGLang 0.5.14 (0.5.10 reads neither): before a crashed server exits, a py-spy dump of
+# every scheduler and a CUDA core dump with a 60 s wait. An owned server is restarted at once instead, so
+# they are off unless the server's environment turns them on (its variables win over these).
+CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 def cpu_server_env(cuda_stub_dir: Path, tp_size: int = 1) -> dict[str, str]:
@@ -164,6 +170,11 @@ class SGLangServer:
         self.restarts = 0
 
     @property
+    def owned(self) -> bool:
+        """Whether this process launched the server (and so may restart it)."""
+        return self.config is not None
+
+    @property
     def url(self) -> str:
         if self._url is None:
             raise ServerError("the SGLang server has not been started")
@@ -183,7 +194,7 @@ class SGLangServer:
                 return
             self.kill()
             if attempt == cfg.start_attempts:
-                raise ServerError(self._failure(f"failed to start ({attempt} tries); the last {failure}"))
+                raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)
             log.warning(
                 "SGLang server start %d/%d failed (%s: %s); retrying in %.0f s",
@@ -200,9 +211,15 @@ class SGLangServer:
     def wait_ready(self) -> None:
         """Block until the server answers ``/health``; raises ServerError if it dies or times out first."""
         if (failure := self._wait_ready(self.config.startup_timeout_s if self.config else 60.0)) is not None:
-            raise ServerError(self._failure(failure))
+            raise ServerError(self.failure(failure))
 
-    def _failure(self, what: str) -> str:
+    def ended(self) -> str:
+        """How an owned server's process ended ("exited with code 1", "exited on signal 9 (SIGKILL)"), or
+        "is still running"."""
+        code = self._proc.poll() if self._proc is not None else None
+        return "is still running" if code is None else f"exited {describe_exit(code)}"
+
+    def failure(self, what: str) -> str:
         """Two lines: what happened with the decisive line of this try's log, then the log's path."""
         if self.config is None:
             return f"SGLang server at {self.url} {what}"
@@ -216,7 +233,7 @@ class SGLangServer:
         port = cfg.port or free_port()
         # The repo first (for sglang_patch), then whatever the server's environment already had.
         pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **cfg.env, "PYTHONPATH": pythonpath}
+        env = {**CRASH_DIAGNOSTICS_OFF, **os.environ, **cfg.env, "PYTHONPATH": pythonpath}
         env.pop("VIRTUAL_ENV", None)
         with cfg.log_path.open("ab") as logf:
             logf.write(f"--- layertap: {what} on port {port} ---\n".encode())
@@ -267,7 +284,7 @@ class SGLangServer:
         if self.config is None:
             raise ServerError(f"the SGLang server at {self.url} is down and is not ours to restart")
         self.restarts += 1
-        log.warning("restarting SGLang capture server (restart %d):\n%s", self.restarts, self.log_tail(20))
+        log.info("restarting SGLang capture server (restart %d)", self.restarts)
         self.stop()
         self.start()
 
@@ -287,8 +304,3 @@ class SGLangServer:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.config is None or not self.config.log_path.exists():
-            return "(no log: attached server)"
-        return "\n".join(self.config.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -1,12 +1,13 @@
-"""What a launched SGLang server is told for a folder: its own dtype unless given one (warned when SGLang
-would downcast), --trust-remote-code only when the run allows it; and what dtype a server computes in."""
+"""What a launched SGLang server is told for a folder: no SGLang tokenizer unless kept, its own dtype unless
+given one (warned when SGLang would downcast), --trust-remote-code only when the run allows it; and what
+dtype a server computes in."""
 
 import logging
 
 import pytest
 import torch
 
-from layertap.engines.sglang import server_model_args, sglang_compute_dtype
+from layertap.engines.sglang import KEEP_TOKENIZER_FLAG, server_model_args, sglang_compute_dtype
 from layertap.models import ModelFolder
 from layertap.tiny import build_tiny_model
 
@@ -22,11 +23,20 @@ def test_compute_dtype(server, folder, computed) -> None:
 
 def test_launch_flags_follow_the_folder(tiny_kimi25, tmp_path, caplog) -> None:
     folder = ModelFolder.read(tiny_kimi25)
-    assert server_model_args(folder, ["--tp-size", "2"], trust_remote_code=False) == ["--dtype", "float32"]
-    assert server_model_args(folder, [], trust_remote_code=True) == ["--dtype", "float32", "--trust-remote-code"]
-    assert server_model_args(folder, ["--dtype=float32", "--trust-remote-code"], trust_remote_code=True) == []
+    skip = "--skip-tokenizer-init"
+    assert server_model_args(folder, ["--tp-size", "2"], trust_remote_code=False) == [
+        "--tp-size", "2", skip, "--dtype", "float32"]  # fmt: skip
+    assert server_model_args(folder, [], trust_remote_code=True) == [skip, "--dtype", "float32", "--trust-remote-code"]
+    given = ["--dtype=float32", "--trust-remote-code", skip]
+    assert server_model_args(folder, given, trust_remote_code=True) == given
     with caplog.at_level(logging.WARNING):
-        assert server_model_args(folder, ["--dtype", "auto"], trust_remote_code=False) == []
+        assert server_model_args(folder, ["--dtype", "auto"], trust_remote_code=False) == ["--dtype", "auto", skip]
     assert "float16" in caplog.text and "float32" in caplog.text
     bf16 = ModelFolder.read(build_tiny_model("kimi-k2.5", tmp_path / "bf16", dtype=torch.bfloat16, num_hidden_layers=2))
-    assert server_model_args(bf16, [], trust_remote_code=False) == ["--dtype", "bfloat16"]
+    assert server_model_args(bf16, [], trust_remote_code=False) == [skip, "--dtype", "bfloat16"]
+
+
+def test_the_opt_out_keeps_sglang_tokenizer_and_is_not_passed_on(tiny_kimi25) -> None:
+    folder = ModelFolder.read(tiny_kimi25)
+    args = server_model_args(folder, [KEEP_TOKENIZER_FLAG, "--tp-size", "2"], trust_remote_code=False)
+    assert args == ["--tp-size", "2", "--dtype", "float32"]

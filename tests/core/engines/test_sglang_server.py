@@ -113,3 +113,66 @@ def test_a_start_that_fails_once_is_retried_and_the_server_then_serves(tiny_llam
     log = (tmp_path / "server.log").read_text()
     first, second = log.split("--- layertap: start attempt 2/3")
     assert "start attempt 1/3" in first and "Read timed out" in first and "Read timed out" not in second
+
+
+# A forward hook that raises on the first captured request (rid prefix "hscap:"), not on SGLang's warm-up:
+# a server that dies at its first request, of a cause the test controls (as a tokenizer's KeyError did).
+CRASH_HOOK = """
+def factory(config):
+    def hook(module, inputs, output):
+        if any(str(rid).startswith("hscap:") for rid in getattr(inputs[2], "rids", None) or []):
+            raise KeyError(3720)
+    return hook
+"""
+
+
+@pytest.mark.sglang
+def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attached_ones_are_not(
+    tiny_llama, cuda_stub_dir, tmp_path, monkeypatch, caplog
+):
+    import json
+    import logging
+
+    import torch
+
+    from layertap.engines.sglang import SGLangEngine
+    from layertap.sample import TokenizedSample
+    from layertap.spec import resolve_capture
+
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "crash_hook.py").write_text(CRASH_HOOK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hooks"))
+    hooks = [
+        {"name": "crash", "target_modules": ["model.layers.0"], "hook_factory": "crash_hook:factory", "config": {}}
+    ]
+    config = _config(SGLANG_PYTHON, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5,
+                     sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", "--forward-hooks", json.dumps(hooks)))  # fmt: skip
+    capture = resolve_capture(list(DEFAULT_LAYERS["llama"]), convention="capture", num_layers=6, final="post")
+    sample = TokenizedSample("s0", 0, torch.arange(4, 40), torch.ones(36, dtype=torch.uint8))
+    owned = SGLangServer(config)
+    owned.start()
+    try:
+        # Attached by URL: the server dies and the one message says it is not restarted (nothing says it is).
+        attached = SGLangEngine(SGLangServer(url=owned.url), capture, dump_root=config.dump_root, job="t")
+        with caplog.at_level(logging.INFO), pytest.raises(ServerError) as info:
+            list(attached.capture([sample]))
+        assert f"the SGLang server at {owned.url} is down" in str(info.value)
+        assert "layertap does not restart it" in str(info.value)
+        assert "restart" not in caplog.text.lower()
+        # Owned (and dead by now): restarted once, dies again, and the error names the exception and the log.
+        caplog.clear()
+        engine = SGLangEngine(owned, capture, dump_root=config.dump_root, job="t", max_server_restarts=1)
+        with caplog.at_level(logging.WARNING), pytest.raises(ServerError) as info:
+            list(engine.capture([sample]))
+    finally:
+        owned.stop()
+    assert owned.restarts == 1
+    first, log_line = str(info.value).splitlines()
+    assert first.startswith("SGLang server exited ") and first.endswith(" again after 1 restart: 'KeyError: 3720'")
+    assert log_line == f"server log: {config.log_path}"
+    warned = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+    assert len(warned) == 1 and "'KeyError: 3720'" in warned[0]
+    log = config.log_path.read_text()
+    assert "py-spy" not in log.lower() and log.count("--- layertap: start attempt 1/3") == 2
