@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
+from layertap.cli_audit import register_audit_command
 from layertap.cli_jobs import register_job_commands
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
@@ -229,3 +230,4 @@ def demo(out: Path, fmt: str) -> None:
 
 
 register_job_commands(main)
+register_audit_command(main)

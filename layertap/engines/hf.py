@@ -42,16 +42,29 @@ def token_batches(
         yield batch
 
 
-def load_language_model(folder: ModelFolder, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_language_model(
+    folder: ModelFolder,
+    dtype: torch.dtype | None = None,
+    *,
+    num_layers: int | None = None,
+    device_map: str | None = None,
+) -> PreTrainedModel:
     """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
-    ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out."""
+    ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out.
+    ``num_layers`` keeps only the first decoder layers (their weights alone are loaded: the audit's cost control);
+    ``device_map`` is transformers' own (``"auto"`` spreads the weights over the GPUs)."""
+    layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
     if not folder.wrapped:
-        return AutoModelForCausalLM.from_pretrained(folder.path, dtype=dtype or "auto")
-    config = AutoConfig.for_model(**folder.text_config)
+        config = AutoConfig.from_pretrained(folder.path, **layers)
+        return AutoModelForCausalLM.from_pretrained(
+            folder.path, config=config, dtype=dtype or "auto", device_map=device_map
+        )
+    config = AutoConfig.for_model(**{**folder.text_config, **layers})
     model, info = AutoModelForCausalLM.from_pretrained(
         folder.path,
         config=config,
         dtype=dtype or getattr(torch, folder.dtype),
+        device_map=device_map,
         key_mapping={"^" + folder.prefix.replace(".", r"\."): ""},
         output_loading_info=True,
     )

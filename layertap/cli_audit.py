@@ -1,0 +1,69 @@
+"""``layertap audit``: check a store's hidden states against an HF transformers reference (see `layertap.audit`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from layertap.errors import LayertapError
+
+console = Console(stderr=True)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--samples", type=int, default=None, help="Samples to audit (default 32 unless --fraction).")
+@click.option("--fraction", type=float, default=None, help="Share of the committed samples to audit instead.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Picks the samples: same seed, same samples.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, or auto (spread over GPUs).")
+@click.option(
+    "--model",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="The model folder, if it moved since the extraction (its config.json must be the manifest's).",
+)
+@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per forward.")
+@click.option("--no-final", is_flag=True, help="Leave the final state out: run only up to the deepest captured layer.")
+@click.option("--trust-remote-code", is_flag=True, help="As for extract: the folder ships code (read it first).")
+def audit(
+    out: Path,
+    samples: int | None,
+    fraction: float | None,
+    seed: int,
+    device: str,
+    model: Path | None,
+    batch_tokens: int,
+    no_final: bool,
+    trust_remote_code: bool,
+) -> None:
+    """Audit a random subset of OUT's samples against the model run in HF transformers; exit 1 on FAIL.
+
+    Per captured state and token: the error against a float32 reference, next to the noise floor (the same
+    reference at the store's compute dtype), outliers explained by MoE routing near-ties, and negative controls
+    that must fail. Writes OUT/reports/audit-*.json and .md."""
+    import transformers
+
+    from layertap.audit import audit_store
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if samples is None and fraction is None:
+        samples = 32
+    try:
+        report = audit_store(out, samples=samples, fraction=fraction, seed=seed, device=device, model=model,
+                             trust_remote_code=trust_remote_code, batch_tokens=batch_tokens, final=not no_final)  # fmt: skip
+    except LayertapError as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        sys.exit(2)
+    click.echo(report.markdown())
+    colour = "green" if report.passed else "red"
+    console.print(f"[{colour}]{escape(report.summary())}[/]; report: {', '.join(report.files)}")
+    sys.exit(0 if report.passed else 1)
+
+
+def register_audit_command(group: click.Group) -> None:
+    group.add_command(audit)

@@ -1,0 +1,159 @@
+"""`layertap audit` on real stores: PASS on what the HF engine and the CPU SGLang server stored (tiny Llama,
+Kimi-K2, the Kimi-K2.5 wrapper), FAIL naming the state and the cause on copies of a real store corrupted the ways
+the seed's bug and its relatives corrupt: states shifted one token, another sample's states under this sample's
+ids, a layer swapped, pre-norm stored as post-norm, a few token rows zeroed.
+
+The corrupted files are re-hashed into the index, so `layertap verify` passes them: the audit alone catches them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.audit import audit_store
+from layertap.store.atomic import sha256_file
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+from tests.sglang_fixtures import DEFAULT_LAYERS
+
+DATA = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
+KIMI_LAYERS = DEFAULT_LAYERS["kimi-k2"]  # 1 (after the dense layer only), 2 and 4 (after MoE layers)
+
+
+def extract(model: Path, out: Path, layers: tuple[int, ...], *args: str) -> Path:
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(DATA),
+         "--layers", ",".join(map(str, layers)), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    return out
+
+
+def assert_passes(out: Path, **kw) -> None:
+    report = audit_store(out, samples=6, seed=1, write=False, **kw)
+    assert report.passed, report.markdown()
+    assert len(report.samples) == 6 and report.tokens == report.tokens_total  # the whole tiny store
+    for state in report.states:
+        assert state.unexplained == 0 and all(ratio > 50 for ratio in state.controls.values()), report.markdown()
+
+
+@pytest.fixture(scope="module")
+def kimi_store(tiny_kimi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HF engine's specforge store of the tiny Kimi-K2 (bf16 on disk): the base the corruptions copy."""
+    return extract(tiny_kimi, tmp_path_factory.mktemp("audit") / "kimi", KIMI_LAYERS)
+
+
+def test_hf_engine_stores_pass(kimi_store: Path, tiny_llama: Path, tiny_kimi25: Path, tmp_path: Path) -> None:
+    assert_passes(kimi_store)
+    assert_passes(extract(tiny_llama, tmp_path / "llama", DEFAULT_LAYERS["llama"]))
+    wrapper = extract(tiny_kimi25, tmp_path / "kimi25", KIMI_LAYERS, "--format", "speculators", "--trust-remote-code")
+    assert_passes(wrapper, trust_remote_code=True)
+
+
+def test_cli_writes_the_report_and_exits_by_verdict(kimi_store: Path, tmp_path: Path) -> None:
+    store = shutil.copytree(kimi_store, tmp_path / "store")
+    audit = [sys.executable, "-m", "layertap", "audit", str(store), "--fraction", "0.5", "--seed", "3"]
+    run = subprocess.run(audit, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| capture 1 |" in run.stdout and "3 of 6 samples" in run.stderr
+    report = json.loads(next((store / "reports").glob("audit-*.json")).read_text())
+    assert report["passed"] and len(report["samples"]) == 3
+    rewrite(store, report["samples"][0], lambda t: {**t, "aux_hidden_state": t["aux_hidden_state"].roll(1, dims=1)})
+    run = subprocess.run(audit, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1 and "shifted one token" in run.stdout, run.stdout + run.stderr
+
+
+def rewrite(store: Path, sample_id: str, change: Callable[[dict], dict]) -> None:
+    """Replace one specforge sample file with ``change(tensors)`` and re-hash it into the index, as a
+    consistent writer of wrong states would."""
+    logs = sorted((store / "index").glob("*.jsonl"))
+    lines = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    rec = next(r for r in lines if r["sample_id"] == sample_id)
+    path = store / rec["file"]
+    tensors = change(torch.load(path, weights_only=True))
+    torch.save(tensors, path)
+    for log in logs:
+        out = []
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            if r["sample_id"] == sample_id:
+                r.update(sha256=sha256_file(path), nbytes=path.stat().st_size)
+            out.append(json.dumps(r))
+        fresh = log.with_suffix(".new")  # a new inode: index readers re-read a replaced log
+        fresh.write_text("\n".join(out) + "\n")
+        fresh.replace(log)
+
+
+def other_samples_states(store: Path, victim: dict) -> Callable[[dict], dict]:
+    """The states of a longer sample, cut to the victim's length, under the victim's ids and mask."""
+    records = OutputStore.open_existing(store).records().values()
+    donor = max(records, key=lambda r: r.num_tokens)
+    states = torch.load(store / donor.file, weights_only=True)
+    t = victim["input_ids"].numel()
+    return lambda tensors: {**tensors, "hidden_state": states["hidden_state"][:, :t].clone(),
+                            "aux_hidden_state": states["aux_hidden_state"][:, :t].clone()}  # fmt: skip
+
+
+def swap_layer(tensors: dict) -> dict:
+    """Capture index 2's slot holds capture index 4's states."""
+    aux = tensors["aux_hidden_state"].clone()
+    h = tensors["hidden_state"].shape[-1]
+    aux[..., h : 2 * h] = aux[..., 2 * h : 3 * h]
+    return {**tensors, "aux_hidden_state": aux}
+
+
+def zero_rows(tensors: dict) -> dict:
+    aux, final = tensors["aux_hidden_state"].clone(), tensors["hidden_state"].clone()
+    aux[:, [3, 10, 11]] = 0
+    final[:, [3, 10, 11]] = 0
+    return {**tensors, "aux_hidden_state": aux, "hidden_state": final}
+
+
+def shift(tensors: dict) -> dict:
+    return {k: v.roll(1, dims=1) if k.endswith("hidden_state") else v for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize(
+    ("corruption", "states", "cause"),
+    [
+        ("shift", ["capture 1", "capture 2", "capture 4", "final (post-norm)"], "shifted one token"),
+        ("another sample", ["capture 1", "capture 2", "capture 4", "final (post-norm)"], "another sample's states"),
+        ("layer swap", ["capture 2"], "layer swapped: holds the capture 4 state"),
+        ("pre-norm as post-norm", ["final (post-norm)"], "pre-norm stored as post-norm"),
+        ("zeroed rows", ["capture 1", "capture 2", "capture 4", "final (post-norm)"], "3 token rows zeroed"),
+    ],
+)
+def test_corrupted_store_fails_naming_state_and_cause(
+    kimi_store: Path, tmp_path: Path, tiny_kimi: Path, hf_reference, corruption: str, states: list[str], cause: str
+) -> None:
+    store = shutil.copytree(kimi_store, tmp_path / "store")
+    victim_rec = min(OutputStore.open_existing(store).records().values(), key=lambda r: r.num_tokens)
+    victim = torch.load(store / victim_rec.file, weights_only=True)
+    change = {
+        "shift": shift,
+        "another sample": other_samples_states(store, victim),
+        "layer swap": swap_layer,
+        "pre-norm as post-norm": lambda t: {**t, "hidden_state": hf_reference(tiny_kimi).states(t["input_ids"])[1][None]
+                                            .to(t["hidden_state"].dtype)},
+        "zeroed rows": zero_rows,
+    }[corruption]  # fmt: skip
+    rewrite(store, victim_rec.sample_id, change)
+    check = verify_store(store)
+    assert check.ok, check.problems  # consistently re-hashed: only the audit can tell
+    report = audit_store(store, samples=6, write=False)
+    assert not report.passed
+    failed = {s.state: s for s in report.states if not s.passed}
+    assert sorted(failed) == sorted(states), report.markdown()
+    for state in failed.values():
+        assert state.failed_samples == {victim_rec.sample_id: state.failed_samples[victim_rec.sample_id]}
+        assert cause in state.failed_samples[victim_rec.sample_id], report.markdown()
+    assert cause in report.markdown()
