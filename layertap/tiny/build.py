@@ -108,7 +108,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 16,
                       "num_experts_per_tok": 8, "vocab_size": 4096},
 }  # fmt: skip
-# The tiny Kimi-K2.5 tokenizer has ~1.6K tokens; its language model's embedding has room to spare.
+# The tiny Kimi-K2.5 tokenizer has ~1.6K tokens and reserved ones up to its language model's vocabulary.
 _KIMI_K25_VOCAB = 2048
 
 # Fields real Kimi-K2 / DeepSeek-V3 config.json files carry that DeepseekV3Config does not save; SGLang
@@ -203,7 +203,7 @@ def build_tiny_model(
             raise ValueError(f"shape {shape!r} is a DeepseekV3 size; arch {arch!r} has only the 'tiny' shape")
         overrides = {**SHAPES[shape], **overrides}
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(overrides.get("vocab_size"))  # a larger vocabulary: reserved ids that decode
     # Built without initialising (meta device), then given uninitialised memory in `dtype`: every
     # saved tensor is drawn by `_init_weights`, so transformers' own init would be thrown away
     # (minutes at Kimi-K2 width).

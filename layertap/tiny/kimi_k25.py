@@ -4,7 +4,8 @@
 model's DeepseekV3 config under `text_config` (MLA + MoE + yarn, as `tiny.py`'s kimi-k2) and a tiny
 MoonViT `vision_config`; `model.safetensors` holds the language model under `language_model.` and a tiny
 vision tower and projector under `vision_tower.` / `mm_projector.`, so SGLang's own `kimi_k25` class loads
-it; the tokenizer and the processor are code in the folder (`kimi_tokenizer.py`, `kimi_processor.py`).
+it; the config class, the tokenizer and the processor are code in the folder (`kimi_config.py`,
+`kimi_tokenizer.py`, `kimi_processor.py`), named by `auto_map`.
 
 Weights are drawn tensor by tensor from generators seeded by (seed, tensor name), in threads, straight into
 the checkpoint's names and shapes: no model is built, so a Kimi-K2-width folder (hidden 7168, ~3B
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from layertap.models.folder import WRAPPED_PREFIX
-from layertap.tiny import kimi_processor
+from layertap.tiny import kimi_config, kimi_processor
 from layertap.tiny.kimi_tokenizer import BOS, IM_END, MEDIA_PAD, PAD, write_tokenizer_files
 
 # MoonViT scaled down: head dim 16 (the 2-D rope needs a multiple of 4), one block, a 4x4 position grid.
@@ -83,6 +84,13 @@ def write_processor_files(out_dir: Path, vision: dict[str, Any]) -> None:
         "media_proc_cfg": _media_proc_cfg(vision),
     }
     (out_dir / kimi_processor.PROCESSOR_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_config_class(out_dir: Path) -> dict[str, str]:
+    """The folder's config class (`configuration_kimi_k25.py`); returns config.json's `auto_map` naming it."""
+    module = "configuration_kimi_k25"
+    shutil.copyfile(kimi_config.__file__, out_dir / f"{module}.py")
+    return {"AutoConfig": f"{module}.{kimi_config.KimiK25Config.__name__}"}
 
 
 def deepseek_v3_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -175,17 +183,16 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
 def build_kimi_k25(out_dir: Path, text_config: dict[str, Any], *, seed: int, dtype: torch.dtype) -> Path:
     """Write the wrapper folder for the DeepseekV3 `text_config` (vocab, layers, MLA and MoE sizes set)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    special = write_tokenizer_files(out_dir)
+    special = write_tokenizer_files(out_dir, text_config["vocab_size"])
     dtype_name = str(dtype).removeprefix("torch.")
     ids = {"bos_token_id": special[BOS], "eos_token_id": special[IM_END], "pad_token_id": special[PAD]}
-    if text_config["vocab_size"] < len(special) + min(special.values()):
-        raise ValueError(f"vocab_size {text_config['vocab_size']} is smaller than the tokenizer's vocabulary")
     text = {**text_config, **ids, "dtype": dtype_name, "architectures": ["DeepseekV3ForCausalLM"]}
     vision = _vision_config(text["hidden_size"])
     write_processor_files(out_dir, vision)
     config = {
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
+        "auto_map": write_config_class(out_dir),
+        "model_type": kimi_config.KimiK25Config.model_type,
         "text_config": text,
         "vision_config": vision,
         "media_placeholder_token_id": special[MEDIA_PAD],

@@ -78,10 +78,16 @@ def bpe_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def write_tokenizer_files(out_dir: Path) -> dict[str, int]:
+def write_tokenizer_files(out_dir: Path, vocab_size: int) -> dict[str, int]:
     """Write `tiktoken.model`, the tokenizer class, `tokenizer_config.json` (with `auto_map` and the chat
-    template) into `out_dir`; return the special token ids by name. Deterministic: same bytes every time."""
+    template) into `out_dir`; return the special token ids by name. Deterministic: same bytes every time.
+
+    The ids past the special tokens up to `vocab_size` (the model's vocabulary) are reserved tokens, so every
+    id the model can emit decodes, as in a real folder (ValueError if `vocab_size` leaves no room for them)."""
     ranks = bpe_ranks()
+    end = len(ranks) + len(KIMI_SPECIAL_TOKENS)
+    if vocab_size < end:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's vocabulary ({end} ids)")
     lines = [
         f"{base64.b64encode(piece).decode()} {rank}\n" for piece, rank in sorted(ranks.items(), key=lambda x: x[1])
     ]
@@ -97,6 +103,7 @@ def write_tokenizer_files(out_dir: Path) -> dict[str, int]:
         "tokenizer_class": TOKENIZER_CLASS,
         "auto_map": {"AutoTokenizer": [f"{TOKENIZER_MODULE}.{TOKENIZER_CLASS}", None]},
         "added_tokens_decoder": added,
+        "num_reserved_special_tokens": vocab_size - end,
         "bos_token": BOS,
         "eos_token": IM_END,
         "pad_token": PAD,

@@ -9,6 +9,10 @@ The ranks file (`tiktoken.model`, one `base64(token bytes) rank` per line) holds
 special tokens come from `added_tokens_decoder` in tokenizer_config.json and are matched before BPE, as
 tiktoken does. `self.model` is the `tiktoken.Encoding`: layertap's loss-mask code reads token offsets from
 it (`decode_with_offsets`), since a Python tokenizer has no offset mapping.
+
+The ids above the special tokens up to the model's vocabulary (`num_reserved_special_tokens` of them, as real
+Kimi fills its vocabulary) are reserved tokens `<|reserved_token_N|>`: every id the model can emit decodes,
+but text never encodes to them (they are not matched), so encoding is what the BPE and the specials give.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers import AddedToken, PreTrainedTokenizer
 # Splits text into words, numbers, punctuation runs and whitespace before BPE (tiktoken regex syntax).
 PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 VOCAB_FILE = "tiktoken.model"
+RESERVED = "<|reserved_token_{}|>"
 
 
 def byte_to_char() -> dict[int, str]:
@@ -44,8 +49,15 @@ class TinyKimiTokenizer(PreTrainedTokenizer):
     vocab_files_names: ClassVar[dict[str, str]] = {"vocab_file": VOCAB_FILE}
     model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
 
-    def __init__(self, vocab_file: str, added_tokens_decoder: dict[int, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        vocab_file: str,
+        added_tokens_decoder: dict[int, Any] | None = None,
+        num_reserved_special_tokens: int = 0,
+        **kwargs: Any,
+    ) -> None:
         self.vocab_file = vocab_file
+        self.num_reserved_special_tokens = num_reserved_special_tokens
         ranks = load_tiktoken_bpe(vocab_file)
         specials: dict[str, int] = {}
         for idx, tok in (added_tokens_decoder or {}).items():
@@ -60,31 +72,45 @@ class TinyKimiTokenizer(PreTrainedTokenizer):
         self._c2b = {c: b for b, c in self._b2c.items()}
         self.encoder = {self._to_str(piece): rank for piece, rank in ranks.items()}
         self.decoder = {rank: piece for piece, rank in self.encoder.items()}
-        super().__init__(added_tokens_decoder=added_tokens_decoder, **kwargs)
+        first = self.model.n_vocab
+        self._reserved = {RESERVED.format(i): i for i in range(first, first + num_reserved_special_tokens)}
+        self._vocab_end = first + num_reserved_special_tokens
+        super().__init__(
+            added_tokens_decoder=added_tokens_decoder, num_reserved_special_tokens=num_reserved_special_tokens, **kwargs
+        )
 
     def _to_str(self, piece: bytes) -> str:
         return "".join(self._b2c[b] for b in piece)
 
     @property
     def vocab_size(self) -> int:
-        return self.model.n_vocab
+        return self._vocab_end
 
     def get_vocab(self) -> dict[str, int]:
-        return {**self.encoder, **self.added_tokens_encoder}
+        return {**self.encoder, **self.added_tokens_encoder, **self._reserved}
 
     def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
         # Special tokens were split off by the caller; what is left is plain text.
         return [self._to_str(self.model.decode_single_token_bytes(t)) for t in self.model.encode_ordinary(text)]
 
     def _convert_token_to_id(self, token: str) -> int:
-        return self.encoder[token]
+        return self.encoder[token] if token in self.encoder else self._reserved[token]
 
     def _convert_id_to_token(self, index: int) -> str:
+        if self.model.n_vocab <= index < self._vocab_end:
+            return RESERVED.format(index)
         return self.decoder[index]
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        data = bytes(self._c2b[c] for token in tokens for c in token)
-        return data.decode("utf-8", errors="replace")
+        # Reserved tokens are whole strings; byte-level pieces between them are joined into bytes and decoded.
+        out, pieces = [], []
+        for token in tokens:
+            if token in self._reserved:
+                out += [bytes(pieces).decode("utf-8", errors="replace"), token]
+                pieces = []
+            else:
+                pieces += [self._c2b[c] for c in token]
+        return "".join(out) + bytes(pieces).decode("utf-8", errors="replace")
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         import base64

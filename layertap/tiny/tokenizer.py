@@ -5,6 +5,8 @@ map tokens back to character spans, which the loss-mask code relies on. Training
 builds give byte-identical `tokenizer.json` files (and so identical tokenizer hashes in manifests).
 """
 
+import json
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -18,6 +20,7 @@ IM_END = "<|im_end|>"
 TOOL_CALL_START = "<|tool_call|>"
 TOOL_CALL_END = "<|/tool_call|>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, PAD, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
+RESERVED = "<|reserved_token_{}|>"  # ids past the BPE up to the model's vocabulary (as real Kimi fills its own)
 
 # Once the pairs seen twice run out, the trainer merges pairs seen once (whole corpus words): harmless.
 VOCAB_SIZE = 1536
@@ -83,14 +86,19 @@ def train_bpe() -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """Train the tiny byte-level BPE tokenizer (~1-2K tokens) and attach the chat template.
 
     BOS is not added by `encode` (no post-processor): the chat template renders it, so encoding a rendered
-    conversation with or without `add_special_tokens` gives the same ids.
+    conversation with or without `add_special_tokens` gives the same ids. `vocab_size` (a model's vocabulary,
+    larger than the BPE's) fills the ids past the BPE with reserved tokens `<|reserved_token_N|>`, so every id
+    the model can emit decodes; they sit in the BPE's vocabulary without merges, so no text encodes to them.
     """
+    bpe = train_bpe()
+    if vocab_size is not None:
+        bpe = _reserve_ids(bpe, vocab_size)
     return PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(),
+        tokenizer_object=bpe,
         bos_token=BOS,
         eos_token=IM_END,
         pad_token=PAD,
@@ -99,3 +107,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )
+
+
+def _reserve_ids(bpe: Tokenizer, vocab_size: int) -> Tokenizer:
+    """`bpe` with ids [its size, vocab_size) added to its model's vocabulary as unmerged reserved tokens."""
+    state = json.loads(bpe.to_str())
+    vocab = state["model"]["vocab"]
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's vocabulary ({len(vocab)} ids)")
+    vocab.update({RESERVED.format(i): i for i in range(len(vocab), vocab_size)})
+    return Tokenizer.from_str(json.dumps(state))
