@@ -1,4 +1,4 @@
-"""The ``layertap`` command line: extract, verify, demo, tiny-model."""
+"""The ``layertap`` command line: extract, verify, demo, tiny-model, text-view."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from layertap.cli_audit import register_audit_command
 from layertap.cli_jobs import register_job_commands
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
-from layertap.spec import ANY_AUX_HELP, ExtractionSpec, parse_layer_list
+from layertap.spec import ANY_AUX_HELP, DEFAULT_MAX_BAD_ROWS, MAX_BAD_ROWS_HELP, ExtractionSpec, parse_layer_list
 from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
@@ -62,9 +62,10 @@ def _quiet_libraries() -> None:
     "--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge", show_default=True
 )
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--max-length", type=int, default=None)
+@click.option("--max-length", type=int, default=None, help="Tokens per row at most; not above the model's context.")
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True)
 @click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
+@click.option("--max-bad-rows", default=DEFAULT_MAX_BAD_ROWS, show_default=True, help=MAX_BAD_ROWS_HELP)
 @click.option("--engine", type=click.Choice(["hf", "sglang"]), default="hf", show_default=True)
 @click.option("--server-url", default=None, help="sglang: attach to this capture server instead of launching one.")
 @click.option(
@@ -109,6 +110,7 @@ def extract(
     max_length,
     overlong,
     allow_any_aux_layers,
+    max_bad_rows,
     engine,
     server_url,
     dump_root,
@@ -120,7 +122,8 @@ def extract(
     batch_tokens,
     resume_check,
 ) -> None:
-    """Run (or resume) an extraction into OUT."""
+    """Run (or resume) an extraction into OUT; exit 1 when it stored nothing or more rows were bad than
+    --max-bad-rows allows (2 when it could not run)."""
     _quiet_libraries()
     from layertap.pipeline import run_extraction
     from layertap.progress import RichProgress
@@ -138,6 +141,7 @@ def extract(
             overlong=overlong,
             trust_remote_code=trust_remote_code,
             allow_any_aux_layers=allow_any_aux_layers,
+            max_bad_rows=max_bad_rows,
         )
     except (ValidationError, LayertapError) as exc:
         _fail(str(exc))
@@ -159,6 +163,12 @@ def extract(
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
+    ok, verdict = report.verdict(spec.max_bad_rows)
+    if not ok:
+        console.print(f"[bold red]failed:[/] {escape(verdict)}")
+        sys.exit(1)
+    if verdict:
+        console.print(f"[yellow]warning:[/] {escape(verdict)}")
     click.echo((out / GUIDE).read_text())
 
 
@@ -225,6 +235,20 @@ def demo(out: Path, fmt: str) -> None:
 
     try:
         run_demo(out, fmt, console)
+    except LayertapError as exc:
+        _fail(str(exc))
+
+
+@main.command("text-view")
+@click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out", type=click.Path(path_type=Path))
+def text_view(model: Path, out: Path) -> None:
+    """Make OUT a text-only view of wrapper folder MODEL (Kimi-K2.5) for trainers that cannot take the wrapper:
+    config.json is its text_config, the weights are its shards by symlink (nothing copied). TRAIN.md says when."""
+    from layertap.models.text_view import write_text_view
+
+    try:
+        console.print(f"text-only view of {model} in {write_text_view(model, out)}")
     except LayertapError as exc:
         _fail(str(exc))
 

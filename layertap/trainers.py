@@ -18,6 +18,21 @@ Facts read from the trainers' own source (the versions the interop tests pin):
   Python ints over the loss-masked tokens) to pick ``--draft-vocab-size`` tokens, and without it uses
   the whole target vocabulary. It packs samples into ``--total-seq-len`` tokens (default 8192),
   cutting longer ones.
+
+A multimodal wrapper target (Kimi-K2.5: ``text_config``, weights under ``language_model.``, its config class
+code behind ``auto_map``), read from the same versions' source:
+
+- SpecForge reads the target's embedding and LM head by ``model.embedding_key`` / ``model.lm_head_key``
+  (defaults ``model.embed_tokens.weight`` / ``lm_head.weight``: a ``KeyError`` on a wrapper) and its config with
+  ``AutoConfig.from_pretrained(trust_remote_code=model.trust_remote_code)``, then takes ``text_config`` for the
+  vocabulary, the width and the generated draft config (a Llama EAGLE-3 draft with a 32000-token draft
+  vocabulary, mapped from the loss-masked ``input_ids`` of the ``.ckpt`` files: the counts of token_freq.pt).
+- speculators loads the verifier's embedding and LM head after ``AutoConfig.from_pretrained(verifier)`` WITHOUT
+  ``trust_remote_code`` (``Eagle3DraftModel.load_verifier_weights``): a config class in the folder is refused
+  whatever flag is given, so it trains on a text-only view (``layertap.models.text_view``), whose embedding and
+  LM head it finds by name suffix. Before that it loads the verifier's tokenizer (to pick a mask token) with
+  ``--trust-remote-code``: a tokenizer that is code in the folder needs the flag (and its imports, tiktoken for
+  Kimi's, in the trainer's environment).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ DRAFT_VOCAB = 32000  # both trainers' usual draft vocabulary (SpecForge's defaul
 SPECULATORS_SEQ_LEN = 8192  # speculators' default --total-seq-len
 SPECFORGE_MAX_LENGTH = 2048  # SpecForge's default data.max_length
 GUIDE = "TRAIN.md"
+TEXT_VIEW_SUFFIX = "-text-view"  # where TRAIN.md puts a wrapper's text-only view: beside the model folder
 TOKEN_FREQ_FILE = "token_freq.pt"
 
 

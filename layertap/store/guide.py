@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from layertap.errors import SpecError
+from layertap.models.folder import ModelFolder
 from layertap.store.atomic import atomic_write
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import Manifest
@@ -15,6 +17,7 @@ from layertap.trainers import (
     SPECFORGE_AUX_LAYERS,
     SPECFORGE_MAX_LENGTH,
     SPECULATORS_SEQ_LEN,
+    TEXT_VIEW_SUFFIX,
     TOKEN_FREQ_FILE,
     specforge_layer_ids,
     speculators_layer_ids,
@@ -47,14 +50,60 @@ def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecor
         f"- Token frequencies over the loss-masked tokens: `{TOKEN_FREQ_FILE}`.",
         "",
     ]
+    target = _target(Path(manifest.model_path))
+    if target is not None and target.wrapped:
+        lines += [
+            f"- The target is a multimodal wrapper: its language model's config is `text_config` and its weights "
+            f"are under `{target.prefix}`; the settings below say so to each trainer.",
+            "",
+        ]
     if manifest.format == SPECFORGE:
-        lines += _specforge_section(root, manifest, capture, longest)
+        lines += _specforge_section(root, manifest, capture, longest, target)
     else:
-        lines += _speculators_section(root, manifest, capture, longest)
+        lines += _speculators_section(root, manifest, capture, longest, target)
     return "\n".join(lines) + "\n"
 
 
-def _specforge_section(root: Path, manifest: Manifest, capture: list[int], longest: int) -> list[str]:
+def _target(model: Path) -> ModelFolder | None:
+    """The target folder's facts, or None where it is not here (a store verified on another machine)."""
+    try:
+        return ModelFolder.read(model)
+    except (SpecError, OSError):
+        return None
+
+
+def _specforge_wrapper_keys(target: ModelFolder | None) -> tuple[list[str], list[str]]:
+    """(yaml lines under `model:`, why) for a wrapper: where its embedding and LM head are, and its config code."""
+    if target is None or not target.wrapped:
+        return [], []
+    keys = [
+        f"  embedding_key: {target.prefix}model.embed_tokens.weight",
+        f"  lm_head_key: {target.prefix}lm_head.weight",
+    ]
+    why = [
+        "`model.embedding_key` / `model.lm_head_key` name the language model's tensors under "
+        f"`{target.prefix}` (SpecForge's defaults are a plain folder's `model.embed_tokens.weight` / "
+        "`lm_head.weight`)."
+    ]
+    if "AutoConfig" in (target.config.get("auto_map") or {}):
+        keys.append("  trust_remote_code: true")
+        why.append(
+            f"`model.trust_remote_code`: the folder's config class is code ({_config_code(target)}); SpecForge "
+            "loads it and takes its `text_config` for the vocabulary, the width and the draft config it generates."
+        )
+    return keys, why
+
+
+def _config_code(target: ModelFolder) -> str:
+    """The file config.json's auto_map names for AutoConfig."""
+    return f"`{target.config['auto_map']['AutoConfig'].rsplit('.', 1)[0]}.py`"
+
+
+def _specforge_section(
+    root: Path, manifest: Manifest, capture: list[int], longest: int, target: ModelFolder | None
+) -> list[str]:
+    keys, why = _specforge_wrapper_keys(target)
+    vocab = target_vocab_size(Path(manifest.model_path))
     out = [
         "## SpecForge 0.2.0 (offline EAGLE-3)",
         "",
@@ -66,6 +115,7 @@ def _specforge_section(root: Path, manifest: Manifest, capture: list[int], longe
         "model:",
         f"  target_model_path: {manifest.model_path}",
         f"  aux_hidden_state_layer_ids: {specforge_layer_ids(capture)}",
+        *keys,
         "data:",
         f"  hidden_states_path: {root}",
         f"  max_length: {max(longest, SPECFORGE_MAX_LENGTH)}",
@@ -75,7 +125,18 @@ def _specforge_section(root: Path, manifest: Manifest, capture: list[int], longe
         "",
         "Save it as `run.yaml` and run `specforge train --config run.yaml`. SpecForge's target head reads the "
         "LM head through the model folder's `*.index.json`; a folder holding a single `model.safetensors` needs one.",
+        *(f"\n{line}" for line in why),
+        "",
+        f"SpecForge generates the draft config from the target's language model, with a {DRAFT_VOCAB}-token draft "
+        "vocabulary: the most frequent loss-masked tokens of the `.ckpt` files, the counts of "
+        f"`{TOKEN_FREQ_FILE}`.",
     ]
+    if vocab is not None and vocab < DRAFT_VOCAB:
+        out += [
+            "",
+            f"**Warning**: the target's vocabulary ({vocab:,}) is smaller than that draft vocabulary: give "
+            f"`model.draft_model_config` a draft config whose `draft_vocab_size` is at most {vocab:,}.",
+        ]
     if len(capture) != SPECFORGE_AUX_LAYERS:
         out += [
             "",
@@ -85,19 +146,40 @@ def _specforge_section(root: Path, manifest: Manifest, capture: list[int], longe
     return [*out, "", "speculators reads the `speculators` format, not this one: extract again with that format."]
 
 
-def _speculators_section(root: Path, manifest: Manifest, capture: list[int], longest: int) -> list[str]:
+def _speculators_section(
+    root: Path, manifest: Manifest, capture: list[int], longest: int, target: ModelFolder | None
+) -> list[str]:
     vocab = target_vocab_size(Path(manifest.model_path))
     draft_vocab = min(DRAFT_VOCAB, vocab) if vocab else DRAFT_VOCAB
     ids = " ".join(str(i) for i in speculators_layer_ids(capture))
+    verifier, view, notes = str(manifest.model_path), [], []
+    if target is not None and target.wrapped:
+        verifier = f"{manifest.model_path}{TEXT_VIEW_SUFFIX}"
+        view = [f"layertap text-view {manifest.model_path} {verifier}"]
+        notes.append(
+            "speculators loads the verifier's embedding and LM head after reading its config without "
+            "`--trust-remote-code`, so it cannot take the wrapper: `layertap text-view` makes a text-only view "
+            "(config.json = `text_config`, the language model's tensors by symlink to the wrapper's shards, nothing "
+            "copied), and speculators trains against that."
+        )
+    flag = ""
+    if target is not None and target.remote_code:
+        flag = " --trust-remote-code"
+        notes.append(
+            "`--trust-remote-code`: speculators loads the folder's tokenizer (to pick a mask token) and it is code in "
+            f"the folder ({', '.join(target.remote_code)}); its environment needs that code's imports."
+        )
     return [
         "## speculators 0.9.0 (EAGLE-3)",
         "",
         "`--target-layer-ids` are vLLM's aux-layer ids, which are capture indices (the final layer is not listed: "
         "the last slot of each file is the pre-norm final state). `--draft-vocab-size` picks the most frequent "
         f"tokens of `{root / TOKEN_FREQ_FILE}`; `--total-seq-len` covers the longest sample.",
+        *(f"\n{note}" for note in notes),
         "",
         "```bash",
-        f"speculators train --speculator-type eagle3 --verifier-name-or-path {manifest.model_path} \\",
+        *view,
+        f"speculators train --speculator-type eagle3 --verifier-name-or-path {verifier}{flag} \\",
         f"    --data-path {root} --target-layer-ids {ids} \\",
         f"    --draft-vocab-size {draft_vocab} --hidden-states-dtype {manifest.store_dtype} "
         f"--total-seq-len {max(longest, SPECULATORS_SEQ_LEN)}",
