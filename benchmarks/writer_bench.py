@@ -1,6 +1,6 @@
 """The capture plugin's writers and the worker's commit of their dumps, by thread count, with no SGLang.
 
-Four tables, every figure measured in this run on this machine:
+Five tables, every figure measured in this run on this machine:
 
 1. Per-thread costs of the choices made (one Llama-width sample in memory): checksums, finiteness
    checks, torch.save with and without its zip CRC-32, safetensors built in memory vs streamed.
@@ -13,6 +13,9 @@ Four tables, every figure measured in this run on this machine:
    loop in a thread (sharing the writer's GIL) or in a process (sharing only the cores), for the
    way the plugin writes now and the way it wrote before (torch.save through a Python file object
    that hashed the bytes on their way): how much each slows the other.
+5. The speculators layout's writers, by writer threads on tmpfs: the file's ``hidden_states`` [T, k+1, H]
+   stacked by the writer on the host (how it wrote before: one more full copy of each sample) against
+   staged already stacked by the hook on the device (how it writes now).
 
     .venv/bin/python benchmarks/writer_bench.py [--tokens 2000 --hidden 4096 --samples 16]
 """
@@ -29,6 +32,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +47,24 @@ from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
-from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, SPECFORGE, dump_dir, format_rid, read_dump
-from sglang_patch.sample_files import mask_runs, specforge_tensors, unpack_sample, write_safetensors
+from sglang_patch.contract import (
+    AUX,
+    FINAL_TENSORS,
+    INPUT_IDS,
+    SPECFORGE,
+    SPECULATORS,
+    dump_dir,
+    format_rid,
+    read_dump,
+)
+from sglang_patch.sample_files import (
+    mask_runs,
+    specforge_tensors,
+    speculators_tensors,
+    stack_aux_final,
+    unpack_sample,
+    write_safetensors,
+)
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, write_tensors_file
 
 LAYERS = (1, 2, 3)
@@ -229,6 +249,33 @@ def writer_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
     return rows
 
 
+def speculators_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
+    """Table 5: speculators files written by N threads, stacked by the writer (before) or staged stacked (now)."""
+    ids, aux = states[INPUT_IDS], states[AUX]
+    pre = states[FINAL_TENSORS["post"]]  # any [T, H] state of the same size
+    staged = stack_aux_final(aux, pre)
+    folder = args.tmpfs / "speculators"
+
+    def rate(threads: int, tensors: Callable[[], dict[str, torch.Tensor]]) -> float:
+        def write_all() -> None:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda i: write_tensors_file(folder / f"{i}", SPECULATORS, tensors()), range(len(rids))))
+
+        return best_rate(len(rids) * staged.nbytes, write_all)
+
+    rows = ["| writer threads | before: the writer stacks aux + final (GB/s) | now: staged stacked (GB/s) | now / before |",
+            "|---|---|---|---|"]  # fmt: skip
+    for n in args.threads:
+        before = rate(n, lambda: speculators_tensors(ids, stack_aux_final(aux, pre)))
+        now = rate(n, lambda: speculators_tensors(ids, staged))
+        rows.append(f"| {n} | {before / 1e9:.2f} | {now / 1e9:.2f} | {now / before:.2f}x |")
+        print(rows[-1], flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
 def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
     """Table 3: the worker's `run_shard` + `OutputStore.commit` of the writers' dumps, by commit threads."""
     rows = ["| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]
@@ -276,7 +323,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2, 4, 8])
-    ap.add_argument("--tables", type=lambda s: {int(t) for t in s.split(",")}, default={1, 2, 3, 4})
+    ap.add_argument("--tables", type=lambda s: {int(t) for t in s.split(",")}, default={1, 2, 3, 4, 5})
     args = ap.parse_args()
     for folder in (args.tmpfs, args.disk):
         folder.mkdir(parents=True, exist_ok=True)
@@ -290,6 +337,7 @@ def main() -> None:
             lambda: commit_table(args, states, rids)),
         4: ("One writer beside a busy Python loop (the scheduler's), tmpfs",
             lambda: beside_loop(states, args.tmpfs, args.samples)),
+        5: ("Plugin writers, speculators layout (tmpfs)", lambda: speculators_table(args, states, rids)),
     }  # fmt: skip
     out = [f"{args.samples} samples x {args.tokens} tokens, hidden {args.hidden}, 3 aux + final, bf16 specforge "
            f"(~{stacked.nbytes / 1e6:.0f} MB per sample); {os.cpu_count()} cores."]  # fmt: skip

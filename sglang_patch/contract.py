@@ -76,6 +76,9 @@ TMP_DIR = ".tmp"
 
 INPUT_IDS = "input_ids"
 AUX = "aux"
+# The speculators layout's [T, k+1, H]: the aux states, then the pre-norm final, stacked on the device so that
+# the writer saves the file's ``hidden_states`` as it is, with no host-side copy.
+AUX_FINAL_PRE = "aux_final_pre"
 FINAL_TENSORS: dict[str, str] = {"post": "final_post", "pre": "final_pre"}
 
 # Room for the temp suffix within the usual 255-byte file name limit.

@@ -36,7 +36,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_patch.capture import Accumulator, Completed, Piece, Prompts, plan_pass
-from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM
+from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM, SPECULATORS
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging
 
@@ -170,11 +170,13 @@ class _Capturer:
         needed = max(p.row_start + p.num_rows for p in self._pieces)
         # Tensors of our own (copied once on the device): the copies to the host run on a side stream
         # while the forward pass goes on, which may reuse SGLang's buffers (input ids, the final norm's).
-        rows = {
-            INPUT_IDS: batch.input_ids[:needed].to(torch.int64, copy=True),
-            AUX: torch.stack([captured[aux_role(i)][:needed] for i in self.settings.layers], dim=1),
-        }
-        rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed].clone()) for f in self.settings.finals)
+        aux = [captured[aux_role(i)][:needed] for i in self.settings.layers]
+        rows = {INPUT_IDS: batch.input_ids[:needed].to(torch.int64, copy=True)}
+        if self.settings.layout == SPECULATORS:  # the file's [T, k+1, H] assembled here, saved as it is
+            rows[AUX_FINAL_PRE] = torch.stack([*aux, captured[FINAL_TENSORS["pre"]][:needed]], dim=1)
+        else:
+            rows[AUX] = torch.stack(aux, dim=1)
+            rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed].clone()) for f in self.settings.finals)
         if self._staging is None or self._accumulator is None:
             self._staging = HostStaging(rows[AUX].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)

@@ -43,12 +43,14 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def speculators_tensors(input_ids: torch.Tensor, aux: torch.Tensor, final_pre: torch.Tensor) -> dict[str, torch.Tensor]:
-    """speculators' dict from ``aux`` [T, k, H] and ``final_pre`` [T, H] (dtypes kept as given)."""
-    return {
-        "token_ids": input_ids.to(torch.long).contiguous(),
-        "hidden_states": torch.cat([aux, final_pre.unsqueeze(1)], dim=1),
-    }
+def speculators_tensors(input_ids: torch.Tensor, states: torch.Tensor) -> dict[str, torch.Tensor]:
+    """speculators' dict from ``states`` [T, k+1, H] (``stack_aux_final``; dtype kept as given)."""
+    return {"token_ids": input_ids.to(torch.long).contiguous(), "hidden_states": states}
+
+
+def stack_aux_final(aux: torch.Tensor, final_pre: torch.Tensor) -> torch.Tensor:
+    """speculators' ``hidden_states`` [T, k+1, H]: ``aux`` [T, k, H], then ``final_pre`` [T, H]."""
+    return torch.cat([aux, final_pre.unsqueeze(1)], dim=1)
 
 
 def ids_sha256(input_ids: torch.Tensor) -> str:

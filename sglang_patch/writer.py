@@ -39,6 +39,7 @@ import torch
 
 from sglang_patch.contract import (
     AUX,
+    AUX_FINAL_PRE,
     FINAL_TENSORS,
     INPUT_IDS,
     LOSS_MASK_PARAM,
@@ -217,7 +218,7 @@ def build_meta(
             layout=layout,
             writer=writer,
         )
-    aux = tensors[AUX]
+    aux = tensors[AUX] if AUX in tensors else tensors[AUX_FINAL_PRE]
     return DumpMeta(
         rid=rid,
         status="ok",
@@ -235,13 +236,13 @@ def build_meta(
 
 def layout_tensors(layout: str, tensors: dict[str, torch.Tensor], loss_mask: torch.Tensor | None) -> dict:
     """The tensors of a dump's file in `layout`, from the captured ones (named as in the contract)."""
-    ids, aux = tensors[INPUT_IDS], tensors[AUX]
+    ids = tensors[INPUT_IDS]
     if layout == SPECFORGE:
         if loss_mask is None:
             raise ValueError("a specforge dump needs the sample's loss mask")
-        return specforge_tensors(ids, loss_mask, aux, tensors[FINAL_TENSORS["post"]])
+        return specforge_tensors(ids, loss_mask, tensors[AUX], tensors[FINAL_TENSORS["post"]])
     if layout == SPECULATORS:
-        return speculators_tensors(ids, aux, tensors[FINAL_TENSORS["pre"]])
+        return speculators_tensors(ids, tensors[AUX_FINAL_PRE])
     return tensors
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_patch.contract import TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
+from sglang_patch.contract import AUX_FINAL_PRE, TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
 from tests.service_fixtures import REPO_ROOT
 
@@ -160,7 +160,11 @@ def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout:
     )
     rid, tensors = format_rid("j", "s", 0), both_finals(9, 3)
     runs = [[1, 4], [6, 9]]
-    writer.submit(DumpJob(rid, tensors=tensors, loss_mask_runs=runs))
+    staged = tensors  # as the hook stages them: speculators' [T, k+1, H] already stacked on the device
+    if layout == "speculators":
+        stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
+        staged = {"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}
+    writer.submit(DumpJob(rid, tensors=staged, loss_mask_runs=runs))
     writer.close(timeout=30)
     dump = read_dump(dump_dir(tmp_path, rid))
     assert dump.meta.layout == layout and (dump.path / dump.meta.file).is_file()

@@ -26,7 +26,7 @@ from layertap.store.atomic import TMP_MARK
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
 from sglang_patch.contract import SPECULATORS
-from sglang_patch.sample_files import speculators_tensors, write_sample
+from sglang_patch.sample_files import speculators_tensors, stack_aux_final, write_sample
 from sglang_patch.writer import fsync_path
 
 KEYS = {"token_ids", "hidden_states"}
@@ -45,9 +45,8 @@ class SpeculatorsFormat(SampleFormat):
     def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
         if captured.final_pre is None:
             raise ValueError("speculators stores the pre-norm final state; the capture has none")
-        tensors = speculators_tensors(
-            captured.sample.input_ids, captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype)
-        )
+        states = stack_aux_final(captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype))
+        tensors = speculators_tensors(captured.sample.input_ids, states)
         write_sample(SPECULATORS, tensors, f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
