@@ -201,26 +201,35 @@ def verify(out: Path, quick: bool, rewrite_token_freq: bool) -> None:
 @click.option("--arch", type=click.Choice(["llama", "kimi-k2", "kimi-k2.5"]), default="llama", show_default=True)
 @click.option(
     "--shape",
-    type=click.Choice(["tiny", "mla-gpu", "kimi-k2-width"]),
+    type=click.Choice(["tiny", "mla-gpu", "kimi-k2-width", "seed-depth"]),
     default="tiny",
     show_default=True,
     help="DeepseekV3 archs: tiny (CPU tests), mla-gpu (Kimi's MLA head sizes, which GPU kernels need; "
-    "hidden 1024), kimi-k2-width (hidden 7168, 4 layers, 16 experts top-8).",
+    "hidden 1024), kimi-k2-width (hidden 7168, 4 layers, 16 experts top-8), seed-depth (Kimi-K2.5's 61 layers "
+    "at hidden 7168, 8 experts top-8 + 1 shared: Kimi's work per token; use with --config-only).",
+)
+@click.option(
+    "--config-only",
+    is_flag=True,
+    help="kimi-k2.5: no weight files; SGLang serves the folder with --load-format dummy (benchmarks only).",
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.argument("out", type=click.Path(path_type=Path))
-def tiny_model(arch: str, shape: str, dtype: str, seed: int, out: Path) -> None:
+def tiny_model(arch: str, shape: str, config_only: bool, dtype: str, seed: int, out: Path) -> None:
     """Build a deterministic tiny random-weight model (with tokenizer and chat template) in OUT."""
     import torch
 
     from layertap.tiny.build import build_tiny_model
 
     try:
-        built = build_tiny_model(arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape)
+        built = build_tiny_model(
+            arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape, config_only=config_only
+        )
     except ValueError as exc:
         _fail(str(exc))
-    console.print(f"built {arch} ({shape}, {dtype}) tiny model in {built}")
+    what = "config-only folder (no weights: serve it with --load-format dummy)" if config_only else "tiny model"
+    console.print(f"built {arch} ({shape}, {dtype}) {what} in {built}")
 
 
 @main.command()

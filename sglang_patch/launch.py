@@ -163,6 +163,21 @@ def unsafe_settings(server_args: Any, *, allow_allreduce_fusion: bool = False) -
     return problems
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def random_weights_for_config_only(server_args: Any) -> None:
+    """A local model folder without weight files (a benchmark's config-only folder) is served with random
+    weights (``--load-format dummy``), said on stderr; any ``--load-format`` given is kept."""
+    folder = Path(server_args.model_path)
+    if server_args.load_format != "auto" or not folder.is_dir():
+        return
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        print(f"sglang_patch.launch: {folder} has no weight files: random weights (--load-format dummy), "
+              "for benchmarks only", file=sys.stderr)  # fmt: skip
+        server_args.load_format = "dummy"
+
+
 def hook_specs(settings: CaptureSettings, num_layers: int) -> list[dict[str, Any]]:
     """``--forward-hooks`` specs: one per role, on decoder layer ``i-1`` for capture index i.
 
@@ -207,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     measure_fusion = options.settings.allreduce_fusion == "sglang"
     forced = forced_flags(field_names, keep_radix_cache=options.keep_radix_cache, keep_allreduce_fusion=measure_fusion)
     server_args = prepare_server_args([*options.sglang_argv, *forced])
+    random_weights_for_config_only(server_args)
     problems = unsafe_settings(server_args, allow_allreduce_fusion=measure_fusion)
     if problems:
         sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))

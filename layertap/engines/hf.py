@@ -53,6 +53,11 @@ def load_language_model(
     ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out.
     ``num_layers`` keeps only the first decoder layers (their weights alone are loaded: the audit's cost control);
     ``device_map`` is transformers' own (``"auto"`` spreads the weights over the GPUs)."""
+    if not folder.has_weights:
+        raise SpecError(
+            f"model {folder.path} has no weight files (a config-only folder): HF transformers needs its weights; "
+            "only an SGLang server can run it, with random weights (--load-format dummy), for benchmarks"
+        )
     layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
     if not folder.wrapped:
         config = AutoConfig.from_pretrained(folder.path, **layers)

@@ -327,7 +327,8 @@ def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remo
       would kill the server on a generated id the folder's tokenizer lacks; ``--no-skip-tokenizer-init``
       in ``sglang_args`` keeps SGLang's tokenizer (and is not passed on);
     - the folder's own dtype unless ``--dtype`` is given (a warning when the given one downcasts);
-    - ``--trust-remote-code`` when the run allows the folder's code.
+    - ``--trust-remote-code`` when the run allows the folder's code;
+    - ``--load-format dummy`` (random weights, a warning) for a config-only folder.
     """
     args = [a for a in sglang_args if a != KEEP_TOKENIZER_FLAG]
     if KEEP_TOKENIZER_FLAG not in sglang_args and "--skip-tokenizer-init" not in args:
@@ -344,6 +345,10 @@ def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remo
         )  # fmt: skip
     if trust_remote_code and "--trust-remote-code" not in args:
         args.append("--trust-remote-code")
+    if not folder.has_weights and not any(a.startswith("--load-format") for a in args):
+        log.warning("%s has no weight files: the server makes random weights (--load-format dummy); its states are "
+                    "for benchmarks, not for training", folder.path)  # fmt: skip
+        args += ["--load-format", "dummy"]
     return args
 
 

@@ -29,6 +29,9 @@ WRAPPED_PREFIX = "language_model."
 REMOTE_CODE_FLAG = "--trust-remote-code"
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFolder:
     """What layertap needs to know about a model folder, without loading weights.
@@ -86,6 +89,29 @@ class ModelFolder:
             if value := cfg.get("dtype") or cfg.get("torch_dtype"):
                 return str(value).removeprefix("torch.")
         return "float32"
+
+    @property
+    def context_length(self) -> int | None:
+        """The language model's context length (``max_position_embeddings``); None when its config has none."""
+        value = self.text_config.get("max_position_embeddings")
+        return value if isinstance(value, int) and value > 0 else None
+
+    def preflight(self, *, trust_remote_code: bool, max_length: int | None) -> None:
+        """SpecError for what a run would otherwise meet only later: code it did not allow, or a
+        ``max_length`` above the context length (a server refuses each longer row, one by one)."""
+        self.check_remote_code(trust_remote_code)
+        if max_length is not None and self.context_length is not None and max_length > self.context_length:
+            where = "text_config.max_position_embeddings" if self.wrapped else "max_position_embeddings"
+            raise SpecError(
+                f"max_length {max_length} is above the context length of {self.path} ({self.context_length}, "
+                f"{where} in config.json): give at most {self.context_length}"
+            )
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the folder holds weight files; a config-only folder (SGLang's ``--load-format dummy`` makes
+        random weights for it) serves benchmarks, never a reference."""
+        return any(next(self.path.glob(pattern), None) for pattern in WEIGHT_FILES)
 
     def check_remote_code(self, trust_remote_code: bool) -> None:
         """SpecError naming the flag and the files when the folder needs code the run did not allow."""

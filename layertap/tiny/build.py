@@ -96,7 +96,7 @@ _KIMI_MLA: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "n_shared_experts": 1,
 }
-Shape = Literal["tiny", "mla-gpu", "kimi-k2-width"]
+Shape = Literal["tiny", "mla-gpu", "kimi-k2-width", "seed-depth"]
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     # Small enough for the CPU server (hidden 1024, 8 experts top-2), runnable on the GPU.
@@ -107,6 +107,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "kimi-k2-width": {**_KIMI_MLA, "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
                       "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 16,
                       "num_experts_per_tok": 8, "vocab_size": 4096},
+    # Kimi-K2.5's depth and width (61 layers, first dense) with 8 routed experts top-8 + 1 shared: Kimi's work per
+    # token with 1/48 of its experts, ~30B parameters (61 GB bf16). Built config-only, served with dummy weights.
+    "seed-depth": {**_KIMI_MLA, "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+                   "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 8,
+                   "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "num_hidden_layers": 61,
+                   "first_k_dense_replace": 1, "vocab_size": 4096},
 }  # fmt: skip
 # The tiny Kimi-K2.5 tokenizer has ~1.6K tokens and reserved ones up to its language model's vocabulary.
 _KIMI_K25_VOCAB = 2048
@@ -181,6 +187,7 @@ def build_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     shape: Shape = "tiny",
+    config_only: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random-weight model folder loadable by `AutoModelForCausalLM` and `AutoTokenizer`.
@@ -193,11 +200,16 @@ def build_tiny_model(
 
     `kimi-k2.5` writes Kimi-K2.5's wrapper layout (see `kimi_k25.py`), its weights drawn per tensor
     without building a model: `build_tiny_model("kimi-k2.5", d, dtype=torch.bfloat16,
-    shape="kimi-k2-width")` writes ~6 GB in seconds on a many-core host.
+    shape="kimi-k2-width")` writes ~6 GB in seconds on a many-core host. With `config_only` (kimi-k2.5 only) it
+    writes everything but the weights: a folder SGLang serves with `--load-format dummy` (the seed-depth benchmark's
+    61 layers), which the HF engine refuses.
     """
     out_dir = Path(out_dir)
     if arch == "kimi-k2.5":
-        return build_kimi_k25(out_dir, deepseek_v3_config(shape, overrides), seed=seed, dtype=dtype)
+        text_config = deepseek_v3_config(shape, overrides)
+        return build_kimi_k25(out_dir, text_config, seed=seed, dtype=dtype, config_only=config_only)
+    if config_only:
+        raise ValueError("config_only is for the kimi-k2.5 wrapper (the seed's model)")
     if shape != "tiny":
         if arch != "kimi-k2":
             raise ValueError(f"shape {shape!r} is a DeepseekV3 size; arch {arch!r} has only the 'tiny' shape")

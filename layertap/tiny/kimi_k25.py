@@ -180,8 +180,11 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
     return value.to(dtype)
 
 
-def build_kimi_k25(out_dir: Path, text_config: dict[str, Any], *, seed: int, dtype: torch.dtype) -> Path:
-    """Write the wrapper folder for the DeepseekV3 `text_config` (vocab, layers, MLA and MoE sizes set)."""
+def build_kimi_k25(
+    out_dir: Path, text_config: dict[str, Any], *, seed: int, dtype: torch.dtype, config_only: bool = False
+) -> Path:
+    """Write the wrapper folder for the DeepseekV3 `text_config` (vocab, layers, MLA and MoE sizes set); with
+    `config_only`, no weights (a folder for `--load-format dummy`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     special = write_tokenizer_files(out_dir, text_config["vocab_size"])
     dtype_name = str(dtype).removeprefix("torch.")
@@ -204,6 +207,8 @@ def build_kimi_k25(out_dir: Path, text_config: dict[str, Any], *, seed: int, dty
     gen_config = {**ids, "eos_token_id": [special[IM_END], special["[EOS]"]], "max_new_tokens": 1024}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2, sort_keys=True) + "\n")
 
+    if config_only:
+        return out_dir
     specs = [(WRAPPED_PREFIX + n, s) for n, s in deepseek_v3_shapes(text)] + list(vision_shapes(vision))
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         tensors = pool.map(lambda spec: draw_tensor(*spec, seed, dtype), specs)

@@ -222,3 +222,15 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     )
     assert refused.returncode != 0
     assert "prefill CUDA graphs are on" in refused.stderr
+
+
+@needs_sglang
+@pytest.mark.sglang
+def test_a_config_only_folder_gets_random_weights(tmp_path: Path, cuda_stub_dir: Path) -> None:
+    from layertap.tiny import build_tiny_model
+
+    model = build_tiny_model("kimi-k2.5", tmp_path / "config-only", config_only=True)
+    capture = ["--dump-root", str(tmp_path / "dumps"), "--capture-layers", "1", "--capture-final", "post", "--dry-run"]
+    done = run_launcher([*capture, "--model-path", str(model), *CPU_ARGS, "--trust-remote-code"], cuda_stub_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["load_format"] == "dummy" and "random weights" in done.stderr
