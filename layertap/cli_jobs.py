@@ -18,7 +18,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from layertap.spec import ANY_AUX_HELP, parse_layer_list
+from layertap.spec import ANY_AUX_HELP, DEFAULT_MAX_BAD_ROWS, MAX_BAD_ROWS_HELP, parse_layer_list
 from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
@@ -111,9 +111,16 @@ def coordinator(host: str, port: int) -> None:
 @click.option("--final", type=click.Choice(["post", "pre", "both"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge")
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16")
-@click.option("--max-length", type=int, default=None)
+@click.option("--max-length", type=int, default=None, help="Tokens per row at most; not above the model's context.")
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate")
 @click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
+@click.option("--max-bad-rows", default=DEFAULT_MAX_BAD_ROWS, show_default=True, help=MAX_BAD_ROWS_HELP)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run the Python code the model folder ships (Kimi-K2.5's tokenizer is code); the coordinator and "
+    "workers must allow it (LAYERTAP_ALLOW_REMOTE_CODE=1). Read it first.",
+)
 @click.option("--out", default=None, help="Output folder relative to the coordinator's output root (default: job id).")
 @click.option("--shard-size", type=int, default=100, show_default=True)
 @click.option("--batch-tokens", type=int, default=None, help="HF engine: padded tokens per forward.")
@@ -127,7 +134,8 @@ def coordinator(host: str, port: int) -> None:
 @api_option
 @token_option
 def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, allow_any_aux_layers,
-           out, shard_size, batch_tokens, batch_size, in_flight, attempts, expected_tokens, wait, api, token) -> None:  # fmt: skip
+           max_bad_rows, trust_remote_code, out, shard_size, batch_tokens, batch_size, in_flight, attempts,
+           expected_tokens, wait, api, token) -> None:  # fmt: skip
     """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
     engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
     body = {
@@ -141,6 +149,8 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         "max_length": max_length,
         "overlong": overlong,
         "allow_any_aux_layers": allow_any_aux_layers,
+        "max_bad_rows": max_bad_rows,
+        "trust_remote_code": trust_remote_code,
         "out": out,
         "shard_size": shard_size,
         "engine": {k: v for k, v in engine.items() if v is not None},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterator, Mapping
@@ -26,7 +27,7 @@ from layertap.engines.base import Engine
 from layertap.errors import LayertapError, RowError, SampleError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
-from layertap.spec import CaptureSpec, ExtractionSpec
+from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
 from layertap.store.manifest import build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
@@ -79,6 +80,52 @@ class ProgressEvents:
 
 
 @dataclass
+class FailureTally:
+    """Bad rows counted by cause: kind and reason with numbers blanked (row numbers, rids, token counts
+    differ between rows of one cause), with the first reason seen for each as its example."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, kind: str, reason: str) -> None:
+        key = f"{kind}: {re.sub(r'[0-9]+', 'N', reason)[:200]}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.examples.setdefault(key, f"{kind}: {reason[:300]}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self, n: int = 3) -> str:
+        """Counts by kind, then the ``n`` most frequent causes as ``"count x example"``."""
+        kinds: dict[str, int] = {}
+        for key, count in self.counts.items():
+            kind = key.split(":", 1)[0]
+            kinds[kind] = kinds.get(kind, 0) + count
+        by_kind = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+        return f"by kind: {by_kind}; most frequent: " + " | ".join(
+            f"{count} x {self.examples[key]}" for key, count in top
+        )
+
+
+def run_verdict(*, rows: int, stored: int, bad: FailureTally, max_bad_rows: str) -> tuple[bool, str]:
+    """Whether a finished run (or job) succeeded, and what to say: "" for a clean run, else one line with
+    the counts and the most frequent causes. It fails when nothing was stored, or when its bad rows are
+    over ``max_bad_rows`` (a count, or a share of ``rows``)."""
+    if bad.total == 0 and stored > 0:
+        return True, ""
+    causes = f"; {bad.summary()}" if bad.total else ""
+    if stored == 0:
+        return False, f"nothing was stored: none of the {rows} rows gave a sample ({bad.total} bad){causes}"
+    allowed = allowed_bad_rows(max_bad_rows, rows)
+    counts = f"{bad.total} bad rows of {rows} ({bad.total / max(rows, 1):.2%}), "
+    if bad.total > allowed:
+        return False, counts + f"over the limit max_bad_rows={max_bad_rows} ({allowed} rows){causes}"
+    return True, counts + f"within max_bad_rows={max_bad_rows} ({allowed} rows){causes}"
+
+
+@dataclass
 class RunReport:
     """What one run did; saved under ``<out>/reports/`` so a resumed run can be audited."""
 
@@ -92,10 +139,16 @@ class RunReport:
     skipped_overlong: int = 0
     row_errors: int = 0
     failed: int = 0
+    bad: FailureTally = field(default_factory=FailureTally)  # row_errors and failed, by cause
     seconds: float = 0.0
     shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
     stopped: bool = False  # the run was told to stop before its rows were all handled
     engine: dict = field(default_factory=dict)
+
+    def verdict(self, max_bad_rows: str) -> tuple[bool, str]:
+        """`run_verdict` of this run: what it stored counts samples committed before it too."""
+        stored = self.already_done + len(self.computed)
+        return run_verdict(rows=self.rows, stored=stored, bad=self.bad, max_bad_rows=max_bad_rows)
 
     def save(self) -> Path:
         path = Path(self.out) / "reports" / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9}.json"
@@ -188,6 +241,8 @@ def _row_failed(store: OutputStore, report: RunReport, events: ShardEvents, err:
     overlong = err.kind == "overlong"
     report.skipped_overlong += overlong
     report.row_errors += not overlong
+    if not overlong:
+        report.bad.add(err.kind, err.reason)
     store.record_error(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=err.kind)
     events.failed(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=err.kind)
 
@@ -301,6 +356,7 @@ class _Capture:
             self.alone.append(sample)
             return
         self.report.failed += 1
+        self.report.bad.add("capture", reason)
         reason = f"{reason} (failed all {n} attempts)"
         self.store.record_error(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
         self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
@@ -349,7 +405,7 @@ def run_extraction(
     """Run (or resume) a whole extraction in this process and finalize the store."""
     t0 = time.monotonic()
     folder = ModelFolder.read(spec.model)
-    folder.check_remote_code(spec.trust_remote_code)  # before anything is written or loaded
+    folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)  # before any work
     capture = spec.resolve(folder.num_layers)
     scan = scan_dataset(spec.data)
     engine = engine_factory(capture)

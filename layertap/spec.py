@@ -27,6 +27,28 @@ Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32"]
 OverlongPolicy = Literal["truncate", "skip"]
 ANY_AUX_HELP = "Skip the check that the format's stock trainer takes this many aux layers (for a modified trainer)."
+DEFAULT_MAX_BAD_ROWS = "1%"
+MAX_BAD_ROWS_HELP = (
+    "Bad rows (unusable rows and failed captures; rows skipped as too long do not count) a run may have and "
+    "still succeed: a count (100) or a share of the dataset's rows (5%). Above it, or when nothing is stored, "
+    "the run ends non-zero (a job: failed)."
+)
+
+
+def allowed_bad_rows(limit: str, rows: int) -> int:
+    """The most bad rows a run over ``rows`` rows may have under ``limit``: a count ("100") or a share of the
+    rows ("5%", rounded down). SpecError when ``limit`` is neither."""
+    text = limit.strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if 0 <= share <= 100:
+                return int(rows * share / 100)
+        elif (count := int(text)) >= 0:
+            return count
+    except ValueError:
+        pass
+    raise SpecError(f"max_bad_rows must be a count (e.g. 100) or a share of the rows (e.g. 5%), got {limit!r}")
 
 
 class CaptureSpec(BaseModel):
@@ -115,6 +137,19 @@ class ExtractionSpec(BaseModel):
         "a coordinator accepts it only when its operator allowed remote code.",
     )
     allow_any_aux_layers: bool = Field(default=False, description=ANY_AUX_HELP)
+    max_bad_rows: str = Field(default=DEFAULT_MAX_BAD_ROWS, max_length=32, description=MAX_BAD_ROWS_HELP)
+
+    @field_validator("max_bad_rows", mode="before")
+    @classmethod
+    def _bad_rows_limit(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)  # a JSON count
+        if isinstance(v, str):
+            try:
+                allowed_bad_rows(v, 0)
+            except SpecError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("layers")
     @classmethod

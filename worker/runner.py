@@ -21,11 +21,12 @@ from redis.retry import Retry
 
 from layertap.engines.base import Engine
 from layertap.errors import ServerError
-from layertap.pipeline import run_shard
+from layertap.pipeline import FailureTally, run_shard, run_verdict
 from layertap.sample import TokenizedSample
 from layertap.state.keys import Keys
 from layertap.state.model import JobSpec, SampleFailure
 from layertap.state.shards import FinalizeAttempt, ShardAttempt
+from layertap.state.views import job_errors
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
 from worker.engines import EngineCache
@@ -198,10 +199,12 @@ class WorkerContext:
         return engine
 
     def finalize(self, job_id: str, token: str) -> str:
-        """Build the format's extra files and mark the manifest complete, then the job done (in that order).
+        """Build the format's extra files and mark the manifest complete, then the job done (in that order);
+        ``failed`` instead, naming the most frequent causes, when it stored nothing or more rows were bad
+        than its ``max_bad_rows`` (what it stored is complete and verified all the same).
 
-        A failure is recorded on the job and left to the coordinator's watchdog, which sends the
-        finalize again once this attempt's lease has expired.
+        A failure to finalize is recorded on the job and left to the coordinator's watchdog, which sends
+        the finalize again once this attempt's lease has expired.
         """
         attempt = FinalizeAttempt(self.redis, self.keys, job_id, token)
         spec = attempt.claim(self.settings.lease_ms)
@@ -217,9 +220,23 @@ class WorkerContext:
                 log.exception("job %s: finalize failed", job_id)
                 attempt.note_error(f"finalize failed: {type(exc).__name__}: {exc}")
                 return "finalize-failed"
-        attempt.finish()
-        log.info("job %s: finalized, %d samples (%d stale temp files removed)", job_id, len(records), swept)
-        return "finalized"
+        ok, verdict = self._verdict(job_id, spec, len(records), store.manifest.dataset_rows)
+        attempt.finish(error=None if ok else verdict)
+        log.log(
+            logging.INFO if ok and not verdict else logging.WARNING,
+            "job %s: finalized, %d samples (%d stale temp files removed)%s",
+            job_id, len(records), swept, f"; {'done' if ok else 'failed'}: {verdict}" if verdict else "",
+        )  # fmt: skip
+        return "finalized"  # the job's state says whether it is done or failed
+
+    def _verdict(self, job_id: str, spec: JobSpec, stored: int, rows: int) -> tuple[bool, str]:
+        """`run_verdict` of the whole job, from the failures its shards recorded (rows skipped as too long
+        are the user's choice, not bad rows)."""
+        bad = FailureTally()
+        for failure in job_errors(self.redis, self.keys, job_id) or []:
+            if failure.kind != "overlong":
+                bad.add(failure.kind, failure.reason)
+        return run_verdict(rows=rows, stored=stored, bad=bad, max_bad_rows=spec.max_bad_rows)
 
     def release_for_retry(self, job_id: str, shard: int, token: str, delay_s: float) -> None:
         self.attempt(job_id, shard, token).release(retry_in_s=delay_s)

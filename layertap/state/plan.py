@@ -81,7 +81,7 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
         folder = ModelFolder.read(spec.model)
     except (OSError, ValueError) as exc:  # a name the filesystem refuses (too long, NUL, not UTF-8), a file
         raise SpecError(f"model {spec.model} cannot be read as a model folder: {exc}") from exc
-    folder.check_remote_code(spec.trust_remote_code)
+    folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)
     out = resolve_out(spec.out, output_root, job_id)
     if (existing := job_of_store(out)) is not None:
         raise StoreError(

@@ -174,11 +174,12 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return j[3]
 """)
 
-# KEYS: job, finalize_lease. ARGV: token.
+# KEYS: job, finalize_lease. ARGV: token, final state ('done', or 'failed' when the outcome is not what
+# was asked), error ('' when done).
 FINISH = _script("""
 local j = redis.call('HMGET', KEYS[1], 'state', 'finalize_token')
 if j[1] ~= 'finalizing' or j[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'done', 'finished_ms', now_ms(), 'error', '')
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now_ms(), 'error', ARGV[3])
 redis.call('DEL', KEYS[2])
 return 1
 """)

@@ -124,11 +124,15 @@ class FinalizeAttempt:
         """Say on the job why finalizing failed (its lease then expires and the watchdog tries again)."""
         self.redis.hset(self.keys.job(self.job_id), "error", error[:2000])
 
-    def finish(self) -> bool:
-        """Mark the job done; written after the store's manifest says complete."""
+    def finish(self, *, error: str | None = None) -> bool:
+        """Mark the job done, or with ``error`` failed (its outcome is not what was asked: nothing stored,
+        too many bad rows); written after the store's manifest says complete."""
+        outcome = ["done", ""] if error is None else ["failed", error[:2000]]
         return bool(
             scripts.FINISH(
-                [self.keys.job(self.job_id), self.keys.finalize_lease(self.job_id)], [self.token], client=self.redis
+                [self.keys.job(self.job_id), self.keys.finalize_lease(self.job_id)],
+                [self.token, *outcome],
+                client=self.redis,
             )
         )
 

@@ -50,6 +50,10 @@ def test_submit_plans_shards_creates_the_store_and_enqueues_one_task_per_shard(
         ({"shard_size": 0}, "greater than 0"),
         ({"layer_ids": [1]}, "Extra inputs are not permitted"),
         ({"engine": {"in_flight": 0}}, "greater than 0"),
+        ({"max_length": 4097}, "max_length 4097 is above the context length of "),  # the tiny Llama's is 4096
+        ({"max_length": 8192}, "(4096, max_position_embeddings in config.json): give at most 4096"),
+        ({"max_bad_rows": "5 percent"}, "max_bad_rows must be a count (e.g. 100) or a share of the rows (e.g. 5%)"),
+        ({"max_bad_rows": -1}, "got '-1'"),
     ],
 )
 def test_a_bad_spec_gets_422_with_a_precise_message_and_nothing_is_enqueued(

@@ -48,6 +48,7 @@ def field_values(good: dict[str, str], files: dict[str, str]) -> dict[str, st.Se
         "format": st.sampled_from(["specforge", "speculators", "parquet"]) | ANY_JSON,
         "store_dtype": st.sampled_from(["bfloat16", "float16", "float32", "int8"]) | ANY_JSON,
         "max_length": ints | ANY_JSON,
+        "max_bad_rows": st.sampled_from(["1%", "0", "100%", "5 %", "-1", "101%", "nan%", "1e3"]) | ints | ANY_JSON,
         "overlong": st.sampled_from(["truncate", "skip", "drop"]) | ANY_JSON,
         "out": paths | st.none() | ANY_JSON,
         "shard_size": ints | ANY_JSON,

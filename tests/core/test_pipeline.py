@@ -30,11 +30,12 @@ def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path
     out = tmp_path / "out"
     cli = subprocess.run(
         [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "2,3,4", "--out", str(out)],
+         "--layers", "2,3,4", "--out", str(out), "--max-bad-rows", "4"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
-    assert "4 bad rows" in " ".join(cli.stderr.split())
+    stderr = " ".join(cli.stderr.split())
+    assert "4 bad rows" in stderr and "warning: 4 bad rows of 11 (36.36%), within max_bad_rows=4 (4 rows)" in stderr
 
     store = OutputStore.open_existing(out)
     errors = {e["row"]: e for e in store.errors()}
@@ -92,8 +93,16 @@ def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_eac
     args = ["extract", "--model", str(model), "--data", str(bad.data), "--layers", "1,2,4", "--out", str(out),
             "--max-length", str(bad.max_length), "--overlong", "skip"]  # fmt: skip
     cli = subprocess.run([sys.executable, "-m", "layertap", *args], capture_output=True, text=True, timeout=600)
-    assert cli.returncode == 0, cli.stderr[-3000:]
+    # Far more bad rows than the default 1%: the run ends 1, saying so with the most frequent causes; every
+    # good row is stored all the same.
+    assert cli.returncode == 1, cli.stderr[-3000:]
     assert "Traceback" not in cli.stderr
+    failed = next(line for line in cli.stderr.splitlines() if line.startswith("failed: "))
+    rows, bad_rows = len(bad.kinds) + len(bad.good), len(bad.kinds) - 1  # the overlong row is no bad row
+    assert f"failed: {bad_rows} bad rows of {rows} " in failed and "over the limit max_bad_rows=1% (0 rows)" in failed
+    assert "; by kind: row 11, encoding 2, duplicate_id 1, template 1; most frequent: 1 x row: " in " ".join(
+        cli.stderr.split()
+    )
 
     store = OutputStore.open_existing(out)
     errors = {e["row"]: e for e in store.errors()}
@@ -106,6 +115,30 @@ def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_eac
     assert Counter(d["sample_id"] for d in read_jsonl_dir(out / INDEX_DIR)) == dict.fromkeys(bad.good, 1)
     check = verify_store(out)
     assert check.ok and check.samples == len(bad.good), check.problems
+
+
+def test_a_run_that_stores_nothing_ends_1_naming_the_cause_and_a_max_length_above_the_context_is_refused(
+    tiny_llama, tmp_path
+) -> None:
+    # Token ids beyond the tokenizer's vocabulary on every row (as the 300 refused rows were).
+    rows = [{"id": f"r{i}", "input_ids": [1, 99_000 + i], "loss_mask": [0, 1]} for i in range(5)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    base = [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
+            "--layers", "1,2,3", "--max-bad-rows", "100%"]  # fmt: skip
+    cli = subprocess.run([*base, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 1, cli.stderr[-3000:]
+    stderr = " ".join(cli.stderr.split())
+    assert (
+        "failed: nothing was stored: none of the 5 rows gave a sample (5 bad); by kind: row 5; most frequent: 5 x row:"
+        in stderr
+    )
+    assert "99000" in stderr  # the first example, as it was
+    # The model's context is 4096 tokens (max_position_embeddings): 4097 is refused before any work.
+    cli = subprocess.run([*base, "--out", str(tmp_path / "long"), "--max-length", "4097"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert cli.returncode == 2 and not (tmp_path / "long").exists(), cli.stderr[-3000:]
+    assert "max_length 4097 is above the context length of " in " ".join(cli.stderr.split())
+    assert "(4096, max_position_embeddings in config.json): give at most 4096" in " ".join(cli.stderr.split())
 
 
 def test_demo_command_runs_end_to_end(tmp_path) -> None:

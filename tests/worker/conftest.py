@@ -158,15 +158,17 @@ class Cluster:
 
 @pytest.fixture
 def start_cluster(services: Services, redis_server: RedisServer, redis_client: Redis, tmp_path: Path) -> Callable:
-    """``start_cluster(workers=2, redis=None, token=None)`` -> a running ``Cluster`` (the session Redis by default)."""
+    """``start_cluster(workers=2, redis=None, token=None, **env)`` -> a running ``Cluster`` (the session Redis by
+    default); ``env`` (e.g. ``LAYERTAP_ALLOW_REMOTE_CODE="1"``) goes to the coordinator and every worker."""
 
-    def start(workers: int = 2, redis: RedisServer | None = None, token: str | None = None) -> Cluster:
+    def start(workers: int = 2, redis: RedisServer | None = None, token: str | None = None, **env: str) -> Cluster:
         redis = redis or redis_server
         output_root = tmp_path / "outputs"
         output_root.mkdir(exist_ok=True)
         # Start the workers first: they import torch, the slow part; the coordinator starts meanwhile.
-        procs = {f"w{i + 1}": services.worker(f"w{i + 1}", redis.url, wait=False) for i in range(workers)}
-        cluster = Cluster(services, redis, output_root, services.coordinator(redis.url, output_root, token=token))
+        procs = {f"w{i + 1}": services.worker(f"w{i + 1}", redis.url, wait=False, **env) for i in range(workers)}
+        coordinator = services.coordinator(redis.url, output_root, token=token, **env)
+        cluster = Cluster(services, redis, output_root, coordinator)
         for proc in procs.values():
             services.wait_ready(proc)
         cluster.workers.update(procs)

@@ -46,7 +46,7 @@ def test_bad_rows_and_poison_samples_are_reported_and_everything_else_is_done(
     # File line 5 is not JSON: every later row number shifts by one (61 rows in all).
     data = write_jsonl(tmp_path / "data.jsonl", rows, raw_lines={5: '{"id": "broken", "messages": ['})
     cluster = start_cluster()
-    job_id = cluster.submit(poisoned_llama, data, sample_attempts=3, engine={"batch_size": 4})
+    job_id = cluster.submit(poisoned_llama, data, sample_attempts=3, engine={"batch_size": 4}, max_bad_rows="5")
 
     job = cluster.wait_state(job_id, "done")
     assert (job["samples_total"], job["samples_done"], job["samples_failed"]) == (61, 56, 5)
@@ -86,9 +86,16 @@ def test_every_kind_of_bad_row_through_two_workers_gives_what_one_process_gives(
 
     cluster = start_cluster()
     job_id = cluster.submit(model, bad.data, shard_size=4, **limits)
-    job = cluster.wait_state(job_id, "done")
+    # Every shard is done and the store complete, but far more rows are bad than the default 1%: the job failed,
+    # saying so with the counts by kind and the most frequent causes.
+    job = cluster.wait_state(job_id, "failed")
     assert (job["samples_done"], job["samples_failed"]) == (len(bad.good), len(bad.kinds))
     assert job["shards"] == {"done": 6}
+    assert job["error"].startswith(f"{len(bad.kinds) - 1} bad rows of {len(bad.kinds) + len(bad.good)} (")
+    assert (
+        "over the limit max_bad_rows=1% (0 rows); by kind: row 11, encoding 2, duplicate_id 1, template 1"
+        in (job["error"])
+    )
     many = OutputStore.open_existing(Path(job["out"]))
     assert {sid: r.sha256 for sid, r in many.records().items()} == {sid: r.sha256 for sid, r in one.records().items()}
     assert {sid: r.index for sid, r in many.records().items()} == bad.good
