@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from capture_bench import plain_rate  # noqa: E402  (beside this script: the same plain-prefill measure)
 
+from layertap.audit.compare import TIE, token_errors  # noqa: E402  (the audit's comparison, one implementation)
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env  # noqa: E402
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -76,7 +77,6 @@ CONFIGS = {  # stage -> (tp size, launcher extras, GPUs)
     "tp2-fused": (2, ("--allreduce-fusion", "sglang"), "0,1"),
 }
 FLIP = 0.1  # a per-token relative error above this is an outlier (O(1) after a routing flip)
-TIE = 1e-2  # a routing margin below this is a near-tie that bf16 arithmetic can flip
 
 
 class Bench:
@@ -375,11 +375,6 @@ def read_store(root: Path) -> dict[str, dict]:
 def hf_states(model: torch.nn.Module, ids: torch.Tensor, device: str) -> dict:
     hs = model(ids[None].to(device), output_hidden_states=True).hidden_states
     return {"states": torch.stack([hs[i][0].float().cpu() for i in LAYERS] + [hs[-1][0].float().cpu()])}
-
-
-def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[points, T] relative error per token: ||x_t - r_t|| / ||r_t||."""
-    return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
 
 
 def sample_error(got: torch.Tensor, ref: torch.Tensor) -> float:
