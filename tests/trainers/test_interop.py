@@ -19,16 +19,20 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from safetensors import safe_open
 
 from layertap.engines.factory import hf_engine_factory
+from layertap.models import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
+from layertap.tiny import build_tiny_model
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import token_freq_file
 
@@ -50,10 +54,18 @@ def trainers_python() -> Path:
     return TRAINERS_PYTHON
 
 
-def _extract(model: Path, tmp_path: Path, fmt: str, samples: int) -> Path:
+@pytest.fixture(scope="module")
+def kimi25(tmp_path_factory) -> Path:
+    """The tiny Kimi-K2.5 wrapper with a vocabulary past SpecForge's 32000-token draft vocabulary, as the real
+    one's (163,840): SpecForge generates its draft config from the language model, as it would for Kimi-K2.5."""
+    return build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("kimi25-32k"), vocab_size=32768)
+
+
+def _extract(model: Path, tmp_path: Path, fmt: str, samples: int, layers: tuple[int, ...] = (1, 3, 5)) -> Path:
     data = write_jsonl(tmp_path / f"{fmt}.jsonl", conversation_rows(samples, seed=21, max_words=25))
     out = tmp_path / f"states-{fmt}"
-    spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5), format=fmt)  # type: ignore[arg-type]
+    remote = bool(ModelFolder.read(model).remote_code)
+    spec = ExtractionSpec(model=model, data=data, layers=layers, format=fmt, trust_remote_code=remote)  # type: ignore[arg-type]
     run_extraction(spec, out, hf_engine_factory(model, "cpu", 4096))
     return out
 
@@ -78,8 +90,9 @@ def _falls(losses: list[float], per_epoch: int) -> None:
     assert sum(last) / len(last) < sum(first) / len(first), losses
 
 
-def _specforge_run(out: Path, tmp_path: Path) -> tuple[dict, Path]:
-    """TRAIN.md's SpecForge config with the test-only settings added, saved; returns (config, its path)."""
+def _specforge_run(out: Path, tmp_path: Path, draft_vocab: int | None = DRAFT_VOCAB) -> tuple[dict, Path]:
+    """TRAIN.md's SpecForge config with the test-only settings added, saved; returns (config, its path).
+    `draft_vocab`: a draft config with that draft vocabulary (None: the one SpecForge generates)."""
     config = yaml.safe_load(_block((out / "TRAIN.md").read_text(), "yaml"))
     assert config["data"]["hidden_states_path"] == str(out.resolve())
     # SpecForge's target head finds the LM head through `*.index.json` (TRAIN.md says so); the tiny model is
@@ -89,15 +102,17 @@ def _specforge_run(out: Path, tmp_path: Path) -> tuple[dict, Path]:
     with safe_open(str(target / "model.safetensors"), "pt") as f:
         weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    # Its generated draft config has a 32000-token draft vocabulary, more than the tiny target's 1536.
-    target_config = json.loads((target / "config.json").read_text())
-    draft = {k: target_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
-             "num_key_value_heads", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
-             "head_dim", "bos_token_id", "eos_token_id", "pad_token_id")}  # fmt: skip
-    draft |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-              "tie_word_embeddings": False, "draft_vocab_size": DRAFT_VOCAB}  # fmt: skip
-    (tmp_path / "draft.json").write_text(json.dumps(draft))
-    config["model"] |= {"target_model_path": str(target), "draft_model_config": str(tmp_path / "draft.json")}
+    config["model"]["target_model_path"] = str(target)
+    if draft_vocab is not None:
+        # Its generated draft config has a 32000-token draft vocabulary, more than the tiny target's 1536.
+        target_config = json.loads((target / "config.json").read_text())
+        draft = {k: target_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                 "num_key_value_heads", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+                 "head_dim", "bos_token_id", "eos_token_id", "pad_token_id")}  # fmt: skip
+        draft |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                  "tie_word_embeddings": False, "draft_vocab_size": draft_vocab}  # fmt: skip
+        (tmp_path / "draft.json").write_text(json.dumps(draft))
+        config["model"]["draft_model_config"] = str(tmp_path / "draft.json")
     config["training"] |= {"num_epochs": EPOCHS, "log_interval": 1, "learning_rate": 3e-3,
                            "fsdp_sharding": "NO_SHARD",  # DDP: FSDP refuses to run without an accelerator
                            "attention_backend": "sdpa"}  # fmt: skip
@@ -113,7 +128,7 @@ def test_specforge_trains_on_a_specforge_output_as_train_md_says(trainers_python
     assert config["model"]["aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang ids of capture indices 1, 3, 5
 
     output = _train(trainers_python, "run_specforge.py", ["train", "--config", str(path)], tmp_path)
-    steps = [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", output, flags=re.M)]
+    steps = _specforge_steps(output)
     assert len(steps) == EPOCHS * samples, output[-3000:]  # one sample per step: every file read each epoch
     _falls([s["loss"] for s in steps], samples)
 
@@ -154,3 +169,52 @@ def test_speculators_trains_on_a_speculators_output_as_train_md_says(trainers_py
     assert len(val) == EPOCHS and train, output[-3000:]
     assert all(math.isfinite(x) for x in train)
     _falls(val, 1)  # the same held-out samples after each epoch
+
+
+def _specforge_steps(output: str) -> list[dict]:
+    return [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", output, flags=re.M)]
+
+
+def test_specforge_trains_on_a_kimi25_store_as_train_md_says(trainers_python, kimi25, tmp_path) -> None:
+    """The wrapper as it is: TRAIN.md names its tensors and allows its config code; SpecForge generates the draft
+    from `text_config` (32000-token draft vocabulary) and maps it from the same loss-masked tokens as token_freq.pt."""
+    samples = 6
+    out = _extract(kimi25, tmp_path, "specforge", samples, layers=(1, 2, 4))
+    config, path = _specforge_run(out, tmp_path, draft_vocab=None)
+    assert config["model"]["embedding_key"] == "language_model.model.embed_tokens.weight"
+    assert config["model"]["lm_head_key"] == "language_model.lm_head.weight" and config["model"]["trust_remote_code"]
+
+    output = _train(trainers_python, "run_specforge.py", ["train", "--config", str(path)], tmp_path)
+    steps = _specforge_steps(output)
+    assert len(steps) == EPOCHS * samples, output[-3000:]
+    _falls([s["loss"] for s in steps], samples)
+    # Its draft vocabulary: every token under the loss mask (token_freq.pt's keys) and zero-count fillers.
+    [mapping] = (tmp_path / "specforge-cache" / "vocab_mapping").glob("*.pt")
+    d2t = torch.load(mapping)["d2t"]
+    assert len(d2t) == 32000 and set(token_freq_file(out)) <= set((d2t + torch.arange(len(d2t))).tolist())
+
+
+def test_speculators_trains_on_a_kimi25_store_as_train_md_says(trainers_python, kimi25, tmp_path) -> None:
+    """speculators cannot take the wrapper (it reads the verifier's config without remote code): TRAIN.md makes
+    the text-only view with `layertap text-view` and trains against it."""
+    out = _extract(kimi25, tmp_path, "speculators", 20, layers=(1, 2, 4))
+    block = _block((out / "TRAIN.md").read_text(), "bash").replace("\\\n", " ")
+    view_line, train_line = block.strip().splitlines()
+    view = shlex.split(view_line)
+    assert view[:2] == ["layertap", "text-view"] and view[2] == str(kimi25)
+    made = subprocess.run([sys.executable, "-m", "layertap", *view[1:]], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    command = shlex.split(train_line)
+    assert command[:2] == ["speculators", "train"] and "--trust-remote-code" in command
+    assert command[command.index("--verifier-name-or-path") + 1] == view[3]
+
+    extra = ["--draft-vocab-size", str(DRAFT_VOCAB), "--epochs", str(EPOCHS), "--total-seq-len", "512",
+             "--num-workers", "0", "--lr", "3e-3", "--save-path", str(tmp_path / "speculators-run"),
+             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]  # fmt: skip
+    output = _train(trainers_python, "run_speculators.py", [*command[1:], *extra], tmp_path)
+    freq = token_freq_file(out)
+    d2t = np.load(out / f"d2t-{DRAFT_VOCAB}.npy")
+    assert set(freq) <= set((d2t + np.arange(DRAFT_VOCAB)).tolist())
+    val = [float(x) for x in re.findall(r"val/loss_epoch=([-+.\de]+)", output)]
+    assert len(val) == EPOCHS, output[-3000:]
+    _falls(val, 1)

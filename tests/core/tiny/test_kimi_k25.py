@@ -137,3 +137,36 @@ def test_tiny_model_command_builds_the_wrapper_in_a_named_shape(tmp_path) -> Non
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and "DeepseekV3" in bad.stderr
+
+
+def test_config_class_is_folder_code_whose_text_config_is_deepseek_v3(tiny_kimi25) -> None:
+    """As the real folder: its own class (auto_map) loads with remote code, on transformers without a `kimi_k25`
+    type (the trainers' 5.8.1: the interop tests) and over one that has it."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    config = AutoConfig.from_pretrained(tiny_kimi25, trust_remote_code=True)
+    assert type(config).__name__ == "KimiK25Config" and isinstance(config.text_config, DeepseekV3Config)
+    text = ModelFolder.read(tiny_kimi25).text_config
+    assert (config.text_config.num_hidden_layers, config.text_config.vocab_size) == (5, text["vocab_size"])
+    assert (config.hidden_size, config.vision_config.vt_hidden_size) == (64, 32)
+
+
+def test_text_view_is_text_config_and_the_wrappers_shards_by_reference(tiny_kimi25, tiny_kimi, tmp_path) -> None:
+    from transformers import AutoConfig
+
+    from layertap.models.text_view import INDEX, write_text_view
+
+    view = write_text_view(tiny_kimi25, tmp_path / "view")
+    assert (view / "model.safetensors").resolve() == (tiny_kimi25 / "model.safetensors").resolve()
+    assert not [p for p in view.iterdir() if p.suffix == ".safetensors" and not p.is_symlink()]
+    config = AutoConfig.from_pretrained(view)  # no remote code: a type transformers knows
+    assert config.model_type == "deepseek_v3" and config.num_hidden_layers == 5
+    weights = json.loads((view / INDEX).read_text())["weight_map"]
+    with safe_open(tiny_kimi25 / "model.safetensors", "pt") as f:
+        assert set(weights) == {n for n in f.keys() if n.startswith("language_model.")}  # noqa: SIM118
+    assert not (view / "preprocessor_config.json").exists()
+    with pytest.raises(SpecError, match="not an empty folder"):
+        write_text_view(tiny_kimi25, view)
+    with pytest.raises(SpecError, match="plain causal LM"):
+        write_text_view(tiny_kimi, tmp_path / "plain")
+    assert not (tmp_path / "plain").exists() and [p.name for p in tmp_path.iterdir()] == ["view"]
