@@ -22,13 +22,14 @@ from coordinator.config import CoordinatorSettings
 from coordinator.dispatch import Dispatcher
 from layertap.diskspace import free_bytes
 from layertap.state.keys import Keys
-from layertap.state.model import JobState, ShardState
+from layertap.state.model import AuditState, JobState, ShardState
 from layertap.state.views import job_view, list_job_ids, live_workers
 
 log = logging.getLogger(__name__)
 
 JOB_STATES: tuple[JobState, ...] = ("running", "cancelled", "failed", "finalizing", "done")
 SHARD_STATES: tuple[ShardState, ...] = ("pending", "queued", "running", "done", "failed")
+AUDIT_STATES: tuple[AuditState, ...] = ("pending", "running", "pass", "fail", "error")
 WORKER_STATES = ("idle", "working", "paused")
 
 SUBMISSIONS = Counter(
@@ -51,6 +52,7 @@ class _Families:
     tokens_rate: GaugeMetricFamily
     eta: GaugeMetricFamily
     shards: GaugeMetricFamily
+    audit: GaugeMetricFamily
 
     @classmethod
     def new(cls) -> _Families:
@@ -80,6 +82,12 @@ class _Families:
                 labels=["job_id"],
             ),
             shards=g("layertap_job_shards", "Shards by state.", labels=["job_id", "state"]),
+            audit=g(
+                "layertap_job_audit",
+                "1 for the verdict of the job's audit of its own store (pending, running, pass, fail, error: it could "
+                "not run); only jobs that asked for one (audit_samples).",
+                labels=["job_id", "verdict"],
+            ),
         )
 
     def __iter__(self) -> Iterator[Metric]:
@@ -145,6 +153,9 @@ class StateCollector(Collector):
                 fam.eta.add_metric([job_id], view.eta_s)
             for state in SHARD_STATES:
                 fam.shards.add_metric([job_id, state], view.shards.get(state, 0))
+            if view.audit is not None:
+                for verdict in AUDIT_STATES:
+                    fam.audit.add_metric([job_id, verdict], 1 if view.audit.state == verdict else 0)
         by_state = Tally(w.get("state", "idle") for w in live_workers(self.redis, self.keys).values())
         workers = GaugeMetricFamily("layertap_workers", "Live (heart-beating) workers by state.", labels=["state"])
         for state in WORKER_STATES:

@@ -15,6 +15,7 @@ class JobCreate(JobSpec):
     ``model`` and ``data`` are absolute paths every worker can read; ``out`` is relative to the
     coordinator's output root (default: the job id). Layer ids are read in ``layer_convention``.
     With ``expected_tokens``, the job is refused (507) unless its estimated output fits on the volume.
+    With ``audit_samples``, a worker audits that many stored samples once the job has ended (``JobPublic.audit``).
     """
 
     expected_tokens: int | None = Field(
@@ -39,6 +40,7 @@ class JobCreate(JobSpec):
                     "shard_size": 100,
                     "engine": {"in_flight": 8},
                     "expected_tokens": 88_000_000,
+                    "audit_samples": 64,
                 }
             ]
         }
@@ -55,8 +57,20 @@ class WorkerPublic(BaseModel):
     tokens_per_s: float
 
 
+class AuditPublic(BaseModel):
+    """The job's audit of its own store: pending, running, pass, fail, or error (it could not run: see summary).
+    A FAIL does not change the job's state: its files are complete; the states in them are not the model's."""
+
+    state: str
+    samples: int
+    tokens: int
+    seconds: float
+    report: str | None
+    summary: str | None
+
+
 class JobPublic(BaseModel):
-    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker."""
+    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker; its audit, if asked."""
 
     job_id: str
     state: str
@@ -75,6 +89,7 @@ class JobPublic(BaseModel):
     shards: dict[str, int]
     workers: list[WorkerPublic]
     error: str | None
+    audit: AuditPublic | None
 
     @classmethod
     def of(cls, view: JobView) -> JobPublic:
@@ -99,6 +114,7 @@ class JobPublic(BaseModel):
             shards=view.shards,
             workers=[WorkerPublic(**asdict(w)) for w in view.workers],
             error=view.error,
+            audit=AuditPublic(**asdict(view.audit)) if view.audit else None,
         )
 
 

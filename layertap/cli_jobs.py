@@ -23,6 +23,7 @@ from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
 TERMINAL = {"done", "failed", "cancelled"}
+AUDIT_OPEN = {"pending", "running"}  # an ended job's audit still to come
 
 api_option = click.option(
     "--api", envvar="LAYERTAP_API_URL", default="http://127.0.0.1:8000", show_default=True, help="Coordinator URL."
@@ -74,6 +75,10 @@ def _show(job: dict[str, Any]) -> None:
     table.add_row("ETA", _duration(job["eta_s"]))
     table.add_row("shards", ", ".join(f"{n} {state}" for state, n in sorted(job["shards"].items())))
     table.add_row("output", job["out"])
+    if audit := job.get("audit"):
+        verdict = audit["state"].upper() if audit["state"] in ("pass", "fail") else audit["state"]
+        detail = f": {audit['summary']}" if audit["summary"] else f" ({audit['samples']} samples)"
+        table.add_row("audit", verdict + detail + (f"; report {audit['report']}" if audit["report"] else ""))
     for w in job["workers"]:
         live = f"shard {w['shard']}, {w['samples_per_s']:.1f} samples/s" if w["alive"] else "not working on it now"
         table.add_row(f"worker {w['name']}", f"{w['samples']:,} samples, {w['tokens']:,} tokens; {live}")
@@ -81,16 +86,25 @@ def _show(job: dict[str, Any]) -> None:
 
 
 def _follow(api: str, token: str | None, job_id: str, every: float) -> dict[str, Any]:
-    """Poll until the job reaches a terminal state; one line of progress per poll on stderr."""
+    """Poll until the job reaches a terminal state and its audit (if it asked for one) has its verdict; one line
+    of progress per poll on stderr."""
     while True:
         job = _call(api, token, "GET", f"/jobs/{job_id}")
+        audit = job.get("audit")
         console.print(
             f"{job['state']}: {job['samples_done']:,}/{job['samples_total']:,} samples, "
             f"{job['samples_failed']:,} failed, {job['tokens_per_s']:,.0f} tok/s, ETA {_duration(job['eta_s'])}"
+            + (f"; audit {audit['state']}" if audit else "")
         )
-        if job["state"] in TERMINAL:
+        if _settled(job):
             return job
         time.sleep(every)
+
+
+def _settled(job: dict[str, Any]) -> bool:
+    """The job has ended, and so has its audit if it asked for one (a cancelled job's audit never runs)."""
+    audit = job.get("audit")
+    return job["state"] in TERMINAL and (job["state"] == "cancelled" or not audit or audit["state"] not in AUDIT_OPEN)
 
 
 @click.command()
@@ -130,12 +144,22 @@ def coordinator(host: str, port: int) -> None:
 @click.option(
     "--expected-tokens", type=int, default=None, help="Rough tokens in the dataset: refused unless the output fits."
 )
-@click.option("--wait", is_flag=True, help="Follow the job until it ends; exit 1 unless it is done.")
+@click.option(
+    "--audit-samples",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Once the job has ended, a worker audits this many stored samples against an HF reference (`layertap "
+    "audit`); the verdict shows in `layertap status`. 0: no audit.",
+)
+@click.option(
+    "--wait", is_flag=True, help="Follow the job until it ends (and its audit); exit 1 unless done (and PASS)."
+)
 @api_option
 @token_option
 def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, allow_any_aux_layers,
            max_bad_rows, trust_remote_code, out, shard_size, batch_tokens, batch_size, in_flight, attempts,
-           expected_tokens, wait, api, token) -> None:  # fmt: skip
+           expected_tokens, audit_samples, wait, api, token) -> None:  # fmt: skip
     """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
     engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
     body = {
@@ -156,6 +180,7 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         "engine": {k: v for k, v in engine.items() if v is not None},
         "sample_attempts": attempts,
         "expected_tokens": expected_tokens,
+        "audit_samples": audit_samples,
     }
     job = _call(api, token, "POST", "/jobs", body)
     console.print(
@@ -167,7 +192,8 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         _show(job)
         if job["state"] == "done" and (guide := Path(job["out"]) / GUIDE).exists():  # where this host sees it
             click.echo(guide.read_text())
-        sys.exit(0 if job["state"] == "done" else 1)
+        audit = job.get("audit")
+        sys.exit(0 if job["state"] == "done" and (audit is None or audit["state"] == "pass") else 1)
 
 
 @click.command()

@@ -29,7 +29,9 @@ class WorkerSettings(BaseSettings):
     )
 
     engine: Literal["hf", "sglang"] = "hf"
-    device: str = Field(default="cpu", description="HF engine: torch device.")
+    device: str = Field(
+        default="cpu", description="HF engine, and the HF reference of job audits (any engine): torch device."
+    )
     hf_batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
     hf_batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
     in_flight: int = Field(default=8, gt=0, description="SGLang engine: requests in flight.")

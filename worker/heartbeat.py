@@ -53,11 +53,12 @@ class RateMeter:
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """What the process holds: a shard attempt, or (``shard`` None) a job's finalization."""
+    """What the process holds: a shard attempt, or (``shard`` None) a job's finalization or (``audit``) its audit."""
 
     job_id: str
     shard: int | None
     token: str
+    audit: bool = False
 
 
 class Heartbeat:
@@ -81,8 +82,8 @@ class Heartbeat:
         self._thread.start()
 
     @contextmanager
-    def holding(self, job_id: str, shard: int | None, token: str) -> Iterator[None]:
-        self._held = Held(job_id, shard, token)
+    def holding(self, job_id: str, shard: int | None, token: str, *, audit: bool = False) -> Iterator[None]:
+        self._held = Held(job_id, shard, token, audit)
         try:
             yield
         finally:
@@ -92,7 +93,7 @@ class Heartbeat:
         """One heartbeat (two round trips): renew the lease if something is held, publish the record."""
         held = self._held
         if held is not None and not renew_lease(
-            self.redis, self.keys, held.job_id, held.shard, held.token, self.settings.lease_ms
+            self.redis, self.keys, held.job_id, held.shard, held.token, self.settings.lease_ms, audit=held.audit
         ):
             log.warning(
                 "job %s shard %s: lease lost (token %s is no longer current)", held.job_id, held.shard, held.token

@@ -3,7 +3,7 @@
 ``WorkerContext`` is built once per process: the Redis client (retrying through a short Redis
 restart), the engine cache, the heartbeat thread. ``run_shard`` claims a shard attempt, runs the
 shared pipeline over its rows into the job's store, and completes it; the attempt that completes
-the last shard finalizes the store.
+the last shard finalizes the store, then sends the job's audit (``worker.audit``) when it asks for one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from layertap.engines.base import Engine
 from layertap.errors import ServerError
 from layertap.pipeline import FailureTally, run_shard, run_verdict
 from layertap.sample import TokenizedSample
-from layertap.state.keys import Keys
+from layertap.state.jobs import Send
+from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
 from layertap.state.shards import FinalizeAttempt, ShardAttempt
 from layertap.state.views import job_errors
@@ -94,10 +95,12 @@ class RedisEvents:
 
 
 class WorkerContext:
-    """Per-process resources and the two kinds of work: run a shard, finalize a job."""
+    """Per-process resources and the two kinds of work: run a shard, finalize a job. ``send(task_name, args)``
+    puts a message on the queue (a job's audit, sent by its finalizer)."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, send: Send) -> None:
         self.settings = settings
+        self.send = send
         self.pid = os.getpid()
         self.name = settings.process_name()
         self.redis = connect_redis(settings.redis_url)
@@ -184,11 +187,7 @@ class WorkerContext:
     def _engine(self, spec: JobSpec, store: OutputStore) -> Engine:
         """This process's engine for the job, refused if it would not compute in the manifest's dtype or the
         job wants model code run that this worker was not allowed to run."""
-        if spec.trust_remote_code and not self.settings.allow_remote_code:
-            raise ServerError(
-                f"job asks for trust_remote_code ({spec.model}) but this worker does not run model code "
-                "(LAYERTAP_ALLOW_REMOTE_CODE is off)"
-            )
+        self.check_remote_code(spec)
         engine = self.engines.get(spec, spec.resolve(store.manifest.num_layers))
         dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
         if dtype != store.manifest.compute_dtype:
@@ -197,6 +196,14 @@ class WorkerContext:
                 f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
             )
         return engine
+
+    def check_remote_code(self, spec: JobSpec) -> None:
+        """Refuse a job that wants the model folder's code run when this worker was not allowed to run it."""
+        if spec.trust_remote_code and not self.settings.allow_remote_code:
+            raise ServerError(
+                f"job asks for trust_remote_code ({spec.model}) but this worker does not run model code "
+                "(LAYERTAP_ALLOW_REMOTE_CODE is off)"
+            )
 
     def finalize(self, job_id: str, token: str) -> str:
         """Build the format's extra files and mark the manifest complete, then the job done (in that order);
@@ -221,7 +228,8 @@ class WorkerContext:
                 attempt.note_error(f"finalize failed: {type(exc).__name__}: {exc}")
                 return "finalize-failed"
         ok, verdict = self._verdict(job_id, spec, len(records), store.manifest.dataset_rows)
-        attempt.finish(error=None if ok else verdict)
+        if attempt.finish(error=None if ok else verdict) and spec.audit_samples:
+            self.send(AUDIT_TASK, [job_id])  # a task of its own: an audit never holds up this worker's next shard
         log.log(
             logging.INFO if ok and not verdict else logging.WARNING,
             "job %s: finalized, %d samples (%d stale temp files removed)%s",

@@ -1,4 +1,4 @@
-"""Thin Celery tasks: map errors to retry-or-give-up and call ``WorkerContext`` (one per process)."""
+"""Thin Celery tasks: map errors to retry-or-give-up and call ``WorkerContext`` (one per process) or the audit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 from celery import Task, signals
 
 from layertap.errors import DatasetError, ServerError, SpecError, StoreError
-from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK
+from layertap.state.keys import AUDIT_TASK, FINALIZE_TASK, RUN_SHARD_TASK
+from worker.audit import run_job_audit
 from worker.celery import app, settings
 from worker.runner import WorkerContext
 
@@ -21,8 +22,13 @@ def context() -> WorkerContext:
     """This process's context, made on first use (after a prefork child was forked, not before)."""
     global _context
     if _context is None or _context.pid != os.getpid():
-        _context = WorkerContext(settings)
+        _context = WorkerContext(settings, send)
     return _context
+
+
+def send(task: str, args: list) -> None:
+    """Put a message on the queue (the work a task leaves to another: a job's audit)."""
+    app.send_task(task, args=args)
 
 
 @signals.worker_process_init.connect
@@ -72,3 +78,10 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
 def finalize_job(job_id: str, token: str) -> str:
     """Finalize a job whose shards are all done (sent when the worker that completed the last one died)."""
     return context().finalize(job_id, token)
+
+
+@app.task(name=AUDIT_TASK)
+def audit_job(job_id: str) -> str:
+    """Audit a job's store once it has ended (sent by the worker that finalized it); a redelivered message finds the
+    verdict recorded, or the audit held by a live worker, and does nothing."""
+    return run_job_audit(context(), job_id)

@@ -83,6 +83,7 @@ function jobCard(job, errors) {
       stat("ETA", job.state === "running" ? fmt.duration(job.eta_s) : "-"),
       stat("shards", shards)));
   if (job.error) card.append(el("div", { class: "error" }, `error: ${job.error}`));
+  if (job.audit) card.append(auditLine(job.audit));
   if (errors && errors.count) {
     const list = el("ul", { class: "errors" });
     for (const e of errors.errors.slice(0, ERRORS_SHOWN)) {
@@ -98,6 +99,16 @@ function jobCard(job, errors) {
     ).join(" · ") + (live.length ? "" : " (none working on it now)")));
   }
   return card;
+}
+
+// The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state.
+function auditLine(audit) {
+  const verdict = ["pass", "fail"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
+  const line = el("div", { class: `audit ${audit.state}`, "data-audit": audit.state },
+    "audit ", el("span", { class: `badge ${audit.state}` }, verdict),
+    " " + (audit.summary || `${fmt.int(audit.samples)} samples, once the job has ended`));
+  if (audit.report) line.append(el("span", { class: "muted" }, ` report: ${audit.report}`));
+  return line;
 }
 
 function workerRow(w) {

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from redis import Redis
+from redis.client import Pipeline
 
 from layertap.state import scripts
 from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK, Keys
@@ -23,7 +24,7 @@ Send = Callable[[str, list], None]
 
 
 def create_job(redis: Redis, keys: Keys, job_id: str, spec: JobSpec, shards: Sequence[tuple[int, int]]) -> None:
-    """Write the job and all its shards as ``pending`` in one transaction (one round trip)."""
+    """Write the job and all its shards as ``pending`` (and its audit, if it asks for one) in one transaction."""
     pipe = redis.pipeline(transaction=True)
     pipe.hset(
         keys.job(job_id),
@@ -41,7 +42,14 @@ def create_job(redis: Redis, keys: Keys, job_id: str, spec: JobSpec, shards: Seq
     for n, (start, stop) in enumerate(shards):
         pipe.hset(keys.shard(job_id, n), mapping=shard_fields(start, stop))
     pipe.sadd(keys.open(job_id), *range(len(shards)))
+    request_audit(pipe, keys, job_id, spec)
     pipe.execute()
+
+
+def request_audit(pipe: Pipeline, keys: Keys, job_id: str, spec: JobSpec) -> None:
+    """The job's audit as ``pending``, if it asks for one (a worker claims it once the job has ended)."""
+    if spec.audit_samples:
+        pipe.hset(keys.audit(job_id), mapping={"state": "pending", "samples": spec.audit_samples})
 
 
 def shard_fields(start: int, stop: int) -> dict[str, int | str]:

@@ -15,12 +15,17 @@ The whole schema, under one prefix (default ``layertap``):
                                             its worker heart-beats
     {p}:job:{job}:shard:{n}:errors    HASH  row -> JSON {sample_id, reason, kind, attempts}
     {p}:job:{job}:finalize:lease      STR   token of the finalizer; expires unless it heart-beats
+    {p}:job:{job}:audit               HASH  (jobs with audit_samples) state, samples (asked, then audited),
+                                            tokens, seconds, report, summary, token, worker, attempts,
+                                            started_ms, finished_ms
+    {p}:job:{job}:audit:lease         STR   token of the worker running the audit; expires unless it heart-beats
     {p}:workers                       SET   worker names ever seen (pruned when their key is gone)
     {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat
 
 Shard states: ``pending`` (needs a message) -> ``queued`` (a message carries its token) -> ``running``
 (a worker holds the lease) -> ``done``; ``failed`` after the task gave up. Job states: ``running``,
-``cancelled``, ``failed``, ``finalizing``, ``done``.
+``cancelled``, ``failed``, ``finalizing``, ``done``. Audit states: ``pending`` (until the job has ended and a
+worker claims it) -> ``running`` -> ``pass``, ``fail`` or ``error`` (it could not run; the summary says why).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 SHARD_QUEUE = "layertap.shards"
 RUN_SHARD_TASK = "layertap.run_shard"
 FINALIZE_TASK = "layertap.finalize_job"
+AUDIT_TASK = "layertap.audit_job"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,12 @@ class Keys:
 
     def finalize_lease(self, job_id: str) -> str:
         return f"{self.job(job_id)}:finalize:lease"
+
+    def audit(self, job_id: str) -> str:
+        return f"{self.job(job_id)}:audit"
+
+    def audit_lease(self, job_id: str) -> str:
+        return f"{self.audit(job_id)}:lease"
 
     def job_pattern(self, job_id: str) -> str:
         """Matches every key of one job (for deleting it)."""

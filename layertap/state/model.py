@@ -12,6 +12,7 @@ from layertap.spec import ExtractionSpec
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
 ShardState = Literal["pending", "queued", "running", "done", "failed"]
+AuditState = Literal["pending", "running", "pass", "fail", "error"]
 JOB_FILE = "job.json"  # written beside the manifest at submit time; `rebuild-state` reads it back
 
 
@@ -37,6 +38,13 @@ class JobSpec(ExtractionSpec):
     engine: EngineOptions = EngineOptions()
     sample_attempts: int = Field(
         default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
+    )
+    audit_samples: int = Field(
+        default=0,
+        ge=0,
+        le=100_000,
+        description="Audit this many of the stored samples against an HF reference once the job has ended "
+        "(`layertap audit`; 0: no audit). The verdict does not change the job's state.",
     )
 
     def extraction(self) -> ExtractionSpec:
@@ -78,6 +86,34 @@ class WorkerView:
     tokens_per_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class AuditView:
+    """A job's audit of its own store: ``pending`` until the job has ended, ``running``, then its verdict (``error``:
+    it could not run, ``summary`` says why). ``samples`` is the number asked until the verdict, then the number
+    audited; ``report`` is the markdown report under the store's ``reports/``."""
+
+    state: AuditState
+    samples: int
+    tokens: int = 0
+    seconds: float = 0.0
+    report: str | None = None
+    summary: str | None = None
+
+    @classmethod
+    def of(cls, record: dict[str, str]) -> AuditView | None:
+        """From the job's audit hash (None when the job asked for no audit)."""
+        if not record:
+            return None
+        return cls(
+            state=record["state"],  # type: ignore[arg-type]
+            samples=int(record["samples"]),
+            tokens=int(record.get("tokens") or 0),
+            seconds=float(record.get("seconds") or 0),
+            report=record.get("report") or None,
+            summary=record.get("summary") or None,
+        )
+
+
 @dataclass(slots=True)
 class JobView:
     """A job's progress, summed over its shards in one read."""
@@ -95,6 +131,7 @@ class JobView:
     shards: dict[str, int] = field(default_factory=dict)  # shard state -> count
     workers: list[WorkerView] = field(default_factory=list)
     error: str | None = None
+    audit: AuditView | None = None
 
     @property
     def samples_per_s(self) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 from redis import Redis
 
 from layertap.errors import StoreError
-from layertap.state.jobs import delete_job, job_exists, server_time_ms, shard_fields
+from layertap.state.jobs import delete_job, job_exists, request_audit, server_time_ms, shard_fields
 from layertap.state.keys import Keys
 from layertap.state.model import SampleFailure
 from layertap.state.plan import job_of_store, plan_shards
@@ -84,6 +84,8 @@ def rebuild_job(
             pipe.hset(keys.errors(job_id, n), mapping={f.row: json.dumps(asdict(f)) for f in failures[n]})
     if not all(finished):
         pipe.sadd(keys.open(job_id), *(n for n, ok in enumerate(finished) if not ok))
+    if state != "done":  # a done job's verdict, if it had one, is in the store's reports/ (`layertap audit` redoes it)
+        request_audit(pipe, keys, job_id, spec)
     pipe.execute()
     return Rebuilt(
         job_id=job_id,

@@ -208,3 +208,28 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'error', '')
 redis.call('DEL', KEYS[5])
 return {'running'}
 """)
+
+# KEYS: job, audit, audit_lease, seq. ARGV: worker, lease_ms. Returns {'ok', token, spec}, or {why not}: the
+# job asked for no audit ('missing'), its verdict is recorded ('done'), the job has not ended ('inactive'), or
+# a live worker runs it ('busy'). A redelivered message takes over an audit only once its lease has expired.
+CLAIM_AUDIT = _script("""
+local job = redis.call('HMGET', KEYS[1], 'state', 'spec')
+local audit = redis.call('HGET', KEYS[2], 'state')
+if not job[1] or not audit then return {'missing'} end
+if audit == 'pass' or audit == 'fail' or audit == 'error' then return {'done'} end
+if job[1] ~= 'done' and job[1] ~= 'failed' then return {'inactive'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
+local token = tostring(redis.call('INCR', KEYS[4]))
+redis.call('HSET', KEYS[2], 'state', 'running', 'token', token, 'worker', ARGV[1], 'started_ms', now_ms())
+redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+redis.call('SET', KEYS[3], token, 'PX', ARGV[2])
+return {'ok', token, job[2]}
+""")
+
+# KEYS: audit, audit_lease. ARGV: token, then field, value... of the verdict. Written only by the audit's holder.
+FINISH_AUDIT = _script("""
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'finished_ms', now_ms(), unpack(ARGV, 2))
+redis.call('DEL', KEYS[2])
+return 1
+""")

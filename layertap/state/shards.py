@@ -15,7 +15,7 @@ from redis import Redis
 
 from layertap.state import scripts
 from layertap.state.keys import Keys
-from layertap.state.model import Claim, JobSpec, SampleFailure
+from layertap.state.model import AuditView, Claim, JobSpec, SampleFailure
 
 
 class ShardAttempt:
@@ -137,9 +137,49 @@ class FinalizeAttempt:
         )
 
 
-def renew_lease(redis: Redis, keys: Keys, job_id: str, shard: int | None, token: str, lease_ms: int) -> bool:
-    """Heartbeat: renew a shard lease (``shard`` given) or the job's finalize lease; False if no longer ours."""
-    if shard is None:
+class AuditAttempt:
+    """One worker's run of a job's audit (``JobSpec.audit_samples``): claimed by one live worker at a time, its
+    verdict written once, by the claim that still holds it."""
+
+    def __init__(self, redis: Redis, keys: Keys, job_id: str, worker: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.job_id = job_id
+        self.worker = worker
+        self.token = ""
+
+    def claim(self, lease_ms: int) -> tuple[str, JobSpec | None]:
+        """(``ok``, the job's spec), or why not to run it: ``done`` (verdict recorded), ``busy`` (a live worker runs
+        it), ``inactive`` (the job has not ended), ``missing`` (no such job, or it asked for no audit)."""
+        k, j = self.keys, self.job_id
+        reply = scripts.CLAIM_AUDIT(
+            [k.job(j), k.audit(j), k.audit_lease(j), k.seq], [self.worker, lease_ms], client=self.redis
+        )
+        if reply[0] != "ok":
+            return reply[0], None
+        self.token = reply[1]
+        return "ok", JobSpec.model_validate_json(reply[2])
+
+    def finish(self, verdict: AuditView) -> bool:
+        """Record the verdict; False if this claim lost the audit to another worker meanwhile."""
+        fields = [item for pair in asdict(verdict).items() for item in pair]
+        return bool(
+            scripts.FINISH_AUDIT(
+                [self.keys.audit(self.job_id), self.keys.audit_lease(self.job_id)],
+                [self.token, *("" if v is None else v for v in fields)],
+                client=self.redis,
+            )
+        )
+
+
+def renew_lease(
+    redis: Redis, keys: Keys, job_id: str, shard: int | None, token: str, lease_ms: int, *, audit: bool = False
+) -> bool:
+    """Heartbeat: renew a shard lease (``shard`` given), the job's audit lease (``audit``) or its finalize lease;
+    False if no longer ours."""
+    if audit:
+        hash_key, lease, state, field = keys.audit(job_id), keys.audit_lease(job_id), "running", "token"
+    elif shard is None:
         hash_key, lease, state, field = keys.job(job_id), keys.finalize_lease(job_id), "finalizing", "finalize_token"
     else:
         hash_key, lease, state, field = keys.shard(job_id, shard), keys.lease(job_id, shard), "running", "token"

@@ -11,7 +11,7 @@ from collections import Counter
 from redis import Redis
 
 from layertap.state.keys import Keys
-from layertap.state.model import JobView, SampleFailure, WorkerView
+from layertap.state.model import AuditView, JobView, SampleFailure, WorkerView
 
 
 def list_job_ids(redis: Redis, keys: Keys, *, limit: int = 100) -> list[str]:
@@ -26,7 +26,8 @@ def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
     pipe.zscore(keys.jobs, job_id)
     pipe.hgetall(keys.job_workers(job_id))
     pipe.smembers(keys.workers)
-    job, created, per_worker, names = pipe.execute()
+    pipe.hgetall(keys.audit(job_id))
+    job, created, per_worker, names, audit = pipe.execute()
     if not job:
         return None
     num_shards = int(job["num_shards"])
@@ -46,6 +47,7 @@ def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
         num_rows=int(job["num_rows"]),
         num_shards=num_shards,
         error=job.get("error") or None,
+        audit=AuditView.of(audit),
     )
     states: Counter[str] = Counter()
     for state, done, tokens, failed in replies[:num_shards]:

@@ -54,6 +54,7 @@ def test_submit_plans_shards_creates_the_store_and_enqueues_one_task_per_shard(
         ({"max_length": 8192}, "(4096, max_position_embeddings in config.json): give at most 4096"),
         ({"max_bad_rows": "5 percent"}, "max_bad_rows must be a count (e.g. 100) or a share of the rows (e.g. 5%)"),
         ({"max_bad_rows": -1}, "got '-1'"),
+        ({"audit_samples": -1}, "greater than or equal to 0"),
     ],
 )
 def test_a_bad_spec_gets_422_with_a_precise_message_and_nothing_is_enqueued(

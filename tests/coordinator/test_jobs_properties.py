@@ -56,6 +56,7 @@ def field_values(good: dict[str, str], files: dict[str, str]) -> dict[str, st.Se
         | ANY_JSON,
         "sample_attempts": ints | ANY_JSON,
         "expected_tokens": ints | ANY_JSON,
+        "audit_samples": ints | ANY_JSON,
     }
 
 
@@ -101,7 +102,7 @@ def test_any_job_body_gets_a_readable_refusal_never_a_500_and_a_refused_job_leav
         files[name] = str(tmp_path / name)
     (tmp_path / "folder").mkdir()
     files["dir"] = str(tmp_path / "folder")
-    good = {"model": str(tiny_llama), "data": files["data"], "layers": [1, 3], "shard_size": 5}
+    good = {"model": str(tiny_llama), "data": files["data"], "layers": [1, 3, 5], "shard_size": 5}
     seen: dict[int, int] = {}
 
     @settings(max_examples=80)

@@ -130,13 +130,15 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
 ) -> None:
     before = scraped(stack.worker_metrics)
     committed_before = before.get(("layertap_worker_samples_total", (("status", "committed"), ("worker", "mon1"))), 0)
-    job_id = stack.submit(tiny_llama, stack.dataset(N_ROWS, seed=12), out="prometheus")
+    # It asks for an audit, which never runs (the job is cancelled): its series still shows the verdict pending.
+    job_id = stack.submit(tiny_llama, stack.dataset(N_ROWS, seed=12), out="prometheus", audit_samples=4)
 
     def moving() -> list[dict]:
         return stack.query(f'layertap_job_tokens_per_second{{job_id="{job_id}"}} > 0')
 
     wait_for(moving, timeout=60, what="Prometheus to see the job moving", every=0.2)
     assert stack.query(f'layertap_job_state{{job_id="{job_id}",state="running"}} == 1')
+    assert stack.query(f'layertap_job_audit{{job_id="{job_id}",verdict="pending"}} == 1')
     job = stack.cancel(job_id)
 
     def health() -> dict[str, str]:
@@ -187,7 +189,7 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
     for name in {n for expr in dashboard_queries() for n in METRIC.findall(expr)}:
         assert stack.query(f"count(count_over_time({name}[10m]))"), f"no series of {name}"
     rules = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"][0]["rules"]
-    assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
 
 def test_the_free_space_guard_pauses_a_worker_on_a_full_volume_and_resumes_it(stack: Stack, tiny_llama: Path) -> None:

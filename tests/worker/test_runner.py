@@ -16,9 +16,14 @@ from worker.config import WorkerSettings
 from worker.runner import WorkerContext
 
 
+def no_messages(task: str, args: list) -> None:
+    """These jobs ask for no audit: a worker sends nothing."""
+    raise AssertionError(f"unexpected message {task} {args}")
+
+
 @pytest.fixture
 def context(redis_server, redis_client):
-    ctx = WorkerContext(WorkerSettings(redis_url=redis_server.url, worker_name="local", lease_ttl_s=30))
+    ctx = WorkerContext(WorkerSettings(redis_url=redis_server.url, worker_name="local", lease_ttl_s=30), no_messages)
     yield ctx
     ctx.close()
 
@@ -75,7 +80,7 @@ def test_a_job_with_remote_code_runs_only_on_a_worker_allowed_to(redis_server, r
     [(_, args)] = sent
 
     settings = {"redis_url": redis_server.url, "lease_ttl_s": 30}
-    closed = WorkerContext(WorkerSettings(worker_name="closed", **settings))
+    closed = WorkerContext(WorkerSettings(worker_name="closed", **settings), no_messages)
     try:
         with pytest.raises(ServerError, match="LAYERTAP_ALLOW_REMOTE_CODE"):
             closed.run_shard(*args)
@@ -83,7 +88,7 @@ def test_a_job_with_remote_code_runs_only_on_a_worker_allowed_to(redis_server, r
         closed.close()
     assert verify_store(planned.spec.out).samples == 0
     redis_client.delete(keys.lease("jr", 0))  # the refusing worker's lease runs out
-    opened = WorkerContext(WorkerSettings(worker_name="open", allow_remote_code=True, **settings))
+    opened = WorkerContext(WorkerSettings(worker_name="open", allow_remote_code=True, **settings), no_messages)
     try:
         assert opened.run_shard(*args) in ("done", "finalized")
     finally:

@@ -1,0 +1,63 @@
+"""A job's audit at its end (``JobSpec.audit_samples``): ``layertap.audit.audit_store`` over N of its samples, in
+the worker process, at most once per job.
+
+It is a task of its own, sent by the worker that finalized the job, so it never holds up a shard or the finalize.
+The HF reference runs on the worker's ``LAYERTAP_DEVICE`` after the cached engine is closed: the reference needs
+the memory that engine holds (an SGLang server's GPU, or the HF model), and the job it served is over; the next
+shard loads it again. A FAIL leaves the job ``done``: its files are complete and verified, and whether their states
+are the model's is a second question with its own answer, shown beside the state (``layertap status``, the status
+page, the ``layertap_job_audit`` metric). ``layertap audit OUT --samples N`` (seed 0) repeats it by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from layertap.state.model import AuditView, JobSpec
+from layertap.state.shards import AuditAttempt
+from worker.runner import WorkerContext
+
+log = logging.getLogger(__name__)
+
+AUDIT_SEED = 0
+
+
+def run_job_audit(ctx: WorkerContext, job_id: str) -> str:
+    """Audit the job's store unless its verdict is recorded or a live worker is auditing it; returns the verdict
+    (``pass``, ``fail``, ``error``) or why it did not run (``done``, ``busy``, ``inactive``, ``missing``)."""
+    attempt = AuditAttempt(ctx.redis, ctx.keys, job_id, ctx.name)
+    status, spec = attempt.claim(ctx.settings.lease_ms)
+    if status != "ok":
+        log.info("job %s: audit not run (%s)", job_id, status)
+        return status
+    assert spec is not None
+    with ctx.heartbeat.holding(job_id, None, attempt.token, audit=True), ctx.status.working():
+        verdict = _audit(ctx, spec)
+    if not attempt.finish(verdict):
+        log.warning("job %s: audit lost to another worker (its lease expired); verdict not recorded", job_id)
+        return "lost"
+    log.log(logging.INFO if verdict.state == "pass" else logging.WARNING, "job %s: %s", job_id, verdict.summary)
+    return verdict.state
+
+
+def _audit(ctx: WorkerContext, spec: JobSpec) -> AuditView:
+    """The verdict of one audit run; ``error`` (why, in the summary) when it could not run at all."""
+    try:
+        from layertap.audit import audit_store  # transformers: imported by the processes that audit, when they do
+
+        assert spec.out is not None
+        ctx.check_remote_code(spec)
+        ctx.engines.close()
+        report = audit_store(spec.out, samples=spec.audit_samples, seed=AUDIT_SEED, device=ctx.settings.device,
+                             trust_remote_code=spec.trust_remote_code)  # fmt: skip
+    except Exception as exc:  # no retry: a person decides (the model moved, no memory...), `layertap audit` redoes it
+        log.exception("job audit could not run")
+        return AuditView(state="error", samples=spec.audit_samples, summary=f"{type(exc).__name__}: {exc}"[:2000])
+    return AuditView(
+        state="pass" if report.passed else "fail",
+        samples=len(report.samples),
+        tokens=report.tokens,
+        seconds=round(report.seconds, 3),
+        report=next((f for f in report.files if f.endswith(".md")), None),
+        summary=report.summary(),
+    )
