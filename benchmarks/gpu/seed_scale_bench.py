@@ -1,0 +1,353 @@
+"""Speed at the seed's scale: a 61-layer Kimi-K2.5-shaped server (hidden 7168, MLA, first layer dense, 8 routed
+experts top-8 + 1 shared: Kimi's work per token), capture indices 3, 31, 59 + the post-norm final (57 KB per
+token), rows of the seed corpus's lengths, under each server setting that could matter.
+
+The folder is config-only (``layertap tiny-model --arch kimi-k2.5 --shape seed-depth --config-only``) and the
+server makes random weights (``--load-format dummy``). For each setting, in the same run and one server at a
+time: plain prefill (rids outside the capture namespace), then capture + commit into a specforge store on
+tmpfs and on the local disk, at the same in-flight count. Each measurement is a steady-state window: the rate
+counts the tokens of requests that finished between the first finish and the moment fewer requests than the
+in-flight count remained queued, so start-up and the tail are outside it (their share is printed).
+
+Each invocation adds its rows to ``--results`` (JSON, committed beside the table) and rewrites the table and
+the projection of the seed's job (87.8M tokens) from every row so far. Run on the device through
+``benchmarks/gpu/on_device.sh``:
+
+    python3 benchmarks/gpu/seed_scale_bench.py --settings triton-4096,flashinfer-8192 --out $OUT
+
+``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with a 4-layer tiny folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from capture_bench import CPU_STUB, GPU_ARGS, log, prompts, repoint, volume_rate  # noqa: E402
+
+from layertap.engines.sglang import SGLangEngine  # noqa: E402
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer  # noqa: E402
+from layertap.models.folder import model_dims  # noqa: E402
+from layertap.pipeline import run_shard  # noqa: E402
+from layertap.spec import ExtractionSpec  # noqa: E402
+from layertap.store.manifest import build_manifest  # noqa: E402
+from layertap.store.store import OutputStore  # noqa: E402
+from layertap.tiny import build_tiny_model  # noqa: E402
+
+LAYERS = (3, 31, 59)
+SHALLOW = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
+SEED_TOKENS = 87.8e6  # the seed job: 37,312 samples
+SEED_HOURS = 9.4  # what the seed's own pipeline took at 2,600 tok/s
+# What SGLang's own numbers say of TP=8 on one H200 node for DeepSeek-V3-shaped prefill: see the table's notes.
+TP8_EFFICIENCY = 0.8
+BASE = [a for a in GPU_ARGS if a not in ("--mem-fraction-static", "0.45", "--max-total-tokens", "300000")]
+BASE = [a for i, a in enumerate(BASE) if a != "--chunked-prefill-size" and BASE[i - 1] != "--chunked-prefill-size"]
+BASE = [a for i, a in enumerate(BASE) if a != "--attention-backend" and BASE[i - 1] != "--attention-backend"]
+# Two 61-layer servers (60.6 GB of bf16 weights each) share the GPU. SGLang sizes its KV pool as the memory free
+# after its weights minus (1 - fraction) of the GPU, so the other server's weights count against it: a high
+# fraction with the pool capped (70K tokens x 70 KB with MLA at 61 layers, ~5 GB: 16 requests of 4,000 tokens)
+# lets both start in either order.
+MEMORY = ["--load-format", "dummy", "--mem-fraction-static", "0.9", "--max-total-tokens", "70000"]
+SETTINGS = {  # name -> flags; every name is "<attention backend>-<chunked prefill size>"
+    f"{backend}-{chunk}": ["--attention-backend", backend, "--chunked-prefill-size", str(chunk)]
+    for backend in ("triton", "flashinfer")
+    for chunk in (4096, 8192, 16384)
+}
+
+
+@dataclass
+class Row:
+    setting: str
+    what: str  # plain, tmpfs, disk
+    in_flight: int
+    tok_s: float
+    window_share: float  # the share of the measurement's time inside the steady-state window
+    tokens: int
+    when: str
+
+
+class FinishTimes(OutputStore):
+    """An OutputStore that notes when each commit ends and its tokens (commit threads append; atomic)."""
+
+    finishes: list[tuple[float, int]]
+
+    def commit(self, captured: Any) -> Any:
+        record = super().commit(captured)
+        self.finishes.append((time.perf_counter(), record.num_tokens))
+        return record
+
+
+def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: float) -> tuple[float, float]:
+    """Tokens/s of the requests that finished inside [first finish, last moment every slot was busy]; and the
+    share of the whole measurement that window covers."""
+    finishes.sort()
+    start = finishes[0][0]
+    inside = [(t, n) for t, n in finishes if start < t <= queued_until]
+    end = max((t for t, _ in inside), default=finishes[-1][0])
+    if not inside or end <= start:  # too few requests for a window: the whole run
+        return sum(n for _, n in finishes) / (finishes[-1][0] - t0), 1.0
+    return sum(n for _, n in inside) / (end - start), (end - start) / (finishes[-1][0] - t0)
+
+
+def plain(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> tuple[float, float]:
+    """Plain prefill of ``batch`` (rids outside the capture namespace) in a steady-state window."""
+    finishes: list[tuple[float, int]] = []
+    started = [0]
+
+    def one(ids: list[int]) -> None:
+        started[0] += 1
+        body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
+        reply = client.post(url + "/generate", json=body)
+        assert reply.status_code == 200, reply.text[:300]
+        finishes.append((time.perf_counter(), len(ids)))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(in_flight) as pool:
+        list(pool.map(one, batch))
+    # The last request is handed to a thread when len(batch) - in_flight have finished.
+    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
+    return steady_rate(finishes, t0, queued_until)
+
+
+def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: list[list[int]], in_flight: int,
+            tag: str, layers: tuple[int, ...], *, keep: bool = False) -> tuple[float, float]:  # fmt: skip
+    """Capture + checks + commit of ``batch`` into a specforge store ``root/store-<tag>`` (the dumps under
+    ``root`` too), removed afterwards unless ``keep``."""
+    repoint(link, root / "dumps")
+    data = root / f"data-{tag}.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
+    spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
+    num_layers, hidden = model_dims(model)
+    cap = spec.resolve(num_layers)
+    engine = SGLangEngine(server, cap, dump_root=link, job=f"seed-{tag}", in_flight=in_flight)
+    manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+                              engine=engine.describe())  # fmt: skip
+    store = FinishTimes.create_or_resume(root / f"store-{tag}", manifest)
+    finishes = store.finishes = []
+    t0 = time.perf_counter()
+    report = run_shard(spec, store, engine, check_level="quick", commit_threads=8)
+    assert len(report.computed) == len(batch) and report.failed == 0, report
+    store.finalize(complete=True)
+    store.close()
+    if not keep:
+        shutil.rmtree(root / f"store-{tag}")
+    data.unlink()
+    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
+    return steady_rate(finishes, t0, queued_until)
+
+
+def projection(rows: list[Row]) -> list[str]:
+    """The seed job on one and on four 8-GPU nodes, from the fastest setting's capture rate on tmpfs and disk."""
+    best: dict[str, Row] = {}
+    for row in rows:
+        if row.what in ("tmpfs", "disk") and (row.what not in best or row.tok_s > best[row.what].tok_s):
+            best[row.what] = row
+    out = ["", "## The seed's job (87.8M tokens) projected", "",
+           f"Per-GPU rate (this table, TP=1, the same work per token as Kimi-K2.5) x GPUs x a TP=8 efficiency of "
+           f"{TP8_EFFICIENCY} (see the notes), against the seed's {SEED_HOURS} h at 2,600 tok/s.", "",
+           "| capture on | setting | per-GPU tok/s | 1 node (8 GPUs) tok/s | hours | 4 nodes tok/s | hours | "
+           "vs seed (1 node) |", "|---" * 8 + "|"]  # fmt: skip
+    for what, row in best.items():
+        node = row.tok_s * 8 * TP8_EFFICIENCY
+        out.append(f"| {what} | {row.setting} | {row.tok_s:,.0f} | {node:,.0f} | {SEED_TOKENS / node / 3600:.2f} | "
+                   f"{4 * node:,.0f} | {SEED_TOKENS / node / 4 / 3600:.2f} | "
+                   f"{SEED_HOURS / (SEED_TOKENS / node / 3600):.1f}x faster |")  # fmt: skip
+    return out
+
+
+def render(rows: list[Row], checks: list[Check], header: list[str]) -> str:
+    lines = [*header, "| setting | what | in flight | tok/s | steady window / whole run | tokens | measured |",
+             "|---" * 7 + "|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r.setting} | {r.what} | {r.in_flight} | {r.tok_s:,.0f} | {r.window_share:.2f} | "
+                     f"{r.tokens:,} | {r.when} |")  # fmt: skip
+    by_setting: dict[str, dict[str, float]] = {}
+    for r in rows:
+        by_setting.setdefault(r.setting, {})[r.what] = r.tok_s
+    lines += ["", "| setting | tmpfs capture / plain | disk capture / plain |", "|---|---|---|"]
+    for name, rates in by_setting.items():
+        if "plain" in rates:
+            ratio = {w: f"{rates[w] / rates['plain']:.2f}" if w in rates else "-" for w in ("tmpfs", "disk")}
+            lines.append(f"| {name} | {ratio['tmpfs']} | {ratio['disk']} |")
+    lines += ["", "## Which settings keep captures right", "",
+              "Each setting's captures of the same rows at Kimi-K2 width, 4 layers (random weights HF can run), audited "
+              "by `layertap audit` against HF float32 (every stored state, the bf16 noise floor, routing near-ties).", "",
+              "| setting | audit | samples | tokens | measured |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        f"| {c.setting} | {'PASS' if c.passed else 'FAIL'} | {c.samples} | {c.tokens:,} | {c.when} |" for c in checks
+    ]
+    for c in checks:
+        lines += ["", f"### Audit of {c.setting}", "", c.table]
+    return "\n".join([*lines, *projection(rows), ""])
+
+
+@dataclass
+class Check:
+    """A setting's captures audited against HF float32 at a depth HF can run."""
+
+    setting: str
+    passed: bool
+    samples: int
+    tokens: int
+    when: str
+    table: str
+
+
+def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict[str, list[str]], args: argparse.Namespace
+          ) -> dict[str, tuple[SGLangServer, Path]]:  # fmt: skip
+    """A capture server per setting, started together (a start that fails is retried alone)."""
+    smoke = args.cpu_smoke
+    servers: dict[str, tuple[SGLangServer, Path]] = {}
+    for name in settings:
+        link = args.work / f"dumps-{name}-{model.name}"
+        repoint(link, args.tmpfs / "dumps")
+        config = ServerConfig(python=Path("/opt/sglang-venv/bin/python" if smoke else sys.executable),
+                              env={"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {},
+                              model=model, dump_root=link, layers=layers, final="post", layout="specforge",
+                              log_path=args.out / f"server-{name}-{model.name}.log",
+                              sglang_args=tuple(flags[name]))  # fmt: skip
+        servers[name] = (SGLangServer(config), link)
+        servers[name][0].launch()
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for name, future in [(n, pool.submit(s.wait_ready)) for n, (s, _) in servers.items()]:
+            try:
+                future.result()
+            except Exception as exc:  # two servers sizing GPU memory at once can collide: retry alone
+                log(f"{name}: server failed to start ({type(exc).__name__}: {exc}); starting it again alone")
+                servers[name][0].stop()
+                servers[name][0].start()
+            log(f"{name}: server up ({model.name})")
+    return servers
+
+
+def server_flags(settings: list[str], smoke: bool, memory: list[str]) -> dict[str, list[str]]:
+    """Each setting's server flags; the Kimi-K2.5 wrapper's config class is code in the folder."""
+    if smoke:
+        return {n: [*CPU_SERVER_ARGS, "--dtype", "bfloat16", "--chunked-prefill-size", n.rsplit("-", 1)[1],
+                    "--trust-remote-code"] for n in settings}  # fmt: skip
+    return {n: [*BASE, *memory, *SETTINGS[n], "--trust-remote-code"] for n in settings}
+
+
+def speed(settings: list[str], batch: list[list[int]], rows: list[Row], save: Callable[[], None],
+          args: argparse.Namespace) -> None:  # fmt: skip
+    """Plain prefill and capture + commit (tmpfs, disk) at 61 layers for each setting, one server at a time."""
+    model = args.work / "seed-depth"
+    if args.cpu_smoke:  # the CPU server cannot make up 61 layers of weights fast enough: a 4-layer folder
+        build_tiny_model("kimi-k2.5", model, num_hidden_layers=4)
+    else:
+        build_tiny_model("kimi-k2.5", model, shape="seed-depth", config_only=True)
+    layers = (1, 2, 3) if args.cpu_smoke else LAYERS
+    servers = start(settings, model, layers, server_flags(settings, args.cpu_smoke, MEMORY), args)
+    client = httpx.Client(timeout=1200)
+    try:
+        for name, (server, link) in servers.items():
+            log(f"{name}: warm ({plain(client, server.url, batch[:4], 4)[0]:,.0f} tok/s)")  # kernels build here
+            stamp = time.strftime("%Y-%m-%d %H:%M")
+            rate, share = plain(client, server.url, batch, args.in_flight)
+            rows.append(Row(name, "plain", args.in_flight, rate, share, sum(map(len, batch)), stamp))
+            log(f"{name}: plain {rate:,.0f} tok/s (window {share:.2f})")
+            for what, root in (("tmpfs", args.tmpfs), ("disk", args.work / "disk")):
+                rate, share = capture(server, model, link, root, batch, args.in_flight, f"{name}-{what}", layers)
+                rows.append(Row(name, what, args.in_flight, rate, share, sum(map(len, batch)), stamp))
+                log(f"{name}: capture on {what} {rate:,.0f} tok/s (window {share:.2f})")
+                save()
+            server.stop()
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+        client.close()
+
+
+def correctness(settings: list[str], batch: list[list[int]], checks: list[Check], save: Callable[[], None],
+                args: argparse.Namespace) -> None:  # fmt: skip
+    """Each setting's captures at Kimi-K2 width, 4 layers (real random weights HF can run), audited."""
+    from layertap.audit import audit_store
+
+    model = args.work / "kimi-k2-width"
+    build_tiny_model(
+        "kimi-k2.5", model, dtype=torch.bfloat16, **({"num_hidden_layers": 4} if args.cpu_smoke else SHALLOW)
+    )
+    memory = ["--mem-fraction-static", "0.3", "--max-total-tokens", "300000"]
+    servers = start(settings, model, (1, 2, 3), server_flags(settings, args.cpu_smoke, memory), args)
+    try:
+        for name, (server, link) in servers.items():
+            tag = f"{name}-check"
+            capture(server, model, link, args.tmpfs, batch, args.in_flight, tag, (1, 2, 3), keep=True)
+            server.stop()
+            report = audit_store(args.tmpfs / f"store-{tag}", samples=len(batch), seed=0,
+                                 device="cpu" if args.cpu_smoke else "cuda", trust_remote_code=True)  # fmt: skip
+            checks.append(Check(name, report.passed, len(report.samples), report.tokens,
+                                time.strftime("%Y-%m-%d %H:%M"), report.markdown()))  # fmt: skip
+            log(f"{name}: audit {'PASS' if report.passed else 'FAIL'} ({report.tokens:,} tokens)")
+            shutil.rmtree(args.tmpfs / f"store-{tag}")
+            save()
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", default="triton-4096,flashinfer-8192", help=f"speed at 61 layers: {sorted(SETTINGS)}")
+    ap.add_argument("--check", default="", help="settings whose captures to audit at Kimi-K2 width, 4 layers")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the table and rows")
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results/gpu_seed_scale.json"),
+                    help="rows of earlier invocations (read, then written with this one's added to --out)")  # fmt: skip
+    ap.add_argument("--rows", type=int, default=48, help="token-id rows of the seed's lengths")
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-seed"))
+    ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-seed"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="4-layer tiny folders on this machine's CPU SGLang")
+    args = ap.parse_args()
+    speed_settings = [s for s in args.settings.split(",") if s]
+    check_settings = [s for s in args.check.split(",") if s]
+    unknown = set(speed_settings + check_settings) - set(SETTINGS)
+    if unknown:
+        ap.error(f"unknown settings {sorted(unknown)}; known: {sorted(SETTINGS)}")
+    for folder in (args.work, args.tmpfs):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
+    rows = [Row(**r) for r in earlier.get("rows", [])]
+    checks = [Check(**c) for c in earlier.get("checks", [])]
+    batch = prompts(args.rows, 61, 64 if args.cpu_smoke else 700, 300 if args.cpu_smoke else 4000)
+    log(f"{len(batch)} rows, {sum(map(len, batch)):,} tokens (mean {sum(map(len, batch)) / len(batch):,.0f})")
+    disk_rate = volume_rate(args.work / "rate", 57 * 2350 * 1000, 8, 256 << 20 if args.cpu_smoke else 4 << 30)
+    log(f"local disk takes {disk_rate / 1e9:.2f} GB/s (8 threads, fsync)")
+    header = ["# Speed at the seed's scale: 61 layers, capture 3, 31, 59 + final (one H200, sglang 0.5.14)", "",
+              "Written by `benchmarks/gpu/seed_scale_bench.py`: a config-only Kimi-K2.5-shaped folder (hidden 7168, "
+              "61 layers, MLA, first layer dense, 8 routed experts top-8 + 1 shared), random bf16 weights "
+              "(`--load-format dummy`), rows of 700-4,000 random token ids (the seed's mean ~2,350), specforge "
+              f"dumps renamed into the store after the worker's checks. Common flags: `{' '.join(BASE)}`; local "
+              f"disk {disk_rate / 1e9:.2f} GB/s (8 threads, fsync).", ""]  # fmt: skip
+
+    def save() -> None:
+        doc = {"rows": [asdict(r) for r in rows], "checks": [asdict(c) for c in checks]}
+        (args.out / "gpu_seed_scale.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "gpu_seed_scale.md").write_text(render(rows, checks, header))
+
+    if speed_settings:
+        speed(speed_settings, batch, rows, save, args)
+    if check_settings:
+        correctness(check_settings, batch, checks, save, args)
+    print((args.out / "gpu_seed_scale.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
