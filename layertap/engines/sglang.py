@@ -283,7 +283,9 @@ class SGLangEngine(Engine):
             )
         ended, restarts = self.server.ended(), self.server.restarts
         if restarts >= self.max_server_restarts:
-            raise ServerError(self.server.failure(f"{ended} again after {restarts} restart{'s' * (restarts != 1)}"))
+            raise ServerError(
+                self.server.failure(f"{ended}, down again after {restarts} restart{'s' * (restarts != 1)}")
+            )
         log.warning("%s\nrestarting it and resending its requests", self.server.failure(ended))
         self.server.restart()
 

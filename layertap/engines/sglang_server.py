@@ -213,11 +213,15 @@ class SGLangServer:
         if (failure := self._wait_ready(self.config.startup_timeout_s if self.config else 60.0)) is not None:
             raise ServerError(self.failure(failure))
 
-    def ended(self) -> str:
-        """How an owned server's process ended ("exited with code 1", "exited on signal 9 (SIGKILL)"), or
-        "is still running"."""
-        code = self._proc.poll() if self._proc is not None else None
-        return "is still running" if code is None else f"exited {describe_exit(code)}"
+    def ended(self, wait_s: float = 5.0) -> str:
+        """How a down owned server's process ended ("exited on signal 9 (SIGKILL)"), given ``wait_s`` to finish
+        dying (SGLang kills its process tree after a child failed), or that it still runs without serving."""
+        if self._proc is None:
+            return "was never started"
+        try:
+            return f"exited {describe_exit(self._proc.wait(timeout=wait_s))}"
+        except subprocess.TimeoutExpired:
+            return "stopped serving (its process still runs)"
 
     def failure(self, what: str) -> str:
         """Two lines: what happened with the decisive line of this try's log, then the log's path."""

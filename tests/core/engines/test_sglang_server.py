@@ -170,7 +170,9 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
         owned.stop()
     assert owned.restarts == 1
     first, log_line = str(info.value).splitlines()
-    assert first.startswith("SGLang server exited ") and first.endswith(" again after 1 restart: 'KeyError: 3720'")
+    assert first.startswith("SGLang server exited ") and first.endswith(
+        ", down again after 1 restart: 'KeyError: 3720'"
+    )
     assert log_line == f"server log: {config.log_path}"
     warned = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
     assert len(warned) == 1 and "'KeyError: 3720'" in warned[0]
