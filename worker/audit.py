@@ -7,6 +7,11 @@ the memory that engine holds (an SGLang server's GPU, or the HF model), and the 
 shard loads it again. A FAIL leaves the job ``done``: its files are complete and verified, and whether their states
 are the model's is a second question with its own answer, shown beside the state (``layertap status``, the status
 page, the ``layertap_job_audit`` metric). ``layertap audit OUT --samples N`` (seed 0) repeats it by hand.
+
+Not covered by the coordinator's watchdog: a worker killed mid-audit leaves it ``running`` until Celery delivers
+the message again (``acks_late``: at once under a prefork pool, after the visibility timeout otherwise), and an
+audit whose message was never sent (the finalizer died between marking the job done and sending) stays
+``pending``; run ``layertap audit`` by hand then.
 """
 
 from __future__ import annotations

@@ -16,11 +16,10 @@ later call skips stages already done:
   left at SGLang's default via ``--allreduce-fusion sglang``), then ``layertap extract --engine sglang
   --server-url`` over the equality set (as a user runs it), then plain prefill (rids outside the
   capture namespace) and capture + commit over the throughput set on the same server.
-- ``ref``: HF transformers on the same bf16 weights (DeepseekV3 built from ``text_config``, the
-  ``language_model.`` weights; nothing from our engines), in float32 and in bf16, on the token ids
-  the servers stored; per token: the relative error of every captured state, and the routing margin
-  of every MoE layer (the gap between the k-th and (k+1)-th expert score, k = experts per token: a
-  near-tie where bf16 can flip).
+- ``ref``: each server's equality store audited by ``layertap.audit.audit_store`` (every sample; the
+  folder's language model in HF transformers, float32 reference and bf16 noise floor, routing margins
+  of every MoE layer, the negative controls, a verdict per state: the comparison ``layertap audit``
+  makes, one implementation), and TP=2's states against TP=1's token by token.
 - ``report``: the tables.
 
 To fit one device call, the server stages run together: every server starts at once (each uses a
@@ -53,8 +52,11 @@ sys.path.insert(0, str(REPO))
 
 from capture_bench import plain_rate  # noqa: E402  (beside this script: the same plain-prefill measure)
 
-from layertap.audit.compare import TIE, token_errors  # noqa: E402  (the audit's comparison, one implementation)
+from layertap.audit import audit_store  # noqa: E402  (the audit's reference and judging, one implementation)
+from layertap.audit.compare import token_errors  # noqa: E402
+from layertap.audit.run import read_states, state_name  # noqa: E402
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env  # noqa: E402
+from layertap.store.store import OutputStore  # noqa: E402
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
@@ -70,13 +72,11 @@ GPU_ENV = {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"}
 # in one group as Kimi-K2 routes them (so the routing margin below is exactly what selection compares).
 WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 LAYERS = (1, 2, 3)  # capture indices: after the dense layer, after MoE layers 1 and 2; + the post-norm final
-POINTS = [f"layer {i}" for i in LAYERS] + ["final (post-norm)"]
 CONFIGS = {  # stage -> (tp size, launcher extras, GPUs)
     "tp1": (1, (), "0"),
     "tp2": (2, (), "0,1"),
     "tp2-fused": (2, ("--allreduce-fusion", "sglang"), "0,1"),
 }
-FLIP = 0.1  # a per-token relative error above this is an outlier (O(1) after a routing flip)
 
 
 class Bench:
@@ -245,81 +245,27 @@ class Bench:
         tokens, seconds = int(done.group(1).replace(",", "")), float(done.group(2))
         return {"store": str(store), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "wall_s": wall}
 
-    # -- HF reference -----------------------------------------------------------------------------
-
-    def hf_model(self, dtype: torch.dtype) -> torch.nn.Module:
-        """DeepseekV3 from the folder's text_config with the language model's weights (the ``language_model.``
-        prefix mapped away, the vision tower's weights left unused), on `self.device`."""
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        fields = {k: v for k, v in self.text_config().items() if k not in ("architectures", "model_type", "auto_map")}
-        return (
-            DeepseekV3ForCausalLM.from_pretrained(
-                self.model, config=DeepseekV3Config(**fields), dtype=dtype, key_mapping={r"^language_model\.": ""}
-            )
-            .to(self.device)
-            .eval()
-        )
+    # -- audit ----------------------------------------------------------------------------------
 
     def ref(self) -> dict:
-        """Per-token errors of every captured state vs HF float32, for each server config and HF bf16."""
+        """Every server config's equality store audited in full (the report's dict and markdown table), and
+        TP=2's states against TP=1's: per state, the per-token relative error's median, p99 and max."""
         runs = {s: r for s in CONFIGS if (r := self.done(s)) and "error" not in r}
-        samples = {sid: s for sid, s in read_store(Path(runs["tp1"]["eq"]["store"])).items()}
-        captured = {stage: read_store(Path(r["eq"]["store"])) for stage, r in runs.items()}
-        out: dict = {"per_token": {}, "margins": {}, "sample_worst": {}}
-        hf32 = self.hf_model(torch.float32)
-        margins: dict[str, list[torch.Tensor]] = {}
-        self._router_hooks(hf32, margins)
-        ref32 = {}
-        with torch.no_grad():
-            for sid, s in samples.items():
-                margins["cur"] = []
-                ref32[sid] = hf_states(hf32, s["input_ids"], self.device)
-                out["margins"][sid] = torch.stack(margins["cur"]).tolist()  # [moe layers, T]
-        del hf32
-        hf16 = self.hf_model(torch.bfloat16)
-        with torch.no_grad():
-            ref16 = {sid: hf_states(hf16, s["input_ids"], self.device) for sid, s in samples.items()}
-        del hf16
-        sources = {"HF bf16": ref16, **{f"SGLang {stage}": got for stage, got in captured.items()}}
-        for name, got in sources.items():
-            out["per_token"][name] = {sid: token_errors(got[sid]["states"], ref32[sid]["states"]).tolist()
-                                      for sid in samples if sid in got}  # fmt: skip
-            out["sample_worst"][name] = max(
-                sample_error(got[sid]["states"], ref32[sid]["states"]) for sid in samples if sid in got
-            )
-        tp1 = captured["tp1"]
+        remote = "--trust-remote-code" in self.args.cli_flags.split()
+        out: dict = {"audits": {}, "vs_tp1": {}}
+        for stage, r in runs.items():
+            report = audit_store(Path(r["eq"]["store"]), fraction=1.0, device=self.device, trust_remote_code=remote)
+            out["audits"][stage] = report.to_dict() | {"markdown": report.markdown()}
+            self.log(f"ref: {stage}: {report.summary()}")
+        tp1 = stored_states(Path(runs["tp1"]["eq"]["store"]))
         for stage in ("tp2", "tp2-fused"):
-            if stage in captured:
-                out["per_token"][f"SGLang {stage} vs tp1"] = {
-                    sid: token_errors(captured[stage][sid]["states"], tp1[sid]["states"]).tolist() for sid in tp1
+            if stage in runs:
+                got = stored_states(Path(runs[stage]["eq"]["store"]))
+                out["vs_tp1"][stage] = {
+                    state_name(point): stats(torch.cat([token_errors(got[sid][point], tp1[sid][point]) for sid in tp1]))
+                    for point in next(iter(tp1.values()))
                 }
-        # Negative controls: TP=1's capture read one layer off, and one token shifted.
-        out["per_token"]["control: one layer off"] = {
-            sid: token_errors(tp1[sid]["states"][1:2], ref32[sid]["states"][2:3]).tolist() for sid in tp1
-        }
-        out["per_token"]["control: one token shifted"] = {
-            sid: token_errors(tp1[sid]["states"][:, 1:], ref32[sid]["states"][:, :-1]).tolist()
-            for sid in tp1 if tp1[sid]["states"].shape[1] > 1
-        }  # fmt: skip
-        out["lengths"] = {sid: int(s["input_ids"].numel()) for sid, s in samples.items()}
         return out
-
-    def _router_hooks(self, model: torch.nn.Module, margins: dict) -> None:
-        """Record, per MoE layer and token, the gap between the k-th and (k+1)-th selection score."""
-        k = self.text_config()["num_experts_per_tok"]
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is None:
-                continue
-
-            def hook(mod, inputs, output, k=k):
-                logits = output[0] if isinstance(output, tuple) else output
-                scores = logits.float().reshape(-1, logits.shape[-1]).sigmoid() + mod.e_score_correction_bias.float()
-                top = scores.topk(k + 1, dim=-1).values
-                margins["cur"].append((top[:, k - 1] - top[:, k]).cpu())
-
-            gate.register_forward_hook(hook)
 
     # -- report -----------------------------------------------------------------------------------
 
@@ -332,8 +278,9 @@ class Bench:
                  f"bf16 weights, random (seed 0), built in {build['build_s']:.0f} s. Capture indices {list(LAYERS)} + "
                  f"post-norm final, specforge format, through `layertap extract --engine sglang --server-url`.",
                  f"Equality set: {build['eq_rows']} rows (the demo's chats, tool calls included, through the folder's "
-                 "chat template; token-id prompts of 1..6000 tokens). Reference: HF transformers DeepseekV3 on the "
-                 "same weights in float32.", ""]  # fmt: skip
+                 "chat template; token-id prompts of 1..6000 tokens). Each store is judged by `layertap audit` (every "
+                 "sample): HF transformers on the same weights in float32, the bf16 noise floor, routing near-ties.",
+                 ""]  # fmt: skip
         lines += ["## Servers", "", "| config | TP | server up | first request | all-reduce fusion (server info) | partial-sum warnings |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for stage, r in runs.items():
@@ -357,82 +304,34 @@ class Bench:
         return lines
 
 
-def read_store(root: Path) -> dict[str, dict]:
-    """sample id -> input_ids [T] and states [points, T, H] float32 from a specforge store (read directly)."""
-    out = {}
-    for log in sorted((root / "index").glob("*.jsonl")):
-        for line in log.read_text().splitlines():
-            rec = json.loads(line)
-            data = torch.load(root / rec["file"], weights_only=True)
-            aux = data["aux_hidden_state"][0].float()
-            h = data["hidden_state"][0].float()
-            k = aux.shape[-1] // h.shape[-1]
-            states = torch.stack([*aux.reshape(aux.shape[0], k, h.shape[-1]).unbind(1), h])
-            out[rec["sample_id"]] = {"input_ids": data["input_ids"], "states": states}
-    return out
+def stored_states(root: Path) -> dict[str, dict]:
+    """sample id -> point -> stored state [T, H], read as the audit reads a store."""
+    store = OutputStore.open_existing(root)
+    return {
+        rec.sample_id: read_states(store.manifest, store.format.load(root / rec.file))[1]
+        for rec in store.records().values()
+    }
 
 
-def hf_states(model: torch.nn.Module, ids: torch.Tensor, device: str) -> dict:
-    hs = model(ids[None].to(device), output_hidden_states=True).hidden_states
-    return {"states": torch.stack([hs[i][0].float().cpu() for i in LAYERS] + [hs[-1][0].float().cpu()])}
-
-
-def sample_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Worst over points of the whole-sample relative error (the metric of the earlier H200 tables)."""
-    return max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True))
-
-
-def _stats(per_token: dict[str, list[list[float]]], point: int) -> dict:
-    values = torch.cat([torch.tensor(v[point]) for v in per_token.values() if point < len(v)])
-    return {"median": float(values.median()), "p99": float(values.quantile(0.99)), "max": float(values.max()),
-            "outliers": int((values > FLIP).sum()), "tokens": int(values.numel())}  # fmt: skip
+def stats(errors: torch.Tensor) -> dict:
+    return {"median": float(errors.median()), "p99": float(errors.quantile(0.99)), "max": float(errors.max()),
+            "tokens": int(errors.numel())}  # fmt: skip
 
 
 def equality_tables(ref: dict) -> list[str]:
-    hf = [_stats(ref["per_token"]["HF bf16"], p) for p in range(len(POINTS))]
-    # bf16 arithmetic alone (HF bf16 vs HF float32) sets the scale: twice its median, twice its outlier share.
-    tol = [(max(2 * s["median"], 1e-2), max(2 * s["outliers"] / s["tokens"], 0.02)) for s in hf]
-    lines = ["## Equality, per layer and per token", "",
-             "Per-token relative error e_t = ||x_t - r_t|| / ||r_t|| against HF float32 (or the named run). Outliers: "
-             f"tokens with e_t > {FLIP}. Tolerance per captured state: median e_t <= max(2 x HF-bf16 median, 1e-2) "
-             "and outliers <= max(2 x HF-bf16 outlier share, 2%) of tokens (bf16 arithmetic alone flips some routing "
-             "near-ties: see the next table).", "",
-             "| compared | state | median | p99 | max | outliers / tokens | verdict |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for name, per_token in ref["per_token"].items():
-        n_points = len(next(iter(per_token.values())))
-        for p in range(n_points):
-            s = _stats(per_token, p)
-            label = (
-                POINTS[p] if n_points == len(POINTS) else ("layer 2 read as layer 3" if "layer" in name else POINTS[p])
-            )
-            med_tol, share_tol = tol[min(p, len(tol) - 1)]
-            verdict = "PASS" if s["median"] <= med_tol and s["outliers"] <= share_tol * s["tokens"] else "FAIL"
-            verdict = "(sets the scale)" if name == "HF bf16" else verdict
-            lines.append(f"| {name} | {label} | {s['median']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | "
-                         f"{s['outliers']} / {s['tokens']} | {verdict} |")  # fmt: skip
-    lines += ["", "## Where the outliers come from: routing near-ties", "",
-              "For every outlier token of a state after MoE layers (capture index >= 2), the smallest HF float32 routing margin "
-              "(score of the k-th minus the (k+1)-th expert, k = experts per token) over the MoE layers before it; the base rate is over all tokens.", "",
-              "| compared | state | outliers | of which at a near-tie | tokens at a near-tie (all) | median margin: outliers / all |",
+    """Each config's audit (its verdict and per-state table), then TP=2 against TP=1."""
+    lines = ["## Equality, per state and per token: `layertap audit` of each config's store", ""]
+    for stage, audit in ref["audits"].items():
+        markdown = audit["markdown"].replace("# Audit of", f"### {stage}: audit of", 1).replace("\n## ", "\n#### ")
+        lines += [*markdown.splitlines(), ""]
+    lines += ["## TP=2 against TP=1", "", "Per-token relative error of TP=2's stored state against TP=1's (no verdict: "
+              "each config's own is its audit above).", "", "| config | state | median | p99 | max | tokens |",
               "|---|---|---|---|---|---|"]  # fmt: skip
-    margins = {sid: torch.tensor(m) for sid, m in ref["margins"].items()}
-    for name, per_token in ref["per_token"].items():
-        if name.startswith("control") or len(next(iter(per_token.values()))) != len(POINTS):
-            continue
-        for p in range(len(POINTS)):
-            moe_before = p  # point p (capture index p+1) follows MoE layers 1..p (layer 0 is dense); the final all
-            if moe_before == 0:
-                s = _stats(per_token, p)
-                lines.append(f"| {name} | {POINTS[p]} (dense only) | {s['outliers']} | - | - | - |")
-                continue
-            errs = torch.cat([torch.tensor(e[p]) for e in per_token.values()])
-            m = torch.cat([margins[sid][:moe_before].min(dim=0).values for sid in per_token])
-            out, near = errs > FLIP, m < TIE
-            med_out = f"{float(m[out].median()):.1e}" if out.any() else "-"
-            lines.append(f"| {name} | {POINTS[p]} | {int(out.sum())} | {int((out & near).sum())} | "
-                         f"{int(near.sum())} / {m.numel()} | {med_out} / {float(m.median()):.1e} |")  # fmt: skip
-    lines += ["", "Worst whole-sample relative error (the metric of the earlier H200 tables, max over samples and states):", "",
-              "| compared | worst |", "|---|---|", *[f"| {k} vs HF float32 | {v:.2e} |" for k, v in ref["sample_worst"].items()], ""]  # fmt: skip
+    for stage, states in ref["vs_tp1"].items():
+        for state, s in states.items():
+            lines.append(
+                f"| {stage} | {state} | {s['median']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | {s['tokens']:,} |"
+            )
     return lines
 
 
