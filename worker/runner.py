@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from layertap.engines.base import Engine
 from layertap.errors import ServerError
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import FailureTally, run_shard, run_verdict
 from layertap.sample import TokenizedSample
 from layertap.state.jobs import Send
@@ -126,6 +127,7 @@ class WorkerContext:
     def run_shard(self, job_id: str, shard: int, token: str) -> str:
         """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
         t0 = time.monotonic()
+        self.prepare_engine(job_id)
         attempt = self.attempt(job_id, shard, token)
         claim = attempt.claim(self.settings.lease_ms)
         if claim.status != "ok":
@@ -196,6 +198,21 @@ class WorkerContext:
                 f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
             )
         return engine
+
+    def prepare_engine(self, job_id: str) -> None:
+        """Start (or keep) the engine for a running job before claiming one of its shards: a server that takes
+        minutes to start (a restarted worker's, a 1T model's) then holds no shard meanwhile, and the watchdog
+        hands the shard, still queued, to a worker that is ready (``LAYERTAP_QUEUED_GRACE_S``). A failure here
+        is left to the claimed attempt, which reports it the usual way."""
+        state, raw = self.redis.hmget(self.keys.job(job_id), "state", "spec")
+        if state != "running" or raw is None:
+            return
+        try:
+            spec = JobSpec.model_validate_json(raw)
+            self.check_remote_code(spec)
+            self.engines.get(spec, spec.resolve(ModelFolder.read(spec.model).num_layers))
+        except Exception as exc:  # reported by the attempt that claims the shard
+            log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
 
     def check_remote_code(self, spec: JobSpec) -> None:
         """Refuse a job that wants the model folder's code run when this worker was not allowed to run it."""

@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-e2e"), help="output root and dumps")
     ap.add_argument("--chats", type=int, default=830, help="synthetic chats (beside the demo's 24)")
     ap.add_argument("--token-rows", type=int, default=200, help="token-id rows of the seed's lengths")
-    ap.add_argument("--shard-size", type=int, default=20)
+    ap.add_argument("--shard-size", type=int, default=100)
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--audit-samples", type=int, default=100)
     ap.add_argument("--kill-at", type=float, default=0.4, help="SIGKILL worker w1 at this share of samples")
@@ -243,7 +243,7 @@ def main() -> None:
                     "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_ALLOW_REMOTE_CODE": "1"}  # fmt: skip
         coordinator = Proc("coordinator", [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host",
                                            "127.0.0.1", "--port", str(api_port), "--log-level", "warning"],
-                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root)}, logs / "coordinator.log")  # fmt: skip
+                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root), "LAYERTAP_QUEUED_GRACE_S": "10"}, logs / "coordinator.log")  # fmt: skip
         procs.append(coordinator.start())
         api = f"http://127.0.0.1:{api_port}"
         wait_http(api + "/health", coordinator, 60)

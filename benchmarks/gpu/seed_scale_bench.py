@@ -60,9 +60,9 @@ BASE = [a for i, a in enumerate(BASE) if a != "--chunked-prefill-size" and BASE[
 BASE = [a for i, a in enumerate(BASE) if a != "--attention-backend" and BASE[i - 1] != "--attention-backend"]
 # Two 61-layer servers (60.6 GB of bf16 weights each) share the GPU. SGLang sizes its KV pool as the memory free
 # after its weights minus (1 - fraction) of the GPU, so the other server's weights count against it: a high
-# fraction with the pool capped (70K tokens x 70 KB with MLA at 61 layers, ~5 GB: 16 requests of 4,000 tokens)
+# fraction with the pool capped (50K tokens x 70 KB with MLA at 61 layers, 3.5 GB: 12 requests of 4,000 tokens)
 # lets both start in either order.
-MEMORY = ["--load-format", "dummy", "--mem-fraction-static", "0.9", "--max-total-tokens", "70000"]
+MEMORY = ["--load-format", "dummy", "--mem-fraction-static", "0.9", "--max-total-tokens", "50000"]
 SETTINGS = {  # name -> flags; every name is "<attention backend>-<chunked prefill size>"
     f"{backend}-{chunk}": ["--attention-backend", backend, "--chunked-prefill-size", str(chunk)]
     for backend in ("triton", "flashinfer")
