@@ -29,6 +29,8 @@ parser, then the launcher
   not pass ``extra_key`` on to the request (measured: a different key still got 199 of 200 tokens
   from the cache; 0.5.14 passes it). ``--keep-radix-cache`` keeps it for servers that honour
   ``extra_key``; a hit is then still caught (an error dump, and ``cached_tokens > 0`` in the reply);
+- on a GPU, defaults to ``--attention-backend flashinfer --chunked-prefill-size 8192`` (``GPU_DEFAULTS``, the
+  fastest setting measured whose captures the audit passed) unless the flags set them;
 - adds one ``--forward-hooks`` spec per captured role (see `sglang_patch.hook`), for both the plain
   module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper.
 
@@ -106,6 +108,20 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
         **tuning,
     )
     return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache, sglang_argv=rest)
+
+
+# The fastest setting measured on one H200 whose captures the audit passed (benchmarks/results/gpu_seed_scale.md:
+# 61 layers at Kimi-K2.5's width, 7.2K tok/s plain vs 3.0K for triton with 4096-token chunks); FA3, absent
+# from the slim GPU bundle, was not measured. Given flags win; CPU servers (--device cpu) get none.
+GPU_DEFAULTS = {"--attention-backend": "flashinfer", "--chunked-prefill-size": "8192"}
+
+
+def default_flags(sglang_argv: Sequence[str]) -> list[str]:
+    """``GPU_DEFAULTS`` the user did not set (either spelling), for a GPU server; put before the user's flags."""
+    if "cpu" in sglang_argv or any(a.startswith("--device=cpu") for a in sglang_argv):
+        return []
+    given = {a.split("=", 1)[0] for a in sglang_argv}
+    return [part for flag, value in GPU_DEFAULTS.items() if flag not in given for part in (flag, value)]
 
 
 def forced_flags(
@@ -221,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     field_names = {f.name for f in dataclasses.fields(ServerArgs)}
     measure_fusion = options.settings.allreduce_fusion == "sglang"
     forced = forced_flags(field_names, keep_radix_cache=options.keep_radix_cache, keep_allreduce_fusion=measure_fusion)
-    server_args = prepare_server_args([*options.sglang_argv, *forced])
+    server_args = prepare_server_args([*default_flags(options.sglang_argv), *options.sglang_argv, *forced])
     random_weights_for_config_only(server_args)
     problems = unsafe_settings(server_args, allow_allreduce_fusion=measure_fusion)
     if problems:

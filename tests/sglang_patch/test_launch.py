@@ -234,3 +234,13 @@ def test_a_config_only_folder_gets_random_weights(tmp_path: Path, cuda_stub_dir:
     done = run_launcher([*capture, "--model-path", str(model), *CPU_ARGS, "--trust-remote-code"], cuda_stub_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["load_format"] == "dummy" and "random weights" in done.stderr
+
+
+def test_gpu_servers_default_to_the_fastest_audited_setting_and_given_flags_win() -> None:
+    from sglang_patch.launch import default_flags
+
+    assert default_flags(["--model-path", "m", "--tp-size", "8"]) == [
+        "--attention-backend", "flashinfer", "--chunked-prefill-size", "8192"]  # fmt: skip
+    assert default_flags(["--attention-backend=fa3", "--chunked-prefill-size", "4096"]) == []
+    assert default_flags(["--attention-backend", "triton"]) == ["--chunked-prefill-size", "8192"]
+    assert default_flags(["--device", "cpu"]) == [] and default_flags(["--device=cpu"]) == []
