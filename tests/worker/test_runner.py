@@ -94,3 +94,36 @@ def test_a_job_with_remote_code_runs_only_on_a_worker_allowed_to(redis_server, r
     finally:
         opened.close()
     assert verify_store(planned.spec.out).samples == 6
+
+
+def test_a_worker_starts_its_engine_before_it_claims_a_shard(context, tiny_llama, tmp_path, redis_client):
+    """A server that takes minutes to start (a restarted worker's) must not hold a shard meanwhile: the engine is
+    built while the shard is still queued, so the watchdog can hand the shard to a ready worker."""
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(6, seed=3))
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="je")
+    keys = Keys()
+    create_job(redis_client, keys, "je", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+
+    def send(task: str, args: list) -> None:
+        sent.append((task, args))
+
+    reap(redis_client, keys, send, queue_len=0, queued_grace_ms=60_000, lease_ms=1)
+    [(_, first)] = sent
+    seen: dict[str, object] = {}
+    build = context.engines.get
+
+    def starting(job_spec, capture):  # the real engine, watched while it starts
+        seen["state"] = redis_client.hget(keys.shard("je", 0), "state")
+        seen["lease"] = redis_client.exists(keys.lease("je", 0))
+        reap(redis_client, keys, send, queue_len=0, queued_grace_ms=0, lease_ms=1)  # its grace is over
+        context.engines.get = build
+        return build(job_spec, capture)
+
+    context.engines.get = starting
+    assert context.run_shard(*first) != "done"  # the watchdog gave the shard on while this worker started
+    assert seen == {"state": "queued", "lease": 0}
+    [(_, second)] = sent[1:]
+    assert second[2] != first[2] and context.run_shard(*second) in ("done", "finalized")
+    assert job_view(redis_client, keys, "je").samples_done == 6
