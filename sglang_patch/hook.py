@@ -178,7 +178,7 @@ class _Capturer:
             rows[AUX] = torch.stack(aux, dim=1)
             rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed].clone()) for f in self.settings.finals)
         if self._staging is None or self._accumulator is None:
-            self._staging = HostStaging(rows[AUX].device)
+            self._staging = HostStaging(rows[INPUT_IDS].device)
             self._accumulator = Accumulator(alloc=self._staging.alloc, max_idle_passes=self.settings.max_idle_passes)
         self._reserve(rows)
         with self._staging.copying(rows.values()):

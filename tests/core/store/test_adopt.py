@@ -18,8 +18,8 @@ from layertap.store.formats import get_format
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from sglang_patch.contract import AUX, FINAL_TENSORS, FORMAT_FINAL, INPUT_IDS
-from sglang_patch.sample_files import unpack_sample, write_sample
+from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, FORMAT_FINAL, INPUT_IDS, SPECULATORS
+from sglang_patch.sample_files import stack_aux_final, unpack_sample, write_sample
 from sglang_patch.writer import layout_tensors
 
 H, K, T = 16, 2, 11
@@ -48,8 +48,10 @@ def _server_file(
 ) -> CapturedSample:
     """A sample file as the plugin writes it (same builders), and the capture the engine makes of it."""
     g = torch.Generator().manual_seed(100 + sample.index)
-    captured = {INPUT_IDS: sample.input_ids, AUX: torch.randn(T, K, H, generator=g)}
-    captured[FINAL_TENSORS[FORMAT_FINAL[fmt]]] = torch.randn(T, H, generator=g)
+    aux, final = torch.randn(T, K, H, generator=g), torch.randn(T, H, generator=g)
+    captured = {INPUT_IDS: sample.input_ids, AUX: aux, FINAL_TENSORS[FORMAT_FINAL[fmt]]: final}
+    if fmt == SPECULATORS:  # the hook stages speculators' [T, k+1, H] already stacked
+        captured = {INPUT_IDS: sample.input_ids, AUX_FINAL_PRE: stack_aux_final(aux, final)}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"sample-{sample.index}.{fmt}"
     loss_mask = (sample.loss_mask if mask is None else mask).to(torch.long)
