@@ -28,7 +28,7 @@ from layertap.errors import LayertapError, RowError, SampleError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
-from layertap.store.manifest import build_manifest
+from layertap.store.manifest import REPORTS_DIR, build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
 EngineFactory = Callable[[CaptureSpec], Engine]
@@ -151,7 +151,7 @@ class RunReport:
         return run_verdict(rows=self.rows, stored=stored, bad=self.bad, max_bad_rows=max_bad_rows)
 
     def save(self) -> Path:
-        path = Path(self.out) / "reports" / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9}.json"
+        path = Path(self.out) / REPORTS_DIR / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1))
         return path

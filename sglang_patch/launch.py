@@ -182,13 +182,18 @@ def unsafe_settings(server_args: Any, *, allow_allreduce_fusion: bool = False) -
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
+def has_weight_files(folder: Path) -> bool:
+    """Whether a model folder holds weight files (layertap's `ModelFolder.has_weights` asks this too)."""
+    return any(next(Path(folder).glob(pattern), None) for pattern in WEIGHT_FILES)
+
+
 def random_weights_for_config_only(server_args: Any) -> None:
     """A local model folder without weight files (a benchmark's config-only folder) is served with random
     weights (``--load-format dummy``), said on stderr; any ``--load-format`` given is kept."""
     folder = Path(server_args.model_path)
     if server_args.load_format != "auto" or not folder.is_dir():
         return
-    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+    if not has_weight_files(folder):
         print(f"sglang_patch.launch: {folder} has no weight files: random weights (--load-format dummy), "
               "for benchmarks only", file=sys.stderr)  # fmt: skip
         server_args.load_format = "dummy"

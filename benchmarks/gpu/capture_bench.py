@@ -49,9 +49,10 @@ from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
 
 T0 = time.monotonic()
-GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
-            "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16",
+# Flags every GPU benchmark server gets; each adds its attention backend, chunk size and memory split.
+GPU_COMMON = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--disable-cuda-graph", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16")  # fmt: skip
+GPU_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size", "4096",
             # Two servers share the GPU: each sizes its static memory from what it sees free, and
             # max-total-tokens keeps the KV pool to what 64 prompts of 4000 tokens need.
             "--mem-fraction-static", "0.45", "--max-total-tokens", "300000")  # fmt: skip

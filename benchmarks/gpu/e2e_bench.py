@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from capture_bench import GPU_ARGS, log, plain_rate  # noqa: E402  (beside this script)
+from capture_bench import GPU_COMMON, log, plain_rate  # noqa: E402  (beside this script)
 
 from layertap.demo import demo_rows  # noqa: E402
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, free_port  # noqa: E402
@@ -58,8 +58,8 @@ from tests.service_fixtures import Proc as ServiceProc  # noqa: E402  (the tests
 LAYERS = [1, 2, 3]  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
 WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 # Two servers share the GPU: each takes a third of it (weights ~6 GB, a KV pool capped at 300K tokens).
-GPU_SERVER_ARGS = [a for a in GPU_ARGS if a not in ("--mem-fraction-static", "0.45")]
-GPU_SERVER_ARGS += ["--mem-fraction-static", "0.3"]
+GPU_SERVER_ARGS = [*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size", "4096",
+                   "--max-total-tokens", "300000", "--mem-fraction-static", "0.3"]  # fmt: skip
 CPU_STUB = Path("/opt/sglang-venv/layertap-cuda-stub")
 WORDS = "the model reads a prompt and computes hidden states for every token while drafts learn from them".split()  # noqa: SIM905
 

@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from capture_bench import CPU_STUB, GPU_ARGS, log, prompts, repoint, volume_rate  # noqa: E402
+from capture_bench import CPU_STUB, GPU_COMMON, log, prompts, repoint, volume_rate  # noqa: E402
 
 from layertap.engines.sglang import SGLangEngine  # noqa: E402
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer  # noqa: E402
@@ -55,9 +55,7 @@ SEED_TOKENS = 87.8e6  # the seed job: 37,312 samples
 SEED_HOURS = 9.4  # what the seed's own pipeline took at 2,600 tok/s
 # What SGLang's own numbers say of TP=8 on one H200 node for DeepSeek-V3-shaped prefill: see the table's notes.
 TP8_EFFICIENCY = 0.8
-BASE = [a for a in GPU_ARGS if a not in ("--mem-fraction-static", "0.45", "--max-total-tokens", "300000")]
-BASE = [a for i, a in enumerate(BASE) if a != "--chunked-prefill-size" and BASE[i - 1] != "--chunked-prefill-size"]
-BASE = [a for i, a in enumerate(BASE) if a != "--attention-backend" and BASE[i - 1] != "--attention-backend"]
+BASE = list(GPU_COMMON)
 # Two 61-layer servers (60.6 GB of bf16 weights each) share the GPU. SGLang sizes its KV pool as the memory free
 # after its weights minus (1 - fraction) of the GPU, so the other server's weights count against it: a high
 # fraction with the pool capped (50K tokens x 70 KB with MLA at 61 layers, 3.5 GB: 12 requests of 4,000 tokens)

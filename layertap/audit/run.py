@@ -37,10 +37,8 @@ from layertap.models.folder import ModelFolder
 from layertap.store.atomic import atomic_write, atomic_write_json
 from layertap.store.formats.base import DTYPES
 from layertap.store.index import SampleRecord
-from layertap.store.manifest import Manifest
+from layertap.store.manifest import REPORTS_DIR, Manifest
 from layertap.store.store import OutputStore
-
-REPORTS_DIR = "reports"
 
 
 @dataclass(slots=True)

@@ -23,13 +23,11 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from layertap.errors import SpecError
+from sglang_patch.launch import has_weight_files
 
 # Where a wrapper keeps its language model: the weight-name prefix and the module path in SGLang.
 WRAPPED_PREFIX = "language_model."
 REMOTE_CODE_FLAG = "--trust-remote-code"
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +109,7 @@ class ModelFolder:
     def has_weights(self) -> bool:
         """Whether the folder holds weight files; a config-only folder (SGLang's ``--load-format dummy`` makes
         random weights for it) serves benchmarks, never a reference."""
-        return any(next(self.path.glob(pattern), None) for pattern in WEIGHT_FILES)
+        return has_weight_files(self.path)
 
     def check_remote_code(self, trust_remote_code: bool) -> None:
         """SpecError naming the flag and the files when the folder needs code the run did not allow."""

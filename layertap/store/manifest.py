@@ -15,6 +15,7 @@ from layertap.spec import CaptureSpec, ExtractionSpec
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+REPORTS_DIR = "reports"  # what each run and each audit did, beside the manifest
 CONVENTION_TEXT = (
     "capture index i = input of decoder layer i (0-based) = output of layer i-1 = "
     "HF output_hidden_states[i] (residual stream before that layer's norm)"
