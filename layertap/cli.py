@@ -92,6 +92,14 @@ def _quiet_libraries() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="HF engine: padded tokens per batch.")
 @click.option(
+    "--dtype",
+    "compute_dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="HF engine: the dtype the model computes in (default: the folder's own; a server takes --sglang-args "
+    "'--dtype ...').",
+)
+@click.option(
     "--resume-check",
     type=click.Choice(["full", "quick"]),
     default="full",
@@ -120,6 +128,7 @@ def extract(
     trust_remote_code,
     device,
     batch_tokens,
+    compute_dtype,
     resume_check,
 ) -> None:
     """Run (or resume) an extraction into OUT; exit 1 when it stored nothing or more rows were bad than
@@ -145,10 +154,12 @@ def extract(
         )
     except (ValidationError, LayertapError) as exc:
         _fail(str(exc))
+    if compute_dtype and engine != "hf":
+        _fail("--dtype is the HF engine's; a server computes in what --sglang-args '--dtype ...' says")
     progress = RichProgress(console)
     try:
         if engine == "hf":
-            factory = hf_engine_factory(model, device, batch_tokens)
+            factory = hf_engine_factory(model, device, batch_tokens, compute_dtype)
         else:
             factory = sglang_engine_factory(model, out, spec.format, server_url, dump_root, in_flight, sglang_python,
                                             sglang_args, trust_remote_code)  # fmt: skip
@@ -213,10 +224,18 @@ def verify(out: Path, quick: bool, rewrite_token_freq: bool) -> None:
     is_flag=True,
     help="kimi-k2.5: no weight files; SGLang serves the folder with --load-format dummy (benchmarks only).",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(["int4"]),
+    default=None,
+    help="kimi-k2.5: the released INT4 folder (routed experts compressed-tensors pack-quantized, the rest bf16 "
+    "whatever --dtype says, one shard per layer).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.argument("out", type=click.Path(path_type=Path))
-def tiny_model(arch: str, shape: str, config_only: bool, dtype: str, seed: int, out: Path) -> None:
+def tiny_model(arch: str, shape: str, config_only: bool, quantize: str | None, dtype: str, seed: int,
+               out: Path) -> None:  # fmt: skip
     """Build a deterministic tiny random-weight model (with tokenizer and chat template) in OUT."""
     import torch
 
@@ -224,12 +243,13 @@ def tiny_model(arch: str, shape: str, config_only: bool, dtype: str, seed: int, 
 
     try:
         built = build_tiny_model(
-            arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape, config_only=config_only
+            arch, out, seed=seed, dtype=getattr(torch, dtype), shape=shape, config_only=config_only, quantize=quantize
         )
     except ValueError as exc:
         _fail(str(exc))
     what = "config-only folder (no weights: serve it with --load-format dummy)" if config_only else "tiny model"
-    console.print(f"built {arch} ({shape}, {dtype}) {what} in {built}")
+    weights = "INT4 routed experts, the rest bfloat16" if quantize else dtype
+    console.print(f"built {arch} ({shape}, {weights}) {what} in {built}")
 
 
 @main.command()

@@ -43,6 +43,13 @@ def tiny_kimi25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("tiny-kimi25"))
 
 
+@pytest.fixture(scope="session")
+def tiny_kimi25_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Kimi-K2.5 wrapper as the real one ships: routed experts compressed-tensors pack-quantized INT4,
+    the rest bf16, one shard per decoder layer."""
+    return build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("tiny-kimi25-int4"), quantize="int4")
+
+
 # --- Independent HF reference: a plain float32 forward with output_hidden_states, batch of one. ---
 
 
@@ -74,22 +81,44 @@ class HFReference:
 
 
 def _unwrapped(model_dir: Path) -> Path:
-    """A multimodal wrapper's language model as a plain HF folder (its text_config as config.json, its
-    `language_model.` weights without the prefix), written beside it; other folders as they are."""
+    """A multimodal wrapper's language model as a plain HF folder (its text_config without any quantization as
+    config.json, its `language_model.` weights without the prefix, packed INT4 weights dequantized by
+    `dequantized_int4`), written beside it; other folders as they are."""
     import json
     import tempfile
 
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     config = json.loads((model_dir / "config.json").read_text())
     if "text_config" not in config:
         return model_dir
     plain = Path(tempfile.mkdtemp(prefix="unwrapped-"))
-    (plain / "config.json").write_text(json.dumps(config["text_config"]))
-    weights = load_file(model_dir / "model.safetensors")
-    save_file({k.removeprefix("language_model."): v for k, v in weights.items() if k.startswith("language_model.")},
-              plain / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    text = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
+    (plain / "config.json").write_text(json.dumps(text))
+    weights = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names = [k for k in f.keys() if k.startswith("language_model.")]  # noqa: SIM118 (safe_open: no __iter__)
+            weights.update((k.removeprefix("language_model."), f.get_tensor(k)) for k in names)
+    for name in [n for n in weights if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        packed, scale = weights.pop(name), weights.pop(module + ".weight_scale")
+        weights[module + ".weight"] = dequantized_int4(packed, scale, weights.pop(module + ".weight_shape").tolist())
+    save_file(weights, plain / "model.safetensors", metadata={"format": "pt"})
     return plain
+
+
+def dequantized_int4(packed, scale, shape):
+    """compressed-tensors pack-quantized INT4 as float32, read byte by byte (little-endian words: each byte holds
+    the even element in its low nibble, the odd one in its high nibble; each value q + 8), written apart from
+    layertap's own dequantizer so that one checks the other."""
+    import torch
+
+    out, inp = shape
+    octets = packed.contiguous().view(torch.uint8).reshape(out, inp // 2).to(torch.int16)
+    nibbles = torch.stack([octets & 0xF, octets >> 4], dim=-1).reshape(out, inp)
+    return (nibbles - 8).to(torch.float32) * scale.to(torch.float32).repeat_interleave(inp // scale.shape[1], dim=1)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import torch
 from layertap.engines.hf import load_language_model
 from layertap.errors import SpecError
 from layertap.models.folder import ModelFolder
+from layertap.models.quantization import PACKED, SCALE, SHAPE
 
 Point = int | str  # a capture index, or "pre" / "post" for the final state
 GiB = 1024**3
@@ -149,7 +150,7 @@ def check_memory(folder: ModelFolder, depth: int, compute_dtype: torch.dtype, de
 
 def weight_bytes(folder: ModelFolder, depth: int, dtype: torch.dtype) -> int:
     """Bytes of the language model's weights for its first ``depth`` layers in ``dtype``, from the safetensors
-    headers (no weights read)."""
+    headers (no weights read); packed INT4 weights count as the values they dequantize to."""
     layer = re.compile(r"layers\.(\d+)\.")
     numel = 0
     for path in folder.path.glob("*.safetensors"):
@@ -158,9 +159,9 @@ def weight_bytes(folder: ModelFolder, depth: int, dtype: torch.dtype) -> int:
         for name, info in header.items():
             if name == "__metadata__" or not name.startswith(folder.prefix):
                 continue
-            if (m := layer.search(name)) and int(m.group(1)) >= depth:
-                continue
-            n = 1
+            if ((m := layer.search(name)) and int(m.group(1)) >= depth) or name.endswith((f".{SCALE}", f".{SHAPE}")):
+                continue  # a packed weight's scale and shape are folded into its dequantized values
+            n = 8 if name.endswith(f".{PACKED}") else 1  # an int32 word packs 8 INT4 values
             for d in info["shape"]:
                 n *= d
             numel += n

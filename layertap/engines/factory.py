@@ -8,13 +8,17 @@ from pathlib import Path
 from layertap.spec import CaptureSpec
 
 
-def hf_engine_factory(model: Path, device: str, batch_tokens: int):
-    """An engine factory for the in-process HF engine (imported lazily: it loads transformers)."""
+def hf_engine_factory(model: Path, device: str, batch_tokens: int, dtype: str | None = None):
+    """An engine factory for the in-process HF engine (imported lazily: it loads transformers); ``dtype`` None
+    computes in the folder's own dtype."""
 
     def make(capture: CaptureSpec):
+        import torch
+
         from layertap.engines.hf import HFEngine
 
-        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens)
+        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens,
+                        dtype=getattr(torch, dtype) if dtype else None)  # fmt: skip
 
     return make
 

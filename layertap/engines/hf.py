@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from layertap.engines.base import Engine
 from layertap.errors import SpecError
 from layertap.models.folder import ModelFolder
+from layertap.models.weights import FolderWeights, layer_of
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import CaptureSpec
 
@@ -52,33 +53,65 @@ def load_language_model(
     """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
     ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out.
     ``num_layers`` keeps only the first decoder layers (their weights alone are loaded: the audit's cost control);
-    ``device_map`` is transformers' own (``"auto"`` spreads the weights over the GPUs)."""
+    ``device_map`` is transformers' own (``"auto"`` spreads the weights over the GPUs). A quantized folder's
+    packed INT4 weights are dequantized exactly by layertap (``models/weights.py``), never by a library."""
     if not folder.has_weights:
         raise SpecError(
             f"model {folder.path} has no weight files (a config-only folder): HF transformers needs its weights; "
             "only an SGLang server can run it, with random weights (--load-format dummy), for benchmarks"
         )
     layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    dtype = dtype or getattr(torch, folder.dtype)
+    if folder.quantization is not None:
+        return _load_dequantized(folder, dtype, num_layers, device_map)
     if not folder.wrapped:
         config = AutoConfig.from_pretrained(folder.path, **layers)
-        return AutoModelForCausalLM.from_pretrained(
-            folder.path, config=config, dtype=dtype or "auto", device_map=device_map
-        )
+        return AutoModelForCausalLM.from_pretrained(folder.path, config=config, dtype=dtype, device_map=device_map)
     config = AutoConfig.for_model(**{**folder.text_config, **layers})
     model, info = AutoModelForCausalLM.from_pretrained(
         folder.path,
         config=config,
-        dtype=dtype or getattr(torch, folder.dtype),
+        dtype=dtype,
         device_map=device_map,
         key_mapping={"^" + folder.prefix.replace(".", r"\."): ""},
         output_loading_info=True,
     )
-    if info["missing_keys"]:  # random-initialised weights would pass for the model's own
-        missing = sorted(info["missing_keys"])
-        raise SpecError(
-            f"model {folder.path}: no weights under {folder.prefix!r} for {missing[:5]} ({len(missing)} in all)"
-        )
+    _check_loaded(folder, info, unexpected=False)
     return model
+
+
+def _load_dequantized(
+    folder: ModelFolder, dtype: torch.dtype, num_layers: int | None, device_map: str | None
+) -> PreTrainedModel:
+    """A quantized folder's language model from a state dict of its plain and dequantized tensors, under its
+    config without the quantization (so transformers takes the weights as they are and quantizes nothing)."""
+    depth = folder.num_layers if num_layers is None else num_layers
+    fields = {k: v for k, v in folder.text_config.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**{**fields, "num_hidden_layers": depth})
+    weights = FolderWeights(folder)
+    names = [n for n in weights.names if (layer := layer_of(n)) is None or layer < depth]
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class needs a folder; the state dict is ours
+    try:
+        model, info = model_class.from_pretrained(
+            None, config=config, state_dict=weights.read(names), dtype=dtype, device_map=device_map,
+            output_loading_info=True,
+        )  # fmt: skip
+    except RuntimeError as exc:  # transformers could not merge the per-expert tensors into its own
+        raise SpecError(f"model {folder.path}: missing keys or shapes in its checkpoint ({exc})") from exc
+    _check_loaded(folder, info, unexpected=True)
+    return model
+
+
+def _check_loaded(folder: ModelFolder, info: dict[str, Any], *, unexpected: bool) -> None:
+    """SpecError when weights were left at random (missing) or not taken (unexpected, mismatched): a model so
+    loaded would pass for the folder's own."""
+    kinds = ["missing_keys"] + (["unexpected_keys", "mismatched_keys"] if unexpected else [])
+    for kind in kinds:
+        if keys := sorted(map(str, info.get(kind) or ())):
+            raise SpecError(
+                f"model {folder.path}: {kind.replace('_', ' ')} loading its language model under "
+                f"{folder.prefix or 'the folder'}: {keys[:5]} ({len(keys)} in all)"
+            )
 
 
 class HFEngine(Engine):

@@ -23,6 +23,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from layertap.errors import SpecError
+from layertap.models.quantization import Quantization
 from sglang_patch.launch import has_weight_files
 
 # Where a wrapper keeps its language model: the weight-name prefix and the module path in SGLang.
@@ -43,6 +44,7 @@ class ModelFolder:
     text_config: dict[str, Any]
     prefix: str
     remote_code: tuple[str, ...]  # the folder's Python files that loading its tokenizer, processor or config would run
+    quantization: Quantization | None  # packed INT4 weights (Kimi-K2.5's experts), or None for plain weights
 
     @classmethod
     def read(cls, path: Path) -> ModelFolder:
@@ -64,6 +66,7 @@ class ModelFolder:
             text_config=text_config,
             prefix=WRAPPED_PREFIX if wrapped else "",
             remote_code=_remote_code_files(path, config),
+            quantization=_quantization(path, config, text_config if wrapped else None),
         )
 
     @property
@@ -135,6 +138,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _quantization(path: Path, config: dict[str, Any], text_config: dict[str, Any] | None) -> Quantization | None:
+    """The language model's quantization: a wrapper states it in ``text_config`` (servers copy it up to the top
+    level; either place is read, ``text_config`` first)."""
+    places = [("text_config", text_config)] if text_config is not None else []
+    for where, cfg in [*places, ("config.json", config)]:
+        if cfg.get("quantization_config") is not None:
+            return Quantization.read(cfg, where=where, model=str(path))
+    return None
 
 
 def _auto_map_files(path: Path, auto_map: Any) -> list[str]:

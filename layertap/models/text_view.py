@@ -7,7 +7,10 @@ trainer takes: ``config.json`` is the wrapper's ``text_config`` (a type transfor
 the weights are the wrapper's own shards by symlink, with a ``model.safetensors.index.json`` listing only the
 language model's tensors. Nothing is copied: a view of a 1 TB folder is a few KB. The tensors keep their
 ``language_model.`` names (safetensors cannot rename without copying); speculators finds its embedding and LM
-head by name suffix. The tokenizer files are linked too, so the view tokenizes as the wrapper does.
+head by name suffix. The tokenizer files are linked too, so the view tokenizes as the wrapper does. A quantized
+wrapper's view keeps ``text_config``'s ``quantization_config``: its shards hold packed INT4 experts, and a config
+saying otherwise would have a full loader take them for missing weights; speculators reads only the config and the
+bf16 embedding and LM head (the ``ignore`` list keeps them unquantized).
 """
 
 from __future__ import annotations
@@ -18,26 +21,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors import safe_open
-
 from layertap.errors import SpecError
 from layertap.models.folder import WRAPPED_PREFIX, ModelFolder
+from layertap.models.weights import INDEX, weight_map
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # Not linked: the wrapper's config and its weight index (the view writes its own), and the image processor
 # (the view is text only).
 _NOT_LINKED = ("config.json", INDEX, "preprocessor_config.json", "processor_config.json")
-
-
-def _weight_map(folder: Path) -> dict[str, str]:
-    """Every tensor name of the folder's checkpoint -> the shard file holding it."""
-    if (folder / INDEX).is_file():
-        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
-    if (folder / SINGLE).is_file():
-        with safe_open(str(folder / SINGLE), "pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
-    raise SpecError(f"model {folder} has neither {INDEX} nor {SINGLE}: no safetensors weights to view")
 
 
 def write_text_view(model: Path, out: Path) -> Path:
@@ -52,7 +42,7 @@ def write_text_view(model: Path, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecError(f"{out} exists and is not an empty folder; the view needs a new one")
     source = folder.path.resolve()
-    weights = {name: shard for name, shard in _weight_map(source).items() if name.startswith(WRAPPED_PREFIX)}
+    weights = {name: shard for name, shard in weight_map(source).items() if name.startswith(WRAPPED_PREFIX)}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a view is as readable as a folder made by mkdir

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from layertap import __version__
 from layertap.errors import StoreError
+from layertap.models.folder import ModelFolder
 from layertap.spec import CaptureSpec, ExtractionSpec
 
 FORMAT_VERSION = 1
@@ -38,6 +39,7 @@ class Manifest(BaseModel):
     tokenizer_sha256: str
     chat_template_sha256: str | None
     compute_dtype: str
+    quantization: dict[str, Any] | None = None  # the folder's packed weights (models/quantization.py), None if plain
     store_dtype: str
     hidden_size: int
     num_layers: int
@@ -64,8 +66,10 @@ def _sha256(path: Path) -> str:
 
 
 def model_facts(model_dir: Path) -> dict[str, Any]:
-    """Hashes that pin the exact model, tokenizer and chat template a store was made with."""
+    """Hashes that pin the exact model, tokenizer and chat template a store was made with, and how the model's
+    weights are quantized."""
     config = json.loads((model_dir / "config.json").read_text())
+    quantization = ModelFolder.read(model_dir).quantization
     tok_cfg_path = model_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     template = tok_cfg.get("chat_template")
@@ -78,6 +82,7 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
         "model_revision": config.get("_commit_hash") or config.get("revision"),
         "tokenizer_sha256": _sha256(tok_file) if tok_file.exists() else _sha256(tok_cfg_path),
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
+        "quantization": quantization.describe() if quantization else None,
     }
 
 

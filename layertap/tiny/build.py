@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from layertap.tiny.kimi_k25 import build_kimi_k25
+from layertap.tiny.kimi_k25 import Quantize, build_kimi_k25
 from layertap.tiny.tokenizer import build_tokenizer
 
 TinyArch = Literal["llama", "kimi-k2", "kimi-k2.5"]
@@ -188,6 +188,7 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     shape: Shape = "tiny",
     config_only: bool = False,
+    quantize: Quantize | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random-weight model folder loadable by `AutoModelForCausalLM` and `AutoTokenizer`.
@@ -202,14 +203,17 @@ def build_tiny_model(
     without building a model: `build_tiny_model("kimi-k2.5", d, dtype=torch.bfloat16,
     shape="kimi-k2-width")` writes ~6 GB in seconds on a many-core host. With `config_only` (kimi-k2.5 only) it
     writes everything but the weights: a folder SGLang serves with `--load-format dummy` (the seed-depth benchmark's
-    61 layers), which the HF engine refuses.
+    61 layers), which the HF engine refuses. `quantize="int4"` (kimi-k2.5 only) writes the released INT4 folder:
+    routed experts pack-quantized, the rest bf16 (`dtype` is ignored), one shard per decoder layer.
     """
     out_dir = Path(out_dir)
     if arch == "kimi-k2.5":
         text_config = deepseek_v3_config(shape, overrides)
-        return build_kimi_k25(out_dir, text_config, seed=seed, dtype=dtype, config_only=config_only)
-    if config_only:
-        raise ValueError("config_only is for the kimi-k2.5 wrapper (the seed's model)")
+        return build_kimi_k25(
+            out_dir, text_config, seed=seed, dtype=dtype, config_only=config_only, quantization=quantize
+        )
+    if config_only or quantize:
+        raise ValueError("config_only and quantize are for the kimi-k2.5 wrapper (the seed's model)")
     if shape != "tiny":
         if arch != "kimi-k2":
             raise ValueError(f"shape {shape!r} is a DeepseekV3 size; arch {arch!r} has only the 'tiny' shape")

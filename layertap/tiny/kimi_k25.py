@@ -10,6 +10,11 @@ it; the config class, the tokenizer and the processor are code in the folder (`k
 Weights are drawn tensor by tensor from generators seeded by (seed, tensor name), in threads, straight into
 the checkpoint's names and shapes: no model is built, so a Kimi-K2-width folder (hidden 7168, ~3B
 parameters) takes seconds, and each tensor's bytes do not depend on which other tensors exist.
+
+``quantize="int4"`` writes the folder as Kimi-K2.5 ships: routed experts in compressed-tensors pack-quantized INT4
+(quantized from the bf16 draws, round to nearest per group of 32), everything else bf16 (the routing bias float32),
+the ``quantization_config`` inside ``text_config``, and the weights in one shard per decoder layer with a
+``model.safetensors.index.json`` (the real folder: 64 shards for 61 layers), each shard written as it is drawn.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
 
 from layertap.models.folder import WRAPPED_PREFIX
+from layertap.models.quantization import Quantization, quantize
+from layertap.models.weights import INDEX
 from layertap.tiny import kimi_config, kimi_processor
 from layertap.tiny.kimi_tokenizer import BOS, IM_END, MEDIA_PAD, PAD, write_tokenizer_files
 
@@ -49,6 +56,31 @@ TINY_VISION: dict[str, Any] = {
     "projector_hidden_act": "gelu",
     "projector_ln_eps": 1e-5,
 }
+
+
+# Kimi-K2.5's quantization_config as released (inside text_config): only routed experts are packed.
+KIMI_K25_INT4: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "global_compression_ratio": None,
+    "sparsity_config": {},
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                "dynamic": False, "observer": "minmax", "observer_kwargs": {}, "actorder": None,
+                "block_structure": None,
+            },
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
+Quantize = Literal["int4"]
 
 
 def _vision_config(text_hidden: int) -> dict[str, Any]:
@@ -181,11 +213,21 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
 
 
 def build_kimi_k25(
-    out_dir: Path, text_config: dict[str, Any], *, seed: int, dtype: torch.dtype, config_only: bool = False
+    out_dir: Path,
+    text_config: dict[str, Any],
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    config_only: bool = False,
+    quantization: Quantize | None = None,
 ) -> Path:
     """Write the wrapper folder for the DeepseekV3 `text_config` (vocab, layers, MLA and MoE sizes set); with
-    `config_only`, no weights (a folder for `--load-format dummy`)."""
+    `config_only`, no weights (a folder for `--load-format dummy`); with `quantization="int4"`, the released INT4
+    layout (bf16 whatever `dtype` says, as the real folder)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if quantization is not None:
+        dtype = torch.bfloat16
+        text_config = {**text_config, "quantization_config": KIMI_K25_INT4}
     special = write_tokenizer_files(out_dir, text_config["vocab_size"])
     dtype_name = str(dtype).removeprefix("torch.")
     ids = {"bos_token_id": special[BOS], "eos_token_id": special[IM_END], "pad_token_id": special[PAD]}
@@ -211,7 +253,52 @@ def build_kimi_k25(
         return out_dir
     specs = [(WRAPPED_PREFIX + n, s) for n, s in deepseek_v3_shapes(text)] + list(vision_shapes(vision))
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        tensors = pool.map(lambda spec: draw_tensor(*spec, seed, dtype), specs)
-        weights = {name: t for (name, _), t in zip(specs, tensors, strict=True)}
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        if quantization is None:
+            save_file(_draw(pool, specs, seed, dtype), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            _write_int4_shards(out_dir, pool, specs, seed, Quantization.read(text, where="text_config", model=""))
     return out_dir
+
+
+def _draw(pool: ThreadPoolExecutor, specs: list[tuple[str, tuple[int, ...]]], seed: int,
+          dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    tensors = pool.map(lambda spec: draw_tensor(*spec, seed, dtype), specs)
+    return {name: t for (name, _), t in zip(specs, tensors, strict=True)}
+
+
+def _packed(name: str, tensor: torch.Tensor, quant: Quantization) -> dict[str, torch.Tensor]:
+    """A language-model Linear weight the scheme quantizes as its three packed tensors; any other tensor as is."""
+    module = name.removeprefix(WRAPPED_PREFIX).removesuffix(".weight")
+    if name.startswith(WRAPPED_PREFIX) and module.endswith("_proj") and quant.quantizes(module):
+        return {f"{WRAPPED_PREFIX}{module}.{k}": v for k, v in quantize(tensor, quant.group_size).items()}
+    return {name: tensor}
+
+
+def _shard_key(name: str) -> int:
+    """Which shard holds ``name``: decoder layer N's tensors shard N; embeddings and the vision tower ride with
+    layer 0, the final norm and LM head with the last layer (-1)."""
+    parts = name.removeprefix(WRAPPED_PREFIX).split(".")
+    if parts[:2] == ["model", "layers"]:
+        return int(parts[2])
+    return -1 if name.removeprefix(WRAPPED_PREFIX) in ("model.norm.weight", "lm_head.weight") else 0
+
+
+def _write_int4_shards(out_dir: Path, pool: ThreadPoolExecutor, specs: list[tuple[str, tuple[int, ...]]], seed: int,
+                       quant: Quantization) -> None:  # fmt: skip
+    """One bf16 + INT4 safetensors shard per decoder layer, drawn and written one at a time, and the index."""
+    layers = max(_shard_key(name) for name, _ in specs) + 1
+    by_shard: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for spec in specs:
+        by_shard.setdefault(_shard_key(spec[0]) % layers, []).append(spec)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(layers):
+        shard = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for name, value in _draw(pool, by_shard[i], seed, torch.bfloat16).items():  # the routing bias stays float32
+            tensors.update(_packed(name, value, quant))
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -54,11 +54,13 @@ def trainers_python() -> Path:
     return TRAINERS_PYTHON
 
 
-@pytest.fixture(scope="module")
-def kimi25(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["bf16", "int4"])
+def kimi25(request, tmp_path_factory) -> Path:
     """The tiny Kimi-K2.5 wrapper with a vocabulary past SpecForge's 32000-token draft vocabulary, as the real
-    one's (163,840): SpecForge generates its draft config from the language model, as it would for Kimi-K2.5."""
-    return build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("kimi25-32k"), vocab_size=32768)
+    one's (163,840): SpecForge generates its draft config from the language model, as it would for Kimi-K2.5.
+    Both as a bf16 folder and as the released one (INT4 routed experts)."""
+    return build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("kimi25-32k"), vocab_size=32768,
+                            quantize=request.param)  # fmt: skip
 
 
 def _extract(model: Path, tmp_path: Path, fmt: str, samples: int, layers: tuple[int, ...] = (1, 3, 5)) -> Path:
@@ -95,13 +97,14 @@ def _specforge_run(out: Path, tmp_path: Path, draft_vocab: int | None = DRAFT_VO
     `draft_vocab`: a draft config with that draft vocabulary (None: the one SpecForge generates)."""
     config = yaml.safe_load(_block((out / "TRAIN.md").read_text(), "yaml"))
     assert config["data"]["hidden_states_path"] == str(out.resolve())
-    # SpecForge's target head finds the LM head through `*.index.json` (TRAIN.md says so); the tiny model is
-    # one model.safetensors, so the test gives a copy of it an index.
+    # SpecForge's target head finds the LM head through `*.index.json` (TRAIN.md says so); a tiny model of one
+    # model.safetensors gets an index in a copy (a sharded one, as the INT4 folder, has its own).
     target = tmp_path / "target"
     shutil.copytree(config["model"]["target_model_path"], target)
-    with safe_open(str(target / "model.safetensors"), "pt") as f:
-        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if not (target / "model.safetensors.index.json").exists():
+        with safe_open(str(target / "model.safetensors"), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config["model"]["target_model_path"] = str(target)
     if draft_vocab is not None:
         # Its generated draft config has a 32000-token draft vocabulary, more than the tiny target's 1536.
