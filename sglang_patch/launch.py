@@ -5,7 +5,7 @@ Usage (in the server's environment, with this repository's root on PYTHONPATH)::
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
         --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
         [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] [--allreduce-fusion off|sglang] \\
-        [--dry-run] <sglang server flags>
+        [--kernel-cache DIR] [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
 ``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``, ``LAYERTAP_DUMP_LAYOUT``,
@@ -31,6 +31,13 @@ parser, then the launcher
   ``extra_key``; a hit is then still caught (an error dump, and ``cached_tokens > 0`` in the reply);
 - on a GPU, defaults to ``--attention-backend flashinfer --chunked-prefill-size 8192`` (``GPU_DEFAULTS``, the
   fastest setting measured whose captures the audit passed) unless the flags set them;
+- on a GPU, lets a first start build its kernels: the first forward pass (SGLang's warm-up) compiles
+  flashinfer, triton and tvm-ffi kernels on first use (an INT4 MoE's Marlin GEMM among them: minutes on a
+  fresh node), which SGLang's 300 s scheduler watchdog and 600 s warm-up timeout would kill, so both default
+  to ``FIRST_START_S`` unless given (``--watchdog-timeout``, ``SGLANG_WARMUP_TIMEOUT``); keep SGLang's warm-up on
+  so the builds end before the server answers ``/health``;
+- ``--kernel-cache DIR`` (``LAYERTAP_KERNEL_CACHE``) keeps those builds in one folder of the node's
+  (``KERNEL_CACHE_ENV``: flashinfer's, triton's and tvm-ffi's caches below it), where the next start finds them;
 - adds one ``--forward-hooks`` spec per captured role (see `sglang_patch.hook`), for both the plain
   module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper.
 
@@ -71,6 +78,7 @@ class LaunchOptions:
     settings: CaptureSettings
     dry_run: bool
     keep_radix_cache: bool
+    kernel_cache: str | None
     sglang_argv: list[str]
 
 
@@ -88,6 +96,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--keep-radix-cache", action="store_true")
     parser.add_argument("--allreduce-fusion", choices=FUSION_CHOICES, default="off")
+    parser.add_argument("--kernel-cache", default=env_default(environ, "kernel_cache"))
     ns, rest = parser.parse_known_args(list(argv))
     missing = [name for name in ("dump_root", "capture_layers", "capture_final") if getattr(ns, name) is None]
     if missing:
@@ -107,7 +116,8 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
         allreduce_fusion=ns.allreduce_fusion,
         **tuning,
     )
-    return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache, sglang_argv=rest)
+    return LaunchOptions(settings=settings, dry_run=ns.dry_run, keep_radix_cache=ns.keep_radix_cache,
+                         kernel_cache=ns.kernel_cache, sglang_argv=rest)  # fmt: skip
 
 
 # The fastest setting measured on one H200 whose captures the audit passed (benchmarks/results/gpu_seed_scale.md:
@@ -116,12 +126,37 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
 GPU_DEFAULTS = {"--attention-backend": "flashinfer", "--chunked-prefill-size": "8192"}
 
 
+# Seconds a GPU server's first forward pass may take (SGLang: watchdog 300 s, warm-up 600 s). On a fresh H200 node
+# an INT4 Kimi-K2.5-layout folder's first pass built flashinfer, triton and Marlin MoE kernels for over 300 s.
+FIRST_START_S = "1800"
+GPU_FIRST_START = {"--watchdog-timeout": FIRST_START_S}
+# Where each first-use kernel builder keeps its builds, below --kernel-cache (flashinfer adds .cache/flashinfer).
+KERNEL_CACHE_ENV = {"FLASHINFER_WORKSPACE_BASE": "flashinfer", "TRITON_CACHE_DIR": "triton",
+                    "TVM_FFI_CACHE_DIR": "tvm-ffi"}  # fmt: skip
+
+
+def _on_cpu(sglang_argv: Sequence[str]) -> bool:
+    return "cpu" in sglang_argv or any(a.startswith("--device=cpu") for a in sglang_argv)
+
+
 def default_flags(sglang_argv: Sequence[str]) -> list[str]:
-    """``GPU_DEFAULTS`` the user did not set (either spelling), for a GPU server; put before the user's flags."""
-    if "cpu" in sglang_argv or any(a.startswith("--device=cpu") for a in sglang_argv):
+    """``GPU_DEFAULTS`` and ``GPU_FIRST_START`` the user did not set (either spelling), for a GPU server; put
+    before the user's flags."""
+    if _on_cpu(sglang_argv):
         return []
     given = {a.split("=", 1)[0] for a in sglang_argv}
-    return [part for flag, value in GPU_DEFAULTS.items() if flag not in given for part in (flag, value)]
+    defaults = {**GPU_DEFAULTS, **GPU_FIRST_START}
+    return [part for flag, value in defaults.items() if flag not in given for part in (flag, value)]
+
+
+def first_start_env(sglang_argv: Sequence[str], kernel_cache: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment for SGLang's processes: the kernel caches under ``kernel_cache`` and, on a GPU, the warm-up
+    timeout of a first start; variables already set win."""
+    env = {} if _on_cpu(sglang_argv) else {"SGLANG_WARMUP_TIMEOUT": FIRST_START_S}
+    if kernel_cache:
+        root = Path(kernel_cache).expanduser().resolve()
+        env |= {name: str(root / sub) for name, sub in KERNEL_CACHE_ENV.items()}
+    return {k: v for k, v in env.items() if k not in environ}
 
 
 def forced_flags(
@@ -257,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(dataclasses.asdict(server_args), default=str, indent=1, sort_keys=True))
         return
     Path(options.settings.dump_root).mkdir(parents=True, exist_ok=True)
+    env = first_start_env(options.sglang_argv, options.kernel_cache, os.environ)
+    for path in (v for k, v in env.items() if k in KERNEL_CACHE_ENV):
+        Path(path).mkdir(parents=True, exist_ok=True)
+    os.environ.update(env)  # before SGLang starts its scheduler processes, which inherit it
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 

@@ -3,7 +3,7 @@
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
 it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
-a bounded number of times; the final error says in two lines how the last try ended, the decisive
+a bounded number of times, except a pass that outran SGLang's scheduler watchdog (a retry meets it again); the final error says in two lines how the last try ended, the decisive
 line of its log, and the log's path; SGLang's crash diagnostics (a minute of py-spy and CUDA core dumps
 before a crashed server exits) are off, so a retry comes within seconds. The server runs in its own process group (so stop() takes the
 scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
@@ -116,6 +116,11 @@ _DECISIVE = (
     re.compile(r"\b[A-Za-z_.]*(Error|Exception|Interrupt)\b:"),
     re.compile(r"\b(error|fatal|killed|out of memory|timed? ?out|failed)\b", re.IGNORECASE),
 )
+# A forward pass that outran SGLang's scheduler watchdog (it kills the server): the cause whatever follows, and one a
+# restart would meet again in the same pass (a first start's kernel builds: the launcher allows them FIRST_START_S).
+WATCHDOG = re.compile(r"watchdog timeout", re.IGNORECASE)
+# SGLang's crash diagnostics (py-spy stack dumps, CUDA core dumps) say how it reported a death, never why.
+_DIAGNOSTICS = re.compile(r"py-?spy|core ?dump", re.IGNORECASE)
 
 
 def describe_exit(code: int) -> str:
@@ -131,19 +136,20 @@ def describe_exit(code: int) -> str:
 
 def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
     """The line of the log (from byte ``offset``) that best says why the server stopped, quoted, at most
-    ``limit`` characters: the exception line of the last Python traceback, else the last line naming an
-    error, else the last line."""
+    ``limit`` characters: a scheduler watchdog timeout, else the exception line of the last Python traceback, else
+    the last line naming an error, else the last line; crash-diagnostics lines never."""
     try:
         with path.open("rb") as f:
             f.seek(offset)
-            lines = [ln.rstrip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+            text = f.read().decode(errors="replace")
     except OSError as exc:
         return f"(log unreadable: {exc})"
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not _DIAGNOSTICS.search(ln)]
     if not lines:
         return "(the log is empty)"
-    hit = None
+    hit = next((ln for ln in reversed(lines) if WATCHDOG.search(ln)), None)
     tracebacks = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("Traceback (most recent call last)")]
-    if tracebacks:  # its exception line is the first unindented line after the frames
+    if tracebacks and hit is None:  # its exception line is the first unindented line after the frames
         hit = next((ln for ln in lines[tracebacks[-1] + 1 :] if not ln[0].isspace()), None)
     for pattern in _DECISIVE:
         if hit is None:
@@ -193,6 +199,10 @@ class SGLangServer:
             if failure is None:
                 return
             self.kill()
+            if WATCHDOG.search(decisive_log_line(cfg.log_path, self._log_offset)):
+                raise ServerError(self.failure(
+                    f"failed to start (try {attempt}, not retried: a pass outran SGLang's watchdog and would again; "
+                    f"allow it more with --watchdog-timeout in the server flags); it {failure}"))  # fmt: skip
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)

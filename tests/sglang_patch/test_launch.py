@@ -239,8 +239,24 @@ def test_a_config_only_folder_gets_random_weights(tmp_path: Path, cuda_stub_dir:
 def test_gpu_servers_default_to_the_fastest_audited_setting_and_given_flags_win() -> None:
     from sglang_patch.launch import default_flags
 
+    watchdog = ["--watchdog-timeout", "1800"]
     assert default_flags(["--model-path", "m", "--tp-size", "8"]) == [
-        "--attention-backend", "flashinfer", "--chunked-prefill-size", "8192"]  # fmt: skip
-    assert default_flags(["--attention-backend=fa3", "--chunked-prefill-size", "4096"]) == []
-    assert default_flags(["--attention-backend", "triton"]) == ["--chunked-prefill-size", "8192"]
+        "--attention-backend", "flashinfer", "--chunked-prefill-size", "8192", *watchdog]  # fmt: skip
+    assert default_flags(["--attention-backend=fa3", "--chunked-prefill-size", "4096"]) == watchdog
+    assert default_flags(["--attention-backend", "triton", "--watchdog-timeout=60"]) == [
+        "--chunked-prefill-size", "8192"]  # fmt: skip
     assert default_flags(["--device", "cpu"]) == [] and default_flags(["--device=cpu"]) == []
+
+
+def test_a_gpu_first_start_may_build_kernels_into_the_nodes_cache(tmp_path) -> None:
+    """A fresh node's first forward pass builds kernels for minutes: SGLang's warm-up timeout is raised with its
+    watchdog, and --kernel-cache puts flashinfer's, triton's and tvm-ffi's builds in one folder; set values win."""
+    from sglang_patch.launch import first_start_env, parse_launch_args
+
+    options = parse_launch_args(["--dump-root", "d", "--capture-layers", "1", "--capture-final", "post",
+                                 "--model-path", "m"], {"LAYERTAP_KERNEL_CACHE": str(tmp_path)})  # fmt: skip
+    assert options.kernel_cache == str(tmp_path) and options.sglang_argv == ["--model-path", "m"]
+    env = first_start_env(options.sglang_argv, options.kernel_cache, {"TRITON_CACHE_DIR": "/elsewhere"})
+    assert env == {"SGLANG_WARMUP_TIMEOUT": "1800", "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "flashinfer"),
+                   "TVM_FFI_CACHE_DIR": str(tmp_path / "tvm-ffi")}  # fmt: skip
+    assert first_start_env(["--device", "cpu"], None, {}) == {}

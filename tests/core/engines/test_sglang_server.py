@@ -32,12 +32,22 @@ requests.exceptions.ReadTimeout: HTTPConnectionPool(host='127.0.0.1', port=30000
 """
 
 
-def fake_server_python(folder: Path, *, fail_times: int, how: str = "exit 3") -> Path:
-    """An executable standing in for the server's python: its first ``fail_times`` runs print DYING_LOG
+# What SGLang 0.5.14 printed when a fresh H200's first forward pass (kernel builds) outran its scheduler watchdog,
+# shortened: the py-spy line after it is how SGLang reported, not why the server died.
+WATCHDOG_LOG = """\
+[2026-12-01 08:10:02] Using CompressedTensorsWNA16MarlinMoEMethod
+[2026-12-01 08:15:09] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)
+[2026-12-01 08:15:09] Pyspy failed (py-spy dump --pid 4242). Error: /bin/sh: 1: py-spy: not found
+[2026-12-01 08:15:10] Received sigquit from a child process. It usually means the child failed.
+"""
+
+
+def fake_server_python(folder: Path, *, fail_times: int, how: str = "exit 3", log: str = DYING_LOG) -> Path:
+    """An executable standing in for the server's python: its first ``fail_times`` runs print ``log``
     and end with ``how`` (``exit 3``, ``kill -9 $$``); later runs exec the real SGLang python."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "python"
-    log_text = DYING_LOG.replace("'", "'\\''")
+    log_text = log.replace("'", "'\\''")
     script.write_text(
         "#!/bin/bash\n"
         f'runs="{folder}/runs"; n=$(cat "$runs" 2>/dev/null || echo 0); echo $((n + 1)) > "$runs"\n'
@@ -76,6 +86,18 @@ def test_a_server_killed_by_a_signal_is_described_so(tiny_llama, tmp_path):
     server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=1))
     with pytest.raises(ServerError, match=r"\(1 tries\); the last exited on signal 9 \(SIGKILL\): .*ReadTimeout"):
         server.start()
+
+
+def test_a_watchdog_timeout_is_named_as_the_cause_and_not_retried(tiny_llama, tmp_path):
+    fake = fake_server_python(tmp_path / "fake", fail_times=99, how="kill -9 $$", log=WATCHDOG_LOG)
+    server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=3, start_backoff_s=0.05))
+    with pytest.raises(ServerError) as info:
+        server.start()
+    first = str(info.value).splitlines()[0]
+    assert "not retried" in first and "--watchdog-timeout" in first and "exited on signal 9" in first
+    assert first.endswith("'[2026-12-01 08:15:09] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)'")
+    assert "py-spy" not in first.lower().replace("--watchdog", "")
+    assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
 
 
 def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(tiny_llama, tmp_path):
