@@ -1,0 +1,152 @@
+"""Kimi-K2.5 as it ships (INT4 routed experts) through a launched SGLang server on one GPU: first start on a fresh
+node (kernel builds under the launcher's first-start allowance, into a kernel cache folder), a second start that
+finds the cache, >= 100 chats captured and committed, `layertap verify`, `layertap audit` against the dequantized
+float32 reference with its bf16 floor, and capture against plain prefill of the same server on the same ids.
+
+    python3 benchmarks/gpu/int4_bench.py --out benchmarks/results/gpu_int4.md            # on the H200
+    python3 benchmarks/gpu/int4_bench.py --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
+
+On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel); the INT4 folder is
+still built and audited through the HF engine's store, so every step of the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from capture_bench import CPU_ARGS, CPU_STUB, GPU_COMMON, log, plain_rate  # noqa: E402
+from e2e_bench import write_dataset  # noqa: E402
+
+from layertap.audit import audit_store  # noqa: E402
+from layertap.engines.sglang import SGLangEngine  # noqa: E402
+from layertap.engines.sglang_server import ServerConfig, SGLangServer  # noqa: E402
+from layertap.models.folder import ModelFolder  # noqa: E402
+from layertap.pipeline import run_shard  # noqa: E402
+from layertap.spec import ExtractionSpec  # noqa: E402
+from layertap.store.manifest import build_manifest  # noqa: E402
+from layertap.store.store import OutputStore  # noqa: E402
+from layertap.tiny import build_tiny_model  # noqa: E402
+from layertap.verify import verify_store  # noqa: E402
+
+LAYERS = (1, 2, 3)  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
+SHAPES = {"mla-gpu": {"shape": "mla-gpu"},
+          "kimi-k2-width": {"shape": "kimi-k2-width", "num_hidden_layers": 4}}  # fmt: skip
+# No --skip-server-warmup: SGLang's warm-up runs the first pass (and its kernel builds) before /health answers.
+GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
+    "--mem-fraction-static", "0.5", "--max-total-tokens", "200000", "--trust-remote-code"]  # fmt: skip
+IN_FLIGHT = 16
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def start(server: SGLangServer) -> float:
+    t0 = time.perf_counter()
+    server.start()
+    return time.perf_counter() - t0
+
+
+def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Path) -> tuple[float, int, list]:
+    """Every row of ``data`` captured through ``server`` into a specforge store at ``out``: (seconds, tokens, ids)."""
+    spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
+    folder = ModelFolder.read(model)
+    cap = spec.resolve(folder.num_layers)
+    engine = SGLangEngine(server, cap, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
+    manifest = build_manifest(spec, cap, hidden_size=folder.hidden_size, compute_dtype="bfloat16",
+                              dataset_rows=sum(1 for _ in data.open()), engine=engine.describe())  # fmt: skip
+    store = OutputStore.create_or_resume(out, manifest)
+    t0 = time.perf_counter()
+    report = run_shard(spec, store, engine, check_level="quick")
+    seconds = time.perf_counter() - t0
+    assert report.failed == 0 and report.row_errors == 0, report
+    store.finalize(complete=True)
+    ids = [store.format.load(out / r.file)["input_ids"].tolist() for r in store.records().values()]
+    store.close()
+    return seconds, report.tokens, ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-int4"))
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="mla-gpu")
+    ap.add_argument("--chats", type=int, default=120)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    overrides = {} if smoke else SHAPES[args.shape]
+    int4 = build_tiny_model("kimi-k2.5", args.work / "int4", quantize="int4", **overrides)
+    log(f"INT4 folder built: {folder_bytes(int4) / 1e6:,.0f} MB")
+    served = build_tiny_model("kimi-k2.5", args.work / "bf16", dtype=torch.bfloat16) if smoke else int4
+    data = args.work / "chats.jsonl"
+    rows = write_dataset(data, chats=args.chats if not smoke else 8, token_rows=0, vocab=2048, low=0, high=0)
+    cache = args.work / "kernel-cache"
+    dumps = args.work / "dumps"
+    config = ServerConfig(
+        python=Path("/opt/sglang-venv/bin/python") if smoke else Path(sys.executable), model=served,
+        dump_root=dumps, layers=LAYERS, final="post", layout="specforge", log_path=args.out.with_suffix(".server.log"),
+        sglang_args=(*CPU_ARGS, "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
+        env={"LAYERTAP_KERNEL_CACHE": str(cache),
+             **({"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {})},
+        start_attempts=1,
+    )  # fmt: skip
+    server = SGLangServer(config)
+    cold = start(server)
+    log(f"cold start: {cold:.0f} s; kernel cache {folder_bytes(cache) / 1e6:,.0f} MB")
+    store = args.work / "store"
+    seconds, tokens, ids = capture(server, served, data, dumps, store)
+    log(f"captured {tokens:,} tokens in {seconds:.1f} s")
+    with httpx.Client(timeout=600) as client:
+        plain_rate(client, server.url, ids[:IN_FLIGHT], IN_FLIGHT)  # same warm state for both
+        plain = plain_rate(client, server.url, ids, IN_FLIGHT)
+    server.stop()
+    warm = start(server)
+    log(f"warm start: {warm:.0f} s")
+    server.stop()
+    check = verify_store(store)
+    audit = audit_store(store, samples=min(100, len(ids)), seed=0, device="cpu" if smoke else "cuda",
+                        trust_remote_code=True)  # fmt: skip
+    log(audit.summary())
+    lines = [
+        f"# INT4 Kimi-K2.5 folder through a launched SGLang server ({'CPU smoke' if smoke else 'one H200'})", "",
+        f"Written by `benchmarks/gpu/int4_bench.py --shape {args.shape}` at commit {commit.strip()} "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Folder: `layertap tiny-model --arch kimi-k2.5 "
+        f"--quantize int4 --shape {args.shape}` ({folder_bytes(int4) / 1e6:,.0f} MB: routed experts compressed-tensors "
+        f"pack-quantized INT4, group 32, the rest bf16). Server flags: `{' '.join(config.sglang_args)}` (the launcher "
+        f"adds its forced flags, `--watchdog-timeout 1800` and the capture plugin); {IN_FLIGHT} in flight.", "",
+        "| measure | value |", "|---|---|",
+        f"| first start on a fresh machine (empty kernel cache; launch to /health) | {cold:.0f} s |",
+        f"| second start (kernel cache kept) | {warm:.0f} s |",
+        f"| kernel cache | {folder_bytes(cache) / 1e6:,.0f} MB |",
+        f"| rows captured (chats) | {len(ids)} of {rows} |",
+        f"| tokens | {tokens:,} |",
+        f"| capture + commit | {tokens / seconds:,.0f} tok/s |",
+        f"| plain prefill, same server, same ids | {plain:,.0f} tok/s |",
+        f"| capture / plain | {tokens / seconds / plain:.2f} |",
+        f"| layertap verify | {'clean' if check.ok else 'PROBLEMS: ' + '; '.join(check.problems[:3])} |",
+        f"| layertap audit | {audit.summary()} |", "",
+        audit.markdown(), "",
+    ]  # fmt: skip
+    args.out.write_text("\n".join(lines))
+    (args.out.with_suffix(".json")).write_text(json.dumps({"cold_s": cold, "warm_s": warm, "audit": audit.to_dict()}))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
