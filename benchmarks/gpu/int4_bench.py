@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from capture_bench import CPU_ARGS, CPU_STUB, GPU_COMMON, log, plain_rate  # noqa: E402
-from e2e_bench import write_dataset  # noqa: E402
 
 from layertap.audit import audit_store  # noqa: E402
 from layertap.engines.sglang import SGLangEngine  # noqa: E402
@@ -39,6 +38,7 @@ from layertap.store.manifest import build_manifest  # noqa: E402
 from layertap.store.store import OutputStore  # noqa: E402
 from layertap.tiny import build_tiny_model  # noqa: E402
 from layertap.verify import verify_store  # noqa: E402
+from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
 
 LAYERS = (1, 2, 3)  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
 SHAPES = {"mla-gpu": {"shape": "mla-gpu"},
@@ -95,7 +95,8 @@ def main() -> None:
     log(f"INT4 folder built: {folder_bytes(int4) / 1e6:,.0f} MB")
     served = build_tiny_model("kimi-k2.5", args.work / "bf16", dtype=torch.bfloat16) if smoke else int4
     data = args.work / "chats.jsonl"
-    rows = write_dataset(data, chats=args.chats if not smoke else 8, token_rows=0, vocab=2048, low=0, high=0)
+    rows = args.chats if not smoke else 8
+    write_jsonl(data, conversation_rows(rows, seed=20261201, max_words=200))
     cache = args.work / "kernel-cache"
     dumps = args.work / "dumps"
     config = ServerConfig(
