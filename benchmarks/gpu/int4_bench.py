@@ -85,10 +85,14 @@ def main() -> None:
     ap.add_argument("--shape", choices=tuple(SHAPES), default="mla-gpu")
     ap.add_argument("--chats", type=int, default=120)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="keep --work's folders and kernel cache (a warm machine)")
     args = ap.parse_args()
     smoke = args.cpu_smoke
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(args.work, ignore_errors=True)
+    for stale in ("store", "dumps"):
+        shutil.rmtree(args.work / stale, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     overrides = {} if smoke else SHAPES[args.shape]
     int4 = build_tiny_model("kimi-k2.5", args.work / "int4", quantize="int4", **overrides)
