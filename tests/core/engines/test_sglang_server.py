@@ -95,7 +95,9 @@ def test_a_watchdog_timeout_is_named_as_the_cause_and_not_retried(tiny_llama, tm
         server.start()
     first = str(info.value).splitlines()[0]
     assert "not retried" in first and "--watchdog-timeout" in first and "exited on signal 9" in first
-    assert first.endswith("'[2026-12-01 08:15:09] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)'")
+    assert first.endswith(
+        "'[2026-12-01 08:15:09] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)'"
+    )
     assert "py-spy" not in first.lower().replace("--watchdog", "")
     assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
 
