@@ -3,7 +3,8 @@
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
 it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
-a bounded number of times, except a pass that outran SGLang's scheduler watchdog (a retry meets it again); the final error says in two lines how the last try ended, the decisive
+a bounded number of times, except a pass that outran SGLang's scheduler watchdog or a start that never became
+healthy (a retry meets the same hang again); the final error says in two lines how the last try ended, the decisive
 line of its log, and the log's path; SGLang's crash diagnostics (a minute of py-spy and CUDA core dumps
 before a crashed server exits) are off, so a retry comes within seconds. The server runs in its own process group (so stop() takes the
 scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
@@ -79,7 +80,9 @@ class ServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int | None = None
-    startup_timeout_s: float = 900.0
+    # A first start on a fresh node loads the weights (554 GB for Kimi-K2.5) and builds kernels in SGLang's warm-up
+    # (the launcher allows that pass 1800 s): a start that outlasts this hangs, and is not retried.
+    startup_timeout_s: float = 3600.0
     start_attempts: int = 3
     start_backoff_s: float = 5.0  # before the 2nd try; doubles after each failed try
 
@@ -119,6 +122,7 @@ _DECISIVE = (
 # A forward pass that outran SGLang's scheduler watchdog (it kills the server): the cause whatever follows, and one a
 # restart would meet again in the same pass (a first start's kernel builds: the launcher allows them FIRST_START_S).
 WATCHDOG = re.compile(r"watchdog timeout", re.IGNORECASE)
+NOT_HEALTHY = "was not healthy after"
 # SGLang's crash diagnostics (py-spy stack dumps, CUDA core dumps) say how it reported a death, never why.
 _DIAGNOSTICS = re.compile(r"py-?spy|core ?dump", re.IGNORECASE)
 
@@ -199,6 +203,8 @@ class SGLangServer:
             if failure is None:
                 return
             self.kill()
+            if failure.startswith(NOT_HEALTHY):  # a hang: another try would hang as long
+                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried): it {failure}"))
             if WATCHDOG.search(decisive_log_line(cfg.log_path, self._log_offset)):
                 raise ServerError(self.failure(
                     f"failed to start (try {attempt}, not retried: a pass outran SGLang's watchdog and would again; "
@@ -275,7 +281,7 @@ class SGLangServer:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
-        return f"was not healthy after {timeout:.0f} s"
+        return f"{NOT_HEALTHY} {timeout:.0f} s"
 
     def alive(self, *, probe: bool = True) -> bool:
         """Whether the server answers ``/health`` (for an owned one: also whether its process still runs).

@@ -102,6 +102,15 @@ def test_a_watchdog_timeout_is_named_as_the_cause_and_not_retried(tiny_llama, tm
     assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
 
 
+def test_a_start_that_never_becomes_healthy_is_not_retried(tiny_llama, tmp_path):
+    fake = fake_server_python(tmp_path / "fake", fail_times=99, how="sleep 60")
+    server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=3, start_backoff_s=0.05,
+                                  startup_timeout_s=2.0))  # fmt: skip
+    with pytest.raises(ServerError, match=r"failed to start \(try 1, not retried\): it was not healthy after 2 s"):
+        server.start()
+    assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
+
+
 def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(tiny_llama, tmp_path):
     fake = fake_server_python(tmp_path / "fake", fail_times=99)
     data = write_jsonl(tmp_path / "chats.jsonl", conversation_rows(3))
