@@ -22,7 +22,7 @@ parser, then the launcher
   choice, only to measure what it does to captures (`benchmarks/gpu/tp_bench.py`);
 - refuses what it cannot make safe, checked on the final ``ServerArgs`` (after SGLang derived its
   own settings): speculative decoding, PP > 1, two-batch overlap, an all-to-all MoE backend,
-  scattered attention-TP input, and any prefill graph or all-reduce fusion still on;
+  scattered attention-TP input, DP attention, and any prefill graph or all-reduce fusion still on;
 - turns the radix (prefix) cache off (``--disable-radix-cache``): a cache hit means the hooks never
   see the first rows of a prompt, and caching gains nothing when every prompt must be computed in
   full. A unique ``extra_key`` per request is not enough on sglang 0.5.10.post1: its scheduler does
@@ -176,6 +176,11 @@ def unsafe_settings(server_args: Any, *, allow_allreduce_fusion: bool = False) -
         problems.append("an all-to-all MoE backend scatters tokens across ranks; use --moe-a2a-backend none")
     if getattr(server_args, "enable_attn_tp_input_scattered", False):
         problems.append("--enable-attn-tp-input-scattered splits a pass's tokens across ranks")
+    if getattr(server_args, "enable_dp_attention", False):
+        problems.append(
+            "DP attention (--enable-dp-attention) is not supported: every attention-DP rank would hook and write; "
+            "leave it off (--dp-size without it runs whole replicas, one writer each)"
+        )
     return problems
 
 
