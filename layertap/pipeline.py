@@ -24,7 +24,7 @@ from layertap.data.reader import Row, iter_rows
 from layertap.data.rows import ParsedRow, parse_row, sample_id_of
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
-from layertap.errors import LayertapError, RowError, SampleError
+from layertap.errors import LayertapError, RowError, SampleError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
@@ -402,6 +402,22 @@ class _Capture:
         self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
 
 
+def within_engine_limit(spec: ExtractionSpec, limit: int | None) -> ExtractionSpec:
+    """``spec`` with its rows kept within ``limit``, the longest sample the engine takes (an SGLang server's own
+    limit, a few tokens below the model's context length): a ``max_length`` above it is refused (SpecError naming
+    the limit) before any work; without one, rows longer than the limit are truncated or skipped (``overlong``)
+    at it, instead of the server refusing each of them."""
+    if limit is None or (spec.max_length is not None and spec.max_length <= limit):
+        return spec
+    if spec.max_length is not None:
+        raise SpecError(
+            f"max_length {spec.max_length} is above the longest prompt the SGLang server accepts ({limit} tokens, "
+            f"below the model's context length): give at most {limit}"
+        )
+    log.info("rows are kept within the server's limit of %d tokens (overlong rows: %s)", limit, spec.overlong)
+    return spec.model_copy(update={"max_length": limit})
+
+
 def run_shard(
     spec: ExtractionSpec,
     store: OutputStore,
@@ -418,8 +434,10 @@ def run_shard(
 
     Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows (duplicate ids
     as the planner's scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
-    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Does not finalize.
+    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are kept within the engine's
+    limit (`within_engine_limit`). Does not finalize.
     """
+    spec = within_engine_limit(spec, engine.max_input_tokens)
     events = events or ProgressEvents()
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
@@ -458,6 +476,7 @@ def run_extraction(
     scan = scan_dataset(spec.data)
     engine = engine_factory(capture)
     try:
+        within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
         manifest = build_manifest(
             spec,
             capture,
