@@ -24,7 +24,7 @@ from layertap.data.reader import Row, iter_rows
 from layertap.data.rows import ParsedRow, parse_row, sample_id_of
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
-from layertap.errors import LayertapError, RowError, SampleError, SpecError
+from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
@@ -442,6 +442,8 @@ def run_shard(
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
     report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
+    if "computes" in report.engine and (differ := store.note_server(report.engine, (start, end))):
+        raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
     duplicates = load_duplicates(store.root)
     report.changed = changed_samples(spec, done, start=start, stop=stop, duplicates=duplicates)

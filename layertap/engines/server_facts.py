@@ -72,6 +72,23 @@ class ServerFacts:
             max_input_tokens=limit - 1 if isinstance(limit, int) and limit > 1 else None,
         )
 
+    def computes(self) -> dict[str, Any]:
+        """What decides the values a server stores: the weights, how it computes and what it captures. Servers
+        whose samples share one store must agree on it (a store's records: `OutputStore.note_server`)."""
+        capture = self.capture or {}
+        return {
+            "model": self.model or {"path": self.model_path},
+            "load_format": self.load_format,
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "attention_backend": self.attention_backend,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "layers": list(capture.get("layers", ())),
+            "finals": sorted(capture.get("finals", ())),
+        }
+
     def settings(self) -> dict[str, Any]:
         """What must stay the same across restarts of one server: everything but its address."""
         return {k: v for k, v in asdict(self).items() if k != "url"}

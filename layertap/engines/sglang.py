@@ -127,7 +127,8 @@ class SGLangEngine(Engine):
         return self.facts.max_input_tokens
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record()}
+        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record(),
+                "computes": self.facts.computes()}  # fmt: skip
 
     def _server_facts(self) -> ServerFacts:
         """The server's facts as it reports them now (``/server_info``; ``/get_server_info`` on older SGLang)."""

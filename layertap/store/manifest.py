@@ -25,7 +25,7 @@ CONVENTION_TEXT = (
 # Fields that may legitimately differ between the run that created a store and one resuming it.
 # The dataset's content hash is one of them: a resume re-tokenizes every row and recomputes the samples whose
 # tokens or loss mask changed (`pipeline.changed_samples`), so the manifest names the dataset the store now holds.
-_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed", "dataset_sha256"}
+_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers"}
 
 
 class Manifest(BaseModel):
@@ -57,6 +57,9 @@ class Manifest(BaseModel):
     dataset_rows: int
     dataset_sha256: str | None = None  # None in stores made before it was recorded
     engine: dict[str, Any]
+    # Which server made which rows: each writer's record (`OutputStore.note_server`: its rows, the server's facts),
+    # gathered when the store is finalized; a job's shards each name their worker's server here.
+    servers: list[dict[str, Any]] = []
     complete: bool = False
     samples_committed: int = 0
 

@@ -58,6 +58,8 @@ def test_attaching_to_a_server_of_another_folder_of_the_same_shape_is_refused_an
     server = json.loads((tmp_path / "ok" / "manifest.json").read_text())["engine"]["server"]
     assert server["model"] == model_identity(tiny_llama) and server["load_format"] == "auto"
     assert server["capture"]["layers"] == list(LAYERS) and server["tp_size"] == 1
+    servers = json.loads((tmp_path / "ok" / "manifest.json").read_text())["servers"]
+    assert [(s["rows"], s["engine"]["server"]["model"]) for s in servers] == [([0, 3], model_identity(tiny_llama))]
 
 
 def test_a_dummy_weight_server_is_refused_unless_a_benchmark_allows_it(sglang_servers, tiny_llama) -> None:
