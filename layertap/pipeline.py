@@ -231,6 +231,8 @@ def changed_samples(
     tokenizes, compared with the records (row, ``input_ids`` hash, loss-mask runs). A dataset regenerated with
     the same row count (an edited turn, a new system prompt, a template fix) changes exactly these samples; a
     row that now fails to tokenize is changed too (its error is recorded when the run comes to it)."""
+    if not done:
+        return []
     duplicates = duplicates or {}
     chat = chat_tokenizer(spec)
     changed = []
