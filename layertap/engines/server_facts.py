@@ -90,8 +90,9 @@ class ServerFacts:
         }
 
     def settings(self) -> dict[str, Any]:
-        """What must stay the same across restarts of one server: everything but its address."""
-        return {k: v for k, v in asdict(self).items() if k != "url"}
+        """What must stay the same across restarts of one server: everything but its address and its input limit
+        (its KV pool, which can bound it, is sized from the memory free at each start)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("url", "max_input_tokens")}
 
     def record(self) -> dict[str, Any]:
         """The facts as the manifest records them."""
