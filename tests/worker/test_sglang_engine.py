@@ -154,8 +154,8 @@ def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
     engines: list[_KillWhileWritersHoldDumps] = []
 
     def engine(cap):
-        engines.append(_KillWhileWritersHoldDumps(server, cap, dump_root=config.dump_root, job="kill", in_flight=16,
-                                                  out=out, after=30))  # fmt: skip
+        engines.append(_KillWhileWritersHoldDumps(server, cap, model=tiny_llama, dump_root=config.dump_root, job="kill",
+                                                  in_flight=16, out=out, after=30))  # fmt: skip
         return engines[0]
 
     try:
