@@ -37,7 +37,7 @@ from layertap.store.validate import all_finite, state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
 CheckLevel = Literal["quick", "full"]
-SERVERS_DIR = "servers"  # which server each writer's samples come from: <writer>.json, written before its first
+SERVERS_DIR = "servers"  # which server each writer's samples come from: <writer>.json, before its first sample
 
 
 class OutputStore:
