@@ -85,6 +85,11 @@ def _quiet_libraries() -> None:
 )
 @click.option("--sglang-args", default="", help="sglang: extra server flags, shell-quoted (e.g. '--tp-size 8').")
 @click.option(
+    "--allow-dummy-weights",
+    is_flag=True,
+    help="sglang: accept a server making random weights (--load-format dummy), for benchmarks; the manifest says so.",
+)
+@click.option(
     "--trust-remote-code",
     is_flag=True,
     help="Run the Python code the model folder ships (Kimi-K2.5's tokenizer is code). Read it first.",
@@ -125,6 +130,7 @@ def extract(
     in_flight,
     sglang_python,
     sglang_args,
+    allow_dummy_weights,
     trust_remote_code,
     device,
     batch_tokens,
@@ -162,7 +168,7 @@ def extract(
             factory = hf_engine_factory(model, device, batch_tokens, compute_dtype)
         else:
             factory = sglang_engine_factory(model, out, spec.format, server_url, dump_root, in_flight, sglang_python,
-                                            sglang_args, trust_remote_code)  # fmt: skip
+                                            sglang_args, trust_remote_code, allow_dummy_weights)  # fmt: skip
         report = run_extraction(spec, out, factory, progress=progress, check_level=resume_check)
     except LayertapError as exc:
         _fail(str(exc))
@@ -170,7 +176,8 @@ def extract(
         progress.stop()
     console.print(
         f"[green]done[/]: {len(report.computed)} samples computed, {report.already_done} already done"
-        f" ({len(report.redone)} redone after failing checks), {report.tokens:,} tokens in {report.seconds:.1f}s;"
+        f" ({len(report.redone)} redone after failing checks, {len(report.changed)} recomputed because their rows"
+        f" changed), {report.tokens:,} tokens in {report.seconds:.1f}s;"
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
@@ -187,12 +194,22 @@ def extract(
 @click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--quick", is_flag=True, help="Skip re-hashing and finiteness checks.")
 @click.option("--rewrite-token-freq", is_flag=True, help="Derive token_freq.pt again from the stored samples.")
-def verify(out: Path, quick: bool, rewrite_token_freq: bool) -> None:
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also check every stored sample against this dataset, re-tokenized as the store's run did.",
+)
+@click.option("--trust-remote-code", is_flag=True, help="With --data: run the tokenizer code the model folder ships.")
+def verify(out: Path, quick: bool, rewrite_token_freq: bool, data: Path | None, trust_remote_code: bool) -> None:
     """Re-read every sample in OUT and report problems (exit 1 if any); print and rewrite OUT/TRAIN.md."""
     from layertap.verify import verify_store
 
+    if data is not None:
+        _quiet_libraries()
     try:
-        report = verify_store(out, "quick" if quick else "full", rewrite_token_freq=rewrite_token_freq)
+        report = verify_store(out, "quick" if quick else "full", rewrite_token_freq=rewrite_token_freq, data=data,
+                              trust_remote_code=trust_remote_code)  # fmt: skip
     except LayertapError as exc:
         _fail(str(exc))
     for w in report.warnings:

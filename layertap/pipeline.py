@@ -24,10 +24,11 @@ from layertap.data.reader import Row, iter_rows
 from layertap.data.rows import ParsedRow, parse_row, sample_id_of
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
-from layertap.errors import LayertapError, RowError, SampleError
+from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
+from layertap.store.index import SampleRecord
 from layertap.store.manifest import REPORTS_DIR, build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
@@ -132,7 +133,8 @@ class RunReport:
     out: str
     rows: int = 0
     already_done: int = 0
-    redone: list[str] = field(default_factory=list)
+    redone: list[str] = field(default_factory=list)  # committed files that failed their check
+    changed: list[str] = field(default_factory=list)  # committed samples their rows no longer give
     computed: list[str] = field(default_factory=list)
     tokens: int = 0
     truncated: int = 0
@@ -159,8 +161,8 @@ class RunReport:
 
 def verified_done(
     store: OutputStore, level: CheckLevel, report: RunReport, *, start: int = 0, stop: int | None = None
-) -> dict[str, int]:
-    """Sample id -> tokens for rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
+) -> dict[str, SampleRecord]:
+    """Sample id -> record for rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
     done = {}
     for rec in store.records().values():
         if rec.index < start or (stop is not None and rec.index >= stop):
@@ -168,8 +170,13 @@ def verified_done(
         if store.check(rec, level):
             report.redone.append(rec.sample_id)
         else:
-            done[rec.sample_id] = rec.num_tokens
+            done[rec.sample_id] = rec
     return done
+
+
+def chat_tokenizer(spec: ExtractionSpec) -> ChatTokenizer:
+    """The folder's tokenizer and chat template, as every row of ``spec``'s run is tokenized."""
+    return ChatTokenizer(ModelFolder.read(spec.model).load_tokenizer(spec.trust_remote_code))
 
 
 def tokenized_samples(
@@ -191,10 +198,13 @@ def tokenized_samples(
     """
     events = events or ProgressEvents()
     duplicates = duplicates or {}
-    chat = ChatTokenizer(ModelFolder.read(spec.model).load_tokenizer(spec.trust_remote_code))
+    chat = chat_tokenizer(spec)
     for number, row in iter_rows(spec.data, start=start, stop=stop):
         try:
-            sample = _tokenize_row(chat, spec, number, row, duplicates, done)
+            sample_id = row_sample_id(number, row, duplicates)
+            if sample_id in done:
+                continue
+            sample = tokenize_row(chat, spec, number, row, sample_id)
         except RowError as err:
             _row_failed(store, report, events, err)
             continue
@@ -205,20 +215,49 @@ def tokenized_samples(
             reason = f"unexpected {type(exc).__name__}: {exc}"
             _row_failed(store, report, events, RowError(reason, row=number, kind="internal"))
             continue
-        if sample is not None:
-            report.truncated += sample.truncated
-            yield sample
+        report.truncated += sample.truncated
+        yield sample
 
 
-def _tokenize_row(
-    chat: ChatTokenizer,
+def changed_samples(
     spec: ExtractionSpec,
-    number: int,
-    row: Row | RowError,
-    duplicates: Mapping[int, int],
-    done: Container[str],
-) -> TokenizedSample | None:
-    """One row -> its sample, or None when the store already holds it; raises RowError."""
+    done: Mapping[str, SampleRecord],
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    duplicates: Mapping[int, int] | None = None,
+) -> list[str]:
+    """Ids of committed samples whose rows no longer give them: rows ``[start, stop)`` re-tokenized as this run
+    tokenizes, compared with the records (row, ``input_ids`` hash, loss-mask runs). A dataset regenerated with
+    the same row count (an edited turn, a new system prompt, a template fix) changes exactly these samples; a
+    row that now fails to tokenize is changed too (its error is recorded when the run comes to it)."""
+    if not done:
+        return []
+    duplicates = duplicates or {}
+    chat = chat_tokenizer(spec)
+    changed = []
+    for number, row in iter_rows(spec.data, start=start, stop=stop):
+        try:
+            sample_id = row_sample_id(number, row, duplicates)
+        except RowError:
+            continue
+        if (record := done.get(sample_id)) is None:
+            continue
+        try:
+            same = record.describes(tokenize_row(chat, spec, number, row, sample_id))
+        except RowError:
+            same = False
+        except LayertapError:
+            raise
+        except Exception:  # a bug met on this row: reported as its error when the run tokenizes it again
+            same = False
+        if not same:
+            changed.append(sample_id)
+    return changed
+
+
+def row_sample_id(number: int, row: Row | RowError, duplicates: Mapping[int, int]) -> str:
+    """The id of row ``number``; raises RowError for an unreadable row or a repeated id (the first row keeps it)."""
     if isinstance(row, RowError):
         raise row
     sample_id = sample_id_of(number, row)
@@ -229,8 +268,11 @@ def _tokenize_row(
             sample_id=sample_id,
             kind="duplicate_id",
         )
-    if sample_id in done:
-        return None
+    return sample_id
+
+
+def tokenize_row(chat: ChatTokenizer, spec: ExtractionSpec, number: int, row: Row, sample_id: str) -> TokenizedSample:
+    """One row -> its sample under ``spec``'s length limit; raises RowError."""
     parsed: ParsedRow = parse_row(number, row)
     sample = chat.tokenize(number, sample_id, parsed, max_length=spec.max_length, overlong=spec.overlong)
     check_loss_mask(parsed, sample)
@@ -362,6 +404,22 @@ class _Capture:
         self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
 
 
+def within_engine_limit(spec: ExtractionSpec, limit: int | None) -> ExtractionSpec:
+    """``spec`` with its rows kept within ``limit``, the longest sample the engine takes (an SGLang server's own
+    limit, a few tokens below the model's context length): a ``max_length`` above it is refused (SpecError naming
+    the limit) before any work; without one, rows longer than the limit are truncated or skipped (``overlong``)
+    at it, instead of the server refusing each of them."""
+    if limit is None or (spec.max_length is not None and spec.max_length <= limit):
+        return spec
+    if spec.max_length is not None:
+        raise SpecError(
+            f"max_length {spec.max_length} is above the longest prompt the SGLang server accepts ({limit} tokens, "
+            f"below the model's context length): give at most {limit}"
+        )
+    log.info("rows are kept within the server's limit of %d tokens (overlong rows: %s)", limit, spec.overlong)
+    return spec.model_copy(update={"max_length": limit})
+
+
 def run_shard(
     spec: ExtractionSpec,
     store: OutputStore,
@@ -378,16 +436,28 @@ def run_shard(
 
     Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows (duplicate ids
     as the planner's scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
-    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Does not finalize.
+    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are kept within the engine's
+    limit (`within_engine_limit`). Does not finalize.
     """
+    spec = within_engine_limit(spec, engine.max_input_tokens)
     events = events or ProgressEvents()
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
     report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
+    if "computes" in report.engine and (differ := store.note_server(report.engine, (start, end))):
+        raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
-    report.already_done = len(done)
-    events.start(end - start, len(done), sum(done.values()))
     duplicates = load_duplicates(store.root)
+    report.changed = changed_samples(spec, done, start=start, stop=stop, duplicates=duplicates)
+    if report.changed:
+        log.warning(
+            "%d committed samples no longer match their rows (tokens or loss mask changed since they were stored): "
+            "recomputing them, e.g. %s", len(report.changed), ", ".join(report.changed[:3]),
+        )  # fmt: skip
+    for sample_id in report.changed:
+        del done[sample_id]
+    report.already_done = len(done)
+    events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
     samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates)
     _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     report.stopped = not events.keep_going()
@@ -410,12 +480,14 @@ def run_extraction(
     scan = scan_dataset(spec.data)
     engine = engine_factory(capture)
     try:
+        within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
         manifest = build_manifest(
             spec,
             capture,
             hidden_size=folder.hidden_size,
             compute_dtype=str(getattr(engine, "dtype", "unknown")).removeprefix("torch."),
             dataset_rows=scan.num_rows,
+            dataset_sha256=scan.sha256,
             engine=engine.describe(),
         )
         store = OutputStore.create_or_resume(out, manifest)

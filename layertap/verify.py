@@ -6,9 +6,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from layertap.data.reader import iter_rows
+from layertap.data.scan import scan_dataset
+from layertap.errors import RowError
+from layertap.pipeline import chat_tokenizer, row_sample_id, tokenize_row
+from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import write_training_guide
 from layertap.store.index import SampleRecord
+from layertap.store.manifest import model_facts
 from layertap.store.store import CheckLevel, OutputStore
 from layertap.store.token_freq import read_token_freq, recount, write_token_freq
 from layertap.trainers import TOKEN_FREQ_FILE
@@ -32,11 +38,18 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_store(root: Path, level: CheckLevel = "full", *, rewrite_token_freq: bool = False) -> VerifyReport:
+def verify_store(
+    root: Path,
+    level: CheckLevel = "full",
+    *,
+    rewrite_token_freq: bool = False,
+    data: Path | None = None,
+    trust_remote_code: bool = False,
+) -> VerifyReport:
     """Check files against the index (size, sha256, keys, shapes, dtypes, ids, finiteness),
     exactly-once (one record per dataset row, no stray sample files), the format's extras and
-    ``token_freq.pt`` (recounted from the files; rewritten with ``rewrite_token_freq``), then rewrite
-    ``TRAIN.md`` once the run is complete."""
+    ``token_freq.pt`` (recounted from the files; rewritten with ``rewrite_token_freq``), with ``data``
+    the samples against that dataset (`data_problems`), then rewrite ``TRAIN.md`` once the run is complete."""
     store = OutputStore.open_existing(root)
     records = sorted(store.records().values(), key=lambda r: r.index)
     report = VerifyReport(root=root, complete=store.manifest.complete)
@@ -59,6 +72,8 @@ def verify_store(root: Path, level: CheckLevel = "full", *, rewrite_token_freq: 
     report.warnings += [
         f"{p.relative_to(root)}: temp file of an interrupted writer" for p in root.rglob(f"{TMP_MARK}*") if p.is_file()
     ]
+    if data is not None:
+        data_problems(store, data, report, trust_remote_code=trust_remote_code)
     if store.manifest.complete:
         report.problems += store.format.finalized_problems(root, records)
         if not unreadable:  # a recount needs every sample file as committed
@@ -82,3 +97,46 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
         return [f"{TOKEN_FREQ_FILE} differs from the stored samples' loss-masked tokens at {len(wrong)} token ids "
                 f"(first: {wrong[:5]})"]  # fmt: skip
     return []
+
+
+def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust_remote_code: bool = False) -> None:
+    """Add to ``report`` what differs between the store and dataset ``data`` tokenized as the store's run
+    tokenized it (the manifest's model folder, max_length and overlong policy; a truncated sample at its stored
+    length): a stored sample its row no longer gives (other tokens, another loss mask, a row that fails now), a
+    sample no row has the id of, a tokenizer or chat template other than the store's; rows with no sample are
+    counted in a warning (bad rows, or not done yet)."""
+    manifest = store.manifest
+    model = Path(manifest.model_path)
+    now = model_facts(model)
+    for key in ("tokenizer_sha256", "chat_template_sha256"):
+        if now[key] != getattr(manifest, key):
+            report.problems.append(f"{model}: {key} is {now[key]}, the store was made with {getattr(manifest, key)}")
+    spec = ExtractionSpec(model=model, data=data, layers=tuple(manifest.capture_indices), format=manifest.format,
+                          max_length=manifest.max_length, overlong=manifest.overlong,
+                          trust_remote_code=trust_remote_code)  # fmt: skip
+    scan = scan_dataset(data)
+    if scan.sha256 != manifest.dataset_sha256:
+        report.warnings.append(f"{data} (sha256 {scan.sha256[:12]}) is not the dataset the manifest names "
+                               f"({manifest.dataset_path}, sha256 {str(manifest.dataset_sha256)[:12]})")  # fmt: skip
+    records = store.records()
+    chat = chat_tokenizer(spec)
+    seen, unstored = set(), 0
+    for number, row in iter_rows(data):
+        try:
+            sample_id = row_sample_id(number, row, scan.duplicates)
+        except RowError:
+            continue  # a row no run can store
+        if (rec := records.get(sample_id)) is None:
+            unstored += 1
+            continue
+        seen.add(sample_id)
+        at = spec.model_copy(update={"max_length": rec.num_tokens}) if rec.truncated else spec
+        where = f"{rec.file} ({sample_id}): row {number} of {data}"
+        try:
+            if not rec.describes(tokenize_row(chat, at, number, row, sample_id)):
+                report.problems.append(f"{where} gives other tokens or another loss mask than the stored sample")
+        except RowError as err:
+            report.problems.append(f"{where} no longer gives a sample: {err.reason}")
+    report.problems += [f"{records[sid].file} ({sid}): no row of {data} has this id" for sid in records.keys() - seen]
+    if unstored:
+        report.warnings.append(f"{unstored} rows of {data} have no stored sample (bad rows, or not done yet)")

@@ -22,7 +22,7 @@ parser, then the launcher
   choice, only to measure what it does to captures (`benchmarks/gpu/tp_bench.py`);
 - refuses what it cannot make safe, checked on the final ``ServerArgs`` (after SGLang derived its
   own settings): speculative decoding, PP > 1, two-batch overlap, an all-to-all MoE backend,
-  scattered attention-TP input, and any prefill graph or all-reduce fusion still on;
+  scattered attention-TP input, DP attention, and any prefill graph or all-reduce fusion still on;
 - turns the radix (prefix) cache off (``--disable-radix-cache``): a cache hit means the hooks never
   see the first rows of a prompt, and caching gains nothing when every prompt must be computed in
   full. A unique ``extra_key`` per request is not enough on sglang 0.5.10.post1: its scheduler does
@@ -39,7 +39,8 @@ parser, then the launcher
 - ``--kernel-cache DIR`` (``LAYERTAP_KERNEL_CACHE``) keeps those builds in one folder of the node's
   (``KERNEL_CACHE_ENV``: flashinfer's, triton's and tvm-ffi's caches below it), where the next start finds them;
 - adds one ``--forward-hooks`` spec per captured role (see `sglang_patch.hook`), for both the plain
-  module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper.
+  module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper, each carrying the served
+  folder's identity (`sglang_patch.identity`), which ``/server_info`` then returns to clients.
 
 ``--dry-run`` prints the resolved settings as JSON instead of starting the server.
 """
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
+from sglang_patch.identity import has_weight_files, model_identity
 from sglang_patch.settings import (
     FUSION_CHOICES,
     CaptureSettings,
@@ -211,15 +213,12 @@ def unsafe_settings(server_args: Any, *, allow_allreduce_fusion: bool = False) -
         problems.append("an all-to-all MoE backend scatters tokens across ranks; use --moe-a2a-backend none")
     if getattr(server_args, "enable_attn_tp_input_scattered", False):
         problems.append("--enable-attn-tp-input-scattered splits a pass's tokens across ranks")
+    if getattr(server_args, "enable_dp_attention", False):
+        problems.append(
+            "DP attention (--enable-dp-attention) is not supported: every attention-DP rank would hook and write; "
+            "leave it off (--dp-size without it runs whole replicas, one writer each)"
+        )
     return problems
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
-
-
-def has_weight_files(folder: Path) -> bool:
-    """Whether a model folder holds weight files (layertap's `ModelFolder.has_weights` asks this too)."""
-    return any(next(Path(folder).glob(pattern), None) for pattern in WEIGHT_FILES)
 
 
 def random_weights_for_config_only(server_args: Any) -> None:
@@ -234,11 +233,15 @@ def random_weights_for_config_only(server_args: Any) -> None:
         server_args.load_format = "dummy"
 
 
-def hook_specs(settings: CaptureSettings, num_layers: int) -> list[dict[str, Any]]:
+def hook_specs(
+    settings: CaptureSettings, num_layers: int, model: dict[str, str | None] | None = None
+) -> list[dict[str, Any]]:
     """``--forward-hooks`` specs: one per role, on decoder layer ``i-1`` for capture index i.
 
     Capture indices must lie in [1, num_layers - 1] (index 0 is the embedding output, which no
     decoder layer returns; the last layer's output is the pre-norm final state, ``final_pre``).
+    ``model`` (`sglang_patch.identity.model_identity` of the served folder) rides in each spec's config, so
+    that SGLang's ``/server_info`` tells clients which weights the server loaded; the hooks ignore it.
     """
     bad = [i for i in settings.layers if not 1 <= i <= num_layers - 1]
     if bad:
@@ -253,7 +256,7 @@ def hook_specs(settings: CaptureSettings, num_layers: int) -> list[dict[str, Any
             "name": f"layertap-{role}",
             "target_modules": [prefix + module for prefix in MODULE_PREFIXES],
             "hook_factory": HOOK_FACTORY,
-            "config": {"role": role, "capture": settings.to_config()},
+            "config": {"role": role, "capture": settings.to_config(), "model": model or {}},
         }
         for role, module in targets.items()
     ]
@@ -283,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if problems:
         sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))
     try:
-        specs = hook_specs(options.settings, server_args.get_model_config().num_hidden_layers)
+        model = model_identity(Path(server_args.model_path)) if Path(server_args.model_path).is_dir() else {}
+        specs = hook_specs(options.settings, server_args.get_model_config().num_hidden_layers, model)
     except ValueError as exc:
         sys.exit(f"sglang_patch.launch: {exc}")
     server_args.forward_hooks = [*(server_args.forward_hooks or []), *specs]

@@ -23,9 +23,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from redis import Redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Torch threads of every worker and coordinator process a test starts, and of the test process itself, so that
+# the stores they make compute alike, byte for byte: float32 sums split over another number of threads differ in
+# the last bits, a stored bf16 state then by one rounding step (and a MoE routing near-tie by an expert), and a
+# comparison of a worker's store with this process's would pass or fail with the box's core count.
+TORCH_THREADS = 1
+torch.set_num_threads(TORCH_THREADS)
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -198,7 +205,8 @@ class Services:
 
     def _env(self, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        threads = str(TORCH_THREADS)
+        env.update({"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
         env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
         env.update(extra)
         return env

@@ -43,6 +43,10 @@ class WorkerSettings(BaseSettings):
     sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
     sglang_args: str = Field(default="", description="SGLang engine: extra server flags (shell-quoted).")
     rid_prefix: str = Field(default="hscap", description="SGLang engine: request-id prefix the plugin captures.")
+    allow_dummy_weights: bool = Field(
+        default=False,
+        description="SGLang engine: accept a server making random weights (--load-format dummy), for benchmarks.",
+    )
     allow_remote_code: bool = Field(
         default=False, description="Run jobs with trust_remote_code (the Python a model folder ships)."
     )

@@ -29,6 +29,7 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
     )
     job = spec.out.name if spec.out else "job"
     metrics = WorkerMetrics(settings.process_name())
-    return SGLangEngine(server, capture, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
+    return SGLangEngine(server, capture, model=spec.model, dump_root=dump_root, job=job, rid_prefix=settings.rid_prefix,
+                        allow_dummy_weights=settings.allow_dummy_weights,
                         in_flight=settings.in_flight, observe=metrics.observe_stage,
                         on_writer=metrics.observe_writer)  # fmt: skip

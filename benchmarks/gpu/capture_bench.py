@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import torch
 
+from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer
 from layertap.models.folder import model_dims
@@ -241,9 +242,10 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     num_layers, hidden = model_dims(bench.model)
     cap = spec.resolve(num_layers)
     writer: list[dict[str, float]] = []
-    engine = SGLangEngine(bench.server, cap, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
+    engine = SGLangEngine(bench.server, cap, model=bench.model, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
                           on_writer=writer.append)  # fmt: skip
     manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+                              dataset_sha256=dataset_sha256(data),
                               engine=engine.describe())  # fmt: skip
     store_root = root / f"store-{tag}"
     store = TimedStore.create_or_resume(store_root, manifest)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from capture_bench import CPU_STUB, GPU_COMMON, log, prompts, repoint, volume_rate  # noqa: E402
 
+from layertap.data.scan import dataset_sha256  # noqa: E402
 from layertap.engines.sglang import SGLangEngine  # noqa: E402
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer  # noqa: E402
 from layertap.models.folder import model_dims  # noqa: E402
@@ -132,8 +133,10 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
     num_layers, hidden = model_dims(model)
     cap = spec.resolve(num_layers)
-    engine = SGLangEngine(server, cap, dump_root=link, job=f"seed-{tag}", in_flight=in_flight)
+    engine = SGLangEngine(server, cap, model=model, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
+                          allow_dummy_weights=True)  # fmt: skip
     manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+                              dataset_sha256=dataset_sha256(data),
                               engine=engine.describe())  # fmt: skip
     store = FinishTimes.create_or_resume(root / f"store-{tag}", manifest)
     finishes = store.finishes = []

@@ -29,6 +29,11 @@ class Engine(ABC):
     def describe(self) -> dict[str, Any]:
         """Facts the manifest records about this engine (name, versions, server flags)."""
 
+    @property
+    def max_input_tokens(self) -> int | None:
+        """The longest sample the engine takes, when it is below the model's context length (a server's limit)."""
+        return None
+
     def release(self, captured: CapturedSample) -> None:  # noqa: B027 - in-memory engines hold nothing
         """The consumer is done with ``captured``: free what backs it (e.g. its dump files)."""
 

@@ -32,8 +32,9 @@ from typing import Any
 import httpx
 
 from layertap.engines.base import Engine
+from layertap.engines.server_facts import ServerFacts, check_server, expectation_for
 from layertap.engines.sglang_server import ServerConfig, SGLangServer
-from layertap.errors import LayertapError, SampleError, ServerError
+from layertap.errors import SampleError, ServerError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
 from layertap.spec import CaptureSpec
@@ -66,8 +67,10 @@ class SGLangEngine(Engine):
         server: SGLangServer,
         spec: CaptureSpec,
         *,
+        model: Path,
         dump_root: Path,
         job: str,
+        allow_dummy_weights: bool = False,
         rid_prefix: str = "hscap",
         in_flight: int = 16,
         dump_timeout_s: float = 120.0,
@@ -76,7 +79,9 @@ class SGLangEngine(Engine):
         observe: Callable[[str, float], None] | None = None,
         on_writer: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
-        """``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times;
+        """``model`` is the folder the server must serve (`server_facts`: checked here, before any sample, and
+        after every restart; ``allow_dummy_weights`` lets a benchmark's random-weight server through).
+        ``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times;
         ``on_writer(stats)`` the server's writer stats each dump carries (`DumpMeta.writer`: how long
         the forward pass waited for the writers, queue depth, host memory held), since the plugin
         runs in the server's process and has no metrics endpoint of its own."""
@@ -93,7 +98,8 @@ class SGLangEngine(Engine):
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
-        self._server_info: dict[str, Any] | None = None
+        self.expected = expectation_for(model, spec, rid_prefix=rid_prefix, dump_root=dump_root,
+                                        allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
         self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
         self._server_down_tries = 3  # resends of one sample after a dropped connection, server up
@@ -103,25 +109,48 @@ class SGLangEngine(Engine):
             log.warning(
                 "removed %d dumps left in %s over %d s ago by clients that died", swept, dump_root, STALE_DUMP_AGE_S
             )
+        try:
+            self.facts: ServerFacts = self._checked_facts()
+        except ServerError:  # nothing was sent: an owned server goes with the refused engine
+            self.close()
+            raise
 
     @property
     def dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
-        makes of the model folder's own dtype."""
-        server = self.describe()["server"]
-        try:
-            folder_dtype = ModelFolder.read(Path(server["model_path"])).dtype
-        except (KeyError, LayertapError):  # a folder only the server sees
-            folder_dtype = "unknown"
-        return sglang_compute_dtype(str(server.get("dtype", "auto")), folder_dtype)
+        makes of the model folder's own dtype (the server serves ``model``: checked)."""
+        return sglang_compute_dtype(self.facts.dtype, ModelFolder.read(self.expected.model).dtype)
+
+    @property
+    def max_input_tokens(self) -> int | None:
+        """The longest prompt the server accepts (its scheduler's limit, below the model's context length)."""
+        return self.facts.max_input_tokens
 
     def describe(self) -> dict[str, Any]:
-        if self._server_info is None:
-            info = self._client.get(self.server.url + "/get_server_info").json()
-            keep = ("version", "model_path", "tp_size", "dp_size", "dtype", "chunked_prefill_size",
-                    "disable_radix_cache", "attention_backend", "forward_hooks")  # fmt: skip
-            self._server_info = {k: info[k] for k in keep if k in info}
-        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self._server_info}
+        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record(),
+                "computes": self.facts.computes()}  # fmt: skip
+
+    def _server_facts(self) -> ServerFacts:
+        """The server's facts as it reports them now (``/server_info``; ``/get_server_info`` on older SGLang)."""
+        for endpoint in ("/server_info", "/get_server_info"):
+            try:
+                reply = self._client.get(self.server.url + endpoint, timeout=60.0)
+            except httpx.TransportError as exc:
+                raise ServerError(f"the SGLang server at {self.server.url} does not answer {endpoint}: {exc}") from exc
+            if reply.status_code != 404:
+                break
+        if reply.status_code != 200:
+            raise ServerError(
+                f"the SGLang server at {self.server.url} answered {endpoint} with HTTP {reply.status_code}"
+            )
+        return ServerFacts.from_info(self.server.url, reply.json())
+
+    def _checked_facts(self, pinned: ServerFacts | None = None) -> ServerFacts:
+        """The server's facts, refused (ServerError, one line) unless it is the run's server, with the settings it
+        had before (``pinned``) after a restart."""
+        facts = self._server_facts()
+        check_server(facts, self.expected, pinned)
+        return facts
 
     # -- one request ------------------------------------------------------------------------------
 
@@ -230,6 +259,8 @@ class SGLangEngine(Engine):
     # -- many requests ----------------------------------------------------------------------------
 
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
+        if not self.server.owned:  # someone else's server may have been restarted with another model meanwhile
+            self._checked_facts(self.facts)
         source = iter(samples)
         pending: dict[Future, TokenizedSample] = {}
         dropped: dict[str, int] = {}
@@ -288,6 +319,7 @@ class SGLangEngine(Engine):
             )
         log.warning("%s\nrestarting it and resending its requests", self.server.failure(ended))
         self.server.restart()
+        self._checked_facts(self.facts)
 
     def release(self, captured: CapturedSample) -> None:
         rid = self._yielded.pop(captured.sample.sample_id, None)

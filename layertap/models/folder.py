@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from layertap.errors import SpecError
 from layertap.models.quantization import Quantization
-from sglang_patch.launch import has_weight_files
+from sglang_patch.identity import has_weight_files
 
 # Where a wrapper keeps its language model: the weight-name prefix and the module path in SGLang.
 WRAPPED_PREFIX = "language_model."
 REMOTE_CODE_FLAG = "--trust-remote-code"
+# What a tokenizer loads besides its code: transformers' own files, then the vocabularies of the tokenizer
+# classes in use (Rust tokenizers, sentencepiece, BPE vocab + merges, WordPiece, tiktoken ranks as Kimi's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt")  # fmt: skip
+TOKENIZER_PATTERNS = ("*.tiktoken", "tiktoken.model", "*.model", "*.vocab", "additional_chat_templates/*.jinja")
+_RELATIVE_IMPORT = re.compile(r"^\s*(?:from\s+\.(\w+)\s+import|import\s+\.(\w+))", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,25 @@ class ModelFolder:
                 f"model {self.path} ships code that loading it would run ({files}, named by auto_map). "
                 f"Read it, and if you trust it pass {REMOTE_CODE_FLAG} (job spec: trust_remote_code: true)"
             )
+
+    @property
+    def tokenizer_files(self) -> tuple[str, ...]:
+        """Every file of the folder that loading its tokenizer reads (relative names, sorted): transformers' own
+        files, the vocabularies (a tiktoken ranks file, sentencepiece models, BPE merges) and the tokenizer's code
+        (its ``auto_map`` modules and the folder's modules they import), found without running any of it."""
+        names = {name for name in TOKENIZER_FILES if (self.path / name).is_file()}
+        names |= {
+            p.relative_to(self.path).as_posix() for pattern in TOKENIZER_PATTERNS for p in self.path.glob(pattern)
+        }
+        tok_map = (_read_json(self.path / "tokenizer_config.json") or {}).get("auto_map")
+        code = [name for name in _auto_map_files(self.path, tok_map) if (self.path / name).is_file()]
+        while code:
+            name = code.pop()
+            if name not in names:
+                names.add(name)
+                imported = _RELATIVE_IMPORT.findall((self.path / name).read_text(errors="replace"))
+                code += [f"{m}.py" for pair in imported for m in pair if m and (self.path / f"{m}.py").is_file()]
+        return tuple(sorted(names))
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
         """The folder's tokenizer, loaded once per process while its files stay the same (a worker runs

@@ -97,6 +97,7 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
         hidden_size=folder.hidden_size,
         compute_dtype=folder.dtype,
         dataset_rows=scan.num_rows,
+        dataset_sha256=scan.sha256,
         engine={"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"},
     )
     OutputStore.create_or_resume(out, manifest).close()

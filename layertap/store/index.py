@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from sglang_patch.sample_files import mask_from_runs
+from layertap.sample import TokenizedSample
+from sglang_patch.sample_files import ids_sha256, mask_from_runs, mask_runs
 
 INDEX_DIR = "index"
 ERRORS_DIR = "errors"
@@ -47,6 +48,15 @@ class SampleRecord:
     @classmethod
     def from_dict(cls, d: dict) -> SampleRecord:
         return cls(**{**d, "mask_runs": tuple(tuple(r) for r in d["mask_runs"])})
+
+    def describes(self, sample: TokenizedSample) -> bool:
+        """Whether this record is of ``sample`` as its row tokenizes now: the same row, ``input_ids`` and loss mask."""
+        return (
+            self.index == sample.index
+            and self.num_tokens == sample.num_tokens
+            and self.ids_sha256 == ids_sha256(sample.input_ids)
+            and self.mask_runs == mask_runs(sample.loss_mask)
+        )
 
     def loss_mask(self) -> torch.Tensor:
         """The loss mask [T] uint8 rebuilt from its runs."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ CONVENTION_TEXT = (
     "HF output_hidden_states[i] (residual stream before that layer's norm)"
 )
 # Fields that may legitimately differ between the run that created a store and one resuming it.
-_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed"}
+# The dataset's content hash is one of them: a resume re-tokenizes every row and recomputes the samples whose
+# tokens or loss mask changed (`pipeline.changed_samples`), so the manifest names the dataset the store now holds.
+_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers"}
 
 
 class Manifest(BaseModel):
@@ -53,7 +56,11 @@ class Manifest(BaseModel):
     overlong: str
     dataset_path: str
     dataset_rows: int
+    dataset_sha256: str | None = None  # None in stores made before it was recorded
     engine: dict[str, Any]
+    # Which server made which rows: each writer's record (`OutputStore.note_server`: its rows, the server's facts),
+    # gathered when the store is finalized; a job's shards each name their worker's server here.
+    servers: list[dict[str, Any]] = []
     complete: bool = False
     samples_committed: int = 0
 
@@ -65,24 +72,33 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def files_sha256(root: Path, names: Iterable[str]) -> str:
+    """One sha256 over the named files of ``root``: each name, its size and its bytes, in the given order."""
+    digest = hashlib.sha256()
+    for name in names:
+        data = (root / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
 def model_facts(model_dir: Path) -> dict[str, Any]:
-    """Hashes that pin the exact model, tokenizer and chat template a store was made with, and how the model's
-    weights are quantized."""
+    """Hashes that pin the exact model, tokenizer (every file it loads: `ModelFolder.tokenizer_files`) and chat
+    template a store was made with, and how the model's weights are quantized."""
     config = json.loads((model_dir / "config.json").read_text())
-    quantization = ModelFolder.read(model_dir).quantization
+    folder = ModelFolder.read(model_dir)
     tok_cfg_path = model_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     template = tok_cfg.get("chat_template")
     jinja = model_dir / "chat_template.jinja"
     if template is None and jinja.exists():
         template = jinja.read_text()
-    tok_file = model_dir / "tokenizer.json"
     return {
         "model_config_sha256": _sha256(model_dir / "config.json"),
         "model_revision": config.get("_commit_hash") or config.get("revision"),
-        "tokenizer_sha256": _sha256(tok_file) if tok_file.exists() else _sha256(tok_cfg_path),
+        "tokenizer_sha256": files_sha256(model_dir, folder.tokenizer_files),
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
-        "quantization": quantization.describe() if quantization else None,
+        "quantization": folder.quantization.describe() if folder.quantization else None,
     }
 
 
@@ -93,6 +109,7 @@ def build_manifest(
     hidden_size: int,
     compute_dtype: str,
     dataset_rows: int,
+    dataset_sha256: str | None,
     engine: dict[str, Any],
 ) -> Manifest:
     """The manifest of a new run from its spec, the resolved capture and model facts."""
@@ -112,6 +129,7 @@ def build_manifest(
         overlong=spec.overlong,
         dataset_path=str(spec.data.resolve()),
         dataset_rows=dataset_rows,
+        dataset_sha256=dataset_sha256,
         engine=engine,
         **model_facts(spec.model),
     )

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from layertap.errors import SampleError, StoreError
 from layertap.sample import CapturedSample, SampleFile
@@ -37,6 +37,7 @@ from layertap.store.validate import all_finite, state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
 CheckLevel = Literal["quick", "full"]
+SERVERS_DIR = "servers"  # which server each writer's samples come from: <writer>.json, before its first sample
 
 
 class OutputStore:
@@ -121,6 +122,30 @@ class OutputStore:
         if problems:
             raise SampleError(f"sample {record.sample_id!r}: its dump file {source.path.name}: " + "; ".join(problems))
         return move_into_place(source.path, dest)
+
+    def note_server(self, engine: dict[str, Any], rows: tuple[int, int]) -> list[str]:
+        """Record that this writer's samples of rows ``[start, stop)`` come from the server ``engine`` describes
+        (`SGLangEngine.describe`), unless another server of this store computed differently: then nothing is
+        recorded and the differences come back, naming both sides (empty: recorded)."""
+        folder = self.root / SERVERS_DIR
+        mine = engine["computes"]
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            other = json.loads(path.read_text())
+            if path.stem != self.writer_id and (theirs := other["engine"]["computes"]) != mine:
+                return [
+                    f"{k} is {mine.get(k)!r} here, {theirs.get(k)!r} on the server at {other['engine']['url']} that "
+                    f"made rows {other['rows']} of this store ({other['writer']})"
+                    for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)
+                ]  # fmt: skip
+        entry = {"writer": self.writer_id, "rows": list(rows), "engine": engine, "time": time.time()}
+        atomic_write_json(folder / f"{self.writer_id}.json", entry)
+        return []
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Every writer's server record (`note_server`), oldest first."""
+        folder = self.root / SERVERS_DIR
+        entries = [json.loads(p.read_text()) for p in folder.glob("*.json")] if folder.is_dir() else []
+        return sorted(entries, key=lambda e: e["time"])
 
     def record_error(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         """Keep a per-row failure (bad row, skipped over-long sample, failed capture) for the report."""
@@ -213,7 +238,9 @@ class OutputStore:
         records = sorted(self.records().values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
         write_token_freq(self.root, committed_counts(self.root, records, self.format.ids_key))
-        self.manifest = self.manifest.model_copy(update={"complete": complete, "samples_committed": len(records)})
+        self.manifest = self.manifest.model_copy(
+            update={"complete": complete, "samples_committed": len(records), "servers": self.servers()}
+        )
         atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
         write_training_guide(self.root, self.manifest, records)
         return records

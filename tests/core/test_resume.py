@@ -5,6 +5,7 @@ The extraction runs as a real ``python -m layertap extract`` subprocess, killed 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from layertap.engines.hf import HFEngine
+from layertap.errors import StoreError
+from layertap.pipeline import run_extraction
+from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -121,3 +126,60 @@ def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run
     assert sorted(report["computed"]) == sorted(report["redone"])
     assert verify_store(out).ok
     assert {r.sample_id: r.sha256 for r in OutputStore.open_existing(out).records().values()} == original
+
+
+def _edit_assistant_turn(data: Path, row: int) -> None:
+    """Append a word to row ``row``'s last assistant turn, in place: the dataset keeps its row count."""
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[row]["messages"][-1]["content"] += " edited"
+    write_jsonl(data, rows)
+
+
+def _verify_data(out: Path, data: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "layertap", "verify", str(out), "--data", str(data)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(finished_run) -> None:
+    cmd, out = finished_run
+    data = Path(cmd[cmd.index("--data") + 1])
+    before = OutputStore.open_existing(out).records()
+    hash_before = json.loads((out / "manifest.json").read_text())["dataset_sha256"]
+    _edit_assistant_turn(data, 4)
+
+    # The files are what their records say, so plain verify passes; against the dataset, the edited row does not.
+    assert verify_store(out).ok
+    checked = _verify_data(out, data)
+    assert checked.returncode == 1 and "1 problems" in checked.stderr, checked.stderr[-3000:]
+    assert "(conv-4): row 4 of" in checked.stderr and "other tokens or another loss mask" in checked.stderr
+
+    resumed = _run(cmd)
+    report = _last_report(out)
+    assert report["changed"] == ["conv-4"] and report["computed"] == ["conv-4"]
+    assert report["already_done"] == len(before) - 1 and report["redone"] == []
+    said = " ".join(resumed.stderr.split())  # as one line: the console wraps
+    assert (
+        "1 committed samples no longer match their rows" in said and "1 recomputed because their rows changed" in said
+    )
+    after = OutputStore.open_existing(out).records()
+    assert after["conv-4"].ids_sha256 != before["conv-4"].ids_sha256
+    assert {s: r.sha256 for s, r in after.items() if s != "conv-4"} == {
+        s: r.sha256 for s, r in before.items() if s != "conv-4"
+    }
+    assert json.loads((out / "manifest.json").read_text())["dataset_sha256"] not in (None, hash_before)
+    assert verify_store(out).ok and _verify_data(out, data).returncode == 0
+
+
+def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path) -> None:
+    model = tmp_path / "kimi25"
+    shutil.copytree(tiny_kimi25, model)
+    data = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
+    spec = ExtractionSpec(model=model, data=data, layers=(1, 2, 4), trust_remote_code=True)
+    out = tmp_path / "out"
+    run_extraction(spec, out, lambda capture: HFEngine(model, capture))
+    ranks = model / "tiktoken.model"
+    lines = ranks.read_text().splitlines()
+    ranks.write_text("\n".join([*lines[:-2], lines[-1], lines[-2]]) + "\n")  # two tokens' ranks swapped
+
+    with pytest.raises(StoreError, match="output folder belongs to a different run; tokenizer_sha256: store has"):
+        run_extraction(spec, out, lambda capture: HFEngine(model, capture))

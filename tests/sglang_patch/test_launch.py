@@ -106,6 +106,7 @@ def v0510_args(**overrides: object) -> SimpleNamespace:
         speculative_algorithm=None, pp_size=1, disable_piecewise_cuda_graph=True, enforce_piecewise_cuda_graph=False,
         enable_flashinfer_allreduce_fusion=False, enable_aiter_allreduce_fusion=False, enable_two_batch_overlap=False,
         moe_a2a_backend="none", enable_attn_tp_input_scattered=False, disable_radix_cache=False,
+        enable_dp_attention=False,
     )  # fmt: skip
     assert set(base) <= fields_of("0.5.10.post1")
     return SimpleNamespace(**{**base, **overrides})
@@ -116,7 +117,7 @@ def v0514_args(prefill_backend: str = "disabled", **overrides: object) -> Simple
     base = dict(
         speculative_algorithm=None, pp_size=1, enable_flashinfer_allreduce_fusion=False,
         flashinfer_allreduce_fusion_backend=None, enable_aiter_allreduce_fusion=False, enable_two_batch_overlap=False,
-        moe_a2a_backend="none", enable_attn_tp_input_scattered=False,
+        moe_a2a_backend="none", enable_attn_tp_input_scattered=False, enable_dp_attention=False,
         cuda_graph_config=SimpleNamespace(
             prefill=SimpleNamespace(backend=prefill_backend), decode=SimpleNamespace(backend="full")
         ),
@@ -143,6 +144,8 @@ def test_safe_settings_pass_in_both_versions() -> None:
         (v0510_args(enable_two_batch_overlap=True), "two-batch"),
         (v0514_args(moe_a2a_backend="deepep"), "all-to-all"),
         (v0510_args(enable_attn_tp_input_scattered=True), "scattered"),
+        (v0510_args(enable_dp_attention=True), "DP attention"),
+        (v0514_args(enable_dp_attention=True), "DP attention"),
     ],
 )
 def test_unsafe_settings_are_refused(args: SimpleNamespace, reason: str) -> None:
@@ -222,6 +225,11 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     )
     assert refused.returncode != 0
     assert "prefill CUDA graphs are on" in refused.stderr
+
+    dp_attention = ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"]
+    refused = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, *dp_attention], cuda_stub_dir)
+    assert refused.returncode != 0
+    assert "DP attention (--enable-dp-attention) is not supported" in refused.stderr
 
 
 @needs_sglang

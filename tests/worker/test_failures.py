@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from safetensors.torch import load_file, save_file
 from layertap.engines.hf import HFEngine
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
+from layertap.state.plan import plan_shards
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
+from sglang_patch.identity import model_identity
 from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
 from tests.service_fixtures import REPO_ROOT
-from tests.worker.conftest import LAYERS, NUM_SAMPLES, check_output, layertap
+from tests.worker.conftest import LAYERS, NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
 POISON_TOKEN = 1534  # "ĠFibonacci" in the tiny tokenizer: never produced from the conversation words
 
@@ -186,6 +189,11 @@ def test_a_job_through_the_cpu_sglang_server_completes_exactly_once(
     got, want = OutputStore.open_existing(Path(job["out"])), OutputStore.open_existing(reference_store)
     records, expected = got.records(), want.records()
     assert set(records) == set(reference)
+    # The manifest says which worker's server made which shard: every shard's rows, each from w1 or w2's server.
+    servers = json.loads((Path(job["out"]) / "manifest.json").read_text())["servers"]
+    assert {tuple(s["rows"]) for s in servers} == set(plan_shards(len(reference), SHARD_SIZE))
+    assert {s["writer"].split("-")[0] for s in servers} <= {"w1", "w2"}
+    assert {json.dumps(s["engine"]["server"]["model"]) for s in servers} == {json.dumps(model_identity(tiny_llama))}
     for sample_id, rec in records.items():
         a, b = got.format.load(got.root / rec.file), want.format.load(want.root / expected[sample_id].file)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])

@@ -48,7 +48,7 @@ def _samples(model_dir: Path, n: int, seed: int) -> list[TokenizedSample]:
 def _engine(server_url: str, dump_root: Path, model_dir: Path, layers, **kw: Any) -> SGLangEngine:
     num_layers, _ = model_dims(model_dir)
     spec = resolve_capture(list(layers), convention="capture", num_layers=num_layers, final="both")
-    return SGLangEngine(SGLangServer(url=server_url), spec, dump_root=dump_root, job="test", **kw)
+    return SGLangEngine(SGLangServer(url=server_url), spec, model=model_dir, dump_root=dump_root, job="test", **kw)
 
 
 @pytest.mark.parametrize(("arch", "model_fixture", "n"), [("llama", "tiny_llama", 200), ("kimi-k2", "tiny_kimi", 40)])
@@ -154,8 +154,8 @@ def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
     engines: list[_KillWhileWritersHoldDumps] = []
 
     def engine(cap):
-        engines.append(_KillWhileWritersHoldDumps(server, cap, dump_root=config.dump_root, job="kill", in_flight=16,
-                                                  out=out, after=30))  # fmt: skip
+        engines.append(_KillWhileWritersHoldDumps(server, cap, model=tiny_llama, dump_root=config.dump_root, job="kill",
+                                                  in_flight=16, out=out, after=30))  # fmt: skip
         return engines[0]
 
     try:

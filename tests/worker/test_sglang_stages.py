@@ -38,8 +38,8 @@ def test_each_sample_reports_its_prefill_dump_wait_and_validate_times(sglang_lla
 
     spec = resolve_capture(list(sglang_llama.layers), convention="capture", num_layers=model_dims(tiny_llama)[0],
                            final="both")  # fmt: skip
-    engine = SGLangEngine(SGLangServer(url=sglang_llama.url), spec, dump_root=sglang_llama.dump_root, job="stages",
-                          in_flight=4, observe=observe, on_writer=metrics.observe_writer)  # fmt: skip
+    engine = SGLangEngine(SGLangServer(url=sglang_llama.url), spec, model=tiny_llama, dump_root=sglang_llama.dump_root,
+                          job="stages", in_flight=4, observe=observe, on_writer=metrics.observe_writer)  # fmt: skip
     t0 = time.perf_counter()
     results = list(engine.capture(samples))
     wall = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """The pre-scan counts rows and maps each duplicate to its first row; it keeps nothing per row."""
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,7 +17,26 @@ DATASETS = Path(__file__).parents[2] / "assets" / "datasets"
 
 
 def test_the_scan_keeps_only_what_the_planner_needs():
-    assert {f.name for f in dataclasses.fields(DatasetScan)} == {"path", "num_rows", "duplicates"}
+    assert {f.name for f in dataclasses.fields(DatasetScan)} == {"path", "num_rows", "sha256", "duplicates"}
+
+
+def test_the_content_hash_names_the_bytes_of_a_file_or_a_folder(tmp_path: Path) -> None:
+    rows = [{"id": f"r{i}", "text": f"row {i}"} for i in range(5)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = scan_dataset(path)
+    rows[2]["text"] = "row 2, edited"  # as many rows as before
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = scan_dataset(path)
+    assert again.num_rows == first.num_rows and again.sha256 != first.sha256
+    assert again.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    folder = tmp_path / "arrow"
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    before = scan_dataset(folder).sha256
+    datasets.Dataset.from_list([*rows[:2], {"id": "r2", "text": "row 2, edited twice"}, *rows[3:]]).save_to_disk(
+        str(tmp_path / "arrow2")
+    )
+    assert scan_dataset(tmp_path / "arrow2").sha256 not in (before, again.sha256)
 
 
 def test_scan_counts_every_row_unreadable_ones_too():

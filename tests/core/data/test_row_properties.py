@@ -24,7 +24,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -281,8 +280,9 @@ def write(rows: list[Case], fmt: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def engine_factory(tiny_llama: Path) -> Iterator[Callable[[CaptureSpec], HFEngine]]:
-    """One tiny-model engine for every example (loading it is most of a small run's time), on one thread:
-    a 64-wide model gains nothing from more, and on a busy 2-core box their spinning costs 10x."""
+    """One tiny-model engine for every example (loading it is most of a small run's time), on the session's one
+    thread (tests/service_fixtures.py): a 64-wide model gains nothing from more, and on a busy 2-core box their spinning
+    costs 10x."""
     engines: dict[tuple, HFEngine] = {}
 
     def make(capture: CaptureSpec) -> HFEngine:
@@ -291,10 +291,7 @@ def engine_factory(tiny_llama: Path) -> Iterator[Callable[[CaptureSpec], HFEngin
             engines[key] = HFEngine(tiny_llama, capture)
         return engines[key]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield make
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fmt", ROW_FORMATS)

@@ -187,8 +187,12 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
     owned = SGLangServer(config)
     owned.start()
     try:
+        # Both engines check the server before any sample (each is refused unless it serves tiny_llama).
+        attached = SGLangEngine(SGLangServer(url=owned.url), capture, model=tiny_llama, dump_root=config.dump_root,
+                                job="t")  # fmt: skip
+        engine = SGLangEngine(owned, capture, model=tiny_llama, dump_root=config.dump_root, job="t",
+                              max_server_restarts=1)  # fmt: skip
         # Attached by URL: the server dies and the one message says it is not restarted (nothing says it is).
-        attached = SGLangEngine(SGLangServer(url=owned.url), capture, dump_root=config.dump_root, job="t")
         with caplog.at_level(logging.INFO), pytest.raises(ServerError) as info:
             list(attached.capture([sample]))
         assert f"the SGLang server at {owned.url} is down" in str(info.value)
@@ -196,7 +200,6 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
         assert "restart" not in caplog.text.lower()
         # Owned (and dead by now): restarted once, dies again, and the error names the exception and the log.
         caplog.clear()
-        engine = SGLangEngine(owned, capture, dump_root=config.dump_root, job="t", max_server_restarts=1)
         with caplog.at_level(logging.WARNING), pytest.raises(ServerError) as info:
             list(engine.capture([sample]))
     finally:
