@@ -31,6 +31,7 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,20 +365,31 @@ def main() -> None:
     results.expected_bpt = {shape.name: expected_bytes_per_token(shape) for shape in shapes}
     volume_rates(shapes, results, args, writer_threads)
     benches = start_servers(shapes, args, smoke)
-    client = httpx.Client(timeout=600)
-    try:
-        with ThreadPoolExecutor(len(benches)) as pool:  # first requests build kernels: both at once
-            list(pool.map(lambda b: plain_rate(client, b.server.url, prompts(4, 99, low, high), 4), benches))
-        log("kernels warm")
+
+    def measure_all(client: httpx.Client) -> None:
         for bench in benches:
             measure(bench, batch, capture_in_flight, client, results, args)
+
+    run_warm(benches, (low, high), results, args.out, measure_all)
+
+
+def run_warm(benches: list[Bench], lengths: tuple[int, int], results: Any, out: Path,
+             measure_all: Callable[[httpx.Client], None]) -> None:  # fmt: skip
+    """Warm every server (first requests build kernels: all at once), run `measure_all`, then stop the servers,
+    write `results` (whatever was measured) and print them."""
+    client = httpx.Client(timeout=600)
+    try:
+        with ThreadPoolExecutor(len(benches)) as pool:
+            list(pool.map(lambda b: plain_rate(client, b.server.url, prompts(4, 99, *lengths), 4), benches))
+        log("kernels warm")
+        measure_all(client)
     finally:
         for bench in benches:
             bench.server.stop()
         client.close()
         results.write()
-        log(f"results in {args.out}")
-    print(args.out.read_text())
+        log(f"results in {out}")
+    print(out.read_text())
 
 
 def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], client: httpx.Client,

@@ -50,6 +50,7 @@ from capture_bench import (
     log,
     plain_rate,
     prompts,
+    run_warm,
     start_servers,
     volume_rate,
 )
@@ -218,14 +219,16 @@ def main() -> None:
     ap.add_argument("--commit-threads", type=int, default=8)
     ap.add_argument("--mem-fraction", default="0.2", help="--mem-fraction-static of each of the four GPU servers")
     ap.add_argument("--audit-samples", type=int, default=4, help="samples of each store audited (0: no audit)")
-    ap.add_argument("--deadline-s", type=float, default=480.0, help="skip measurements that would start past this")
+    ap.add_argument("--deadline-s", type=float, default=420.0, help="skip measurements that would start past this")
+    ap.add_argument("--archs", default="llama,kimi-k2", help="the widths to run, by arch: llama (Llama-8B width), "
+                    "kimi-k2 (Kimi-K2 width); one per device call if time is short")  # fmt: skip
     ap.add_argument("--commit", default=None, help="the commit of the tree run (default: git rev-parse)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     args.out = args.out or (Path("/tmp/fp8_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_fp8.md"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    shapes = TINY_SHAPES if smoke else SHAPES
+    shapes = tuple(s for s in (TINY_SHAPES if smoke else SHAPES) if s.arch in args.archs.split(","))
     low, high = (32, 300) if smoke else (512, 4000)
     batch = prompts(args.prompts, 7, low, high)
     mean_tokens = sum(map(len, batch)) / len(batch)
@@ -253,21 +256,12 @@ def main() -> None:
     results.write()
     benches = start_servers(shapes, args, smoke, layout="speculators", quantize=("none", "fp8"),
                             sglang_args=tuple(sglang_args))  # fmt: skip
-    client = httpx.Client(timeout=600)
-    try:
-        warm = prompts(4, 99, low, high)  # first requests build kernels
-        for bench in benches:
-            plain_rate(client, bench.server.url, warm, 4)
-        log("kernels warm")
+
+    def measure_all(client: httpx.Client) -> None:
         for shape in shapes:
             measure_shape([b for b in benches if b.shape == shape], batch, client, results, args)
-    finally:
-        for bench in benches:
-            bench.server.stop()
-        client.close()
-        results.write()
-        log(f"results in {args.out}")
-    print(args.out.read_text())
+
+    run_warm(benches, (low, high), results, args.out, measure_all)
 
 
 if __name__ == "__main__":
