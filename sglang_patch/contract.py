@@ -84,6 +84,7 @@ AUX_FINAL_PRE = "aux_final_pre"
 # Beside an FP8 ``aux_final_pre`` (quantized on the device, `sample_files.quantize_fp8`): its float32 scales.
 SCALES = "scales"
 FP8_DTYPE = "float8_e4m3fn"
+FP8_SCALES = "hidden_states_scales"  # an FP8 speculators file's scales (hs-connectors' SCALES_KEY)
 FINAL_TENSORS: dict[str, str] = {"post": "final_post", "pre": "final_pre"}
 
 # Room for the temp suffix within the usual 255-byte file name limit.
@@ -266,7 +267,7 @@ class DumpMeta:
         if self.layout == SPECULATORS:
             expected = {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
             if self.dtype == FP8_DTYPE:  # one scale per token and state (sample_files.quantize_fp8)
-                expected["hidden_states_scales"] = ("F32", [t, k + 1, 1])
+                expected[FP8_SCALES] = ("F32", [t, k + 1, 1])
             return "token_ids", expected
         if self.layout == SPECFORGE:
             return None

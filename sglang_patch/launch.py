@@ -4,13 +4,13 @@ Usage (in the server's environment, with this repository's root on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
         --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
-        [--quantize none|fp8] [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] [--allreduce-fusion off|sglang] \\
-        [--dry-run] <sglang server flags>
+        [--quantize none|fp8] [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] \\
+        [--allreduce-fusion off|sglang] [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
 ``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``, ``LAYERTAP_DUMP_LAYOUT``,
-``LAYERTAP_QUANTIZE``, ``LAYERTAP_WRITER_THREADS``, ``LAYERTAP_PINNED_CAP``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
-parser, then the launcher
+``LAYERTAP_QUANTIZE``, ``LAYERTAP_WRITER_THREADS``, ``LAYERTAP_PINNED_CAP``, ``LAYERTAP_MAX_IDLE_PASSES``).
+Everything else goes to SGLang's own parser, then the launcher
 
 - forces prefill CUDA graphs off (hooks do not run under graph replay, where ``rids`` is None):
   ``--disable-piecewise-cuda-graph`` on sglang 0.5.10, ``--cuda-graph-backend-prefill disabled`` on

@@ -22,7 +22,7 @@ from typing import IO
 
 import torch
 
-from sglang_patch.contract import SCALES, SPECFORGE, SPECULATORS
+from sglang_patch.contract import FP8_SCALES, SCALES, SPECFORGE, SPECULATORS
 
 
 def specforge_tensors(
@@ -57,7 +57,6 @@ def speculators_tensors(
 
 
 FP8 = torch.float8_e4m3fn
-FP8_SCALES = "hidden_states_scales"  # hs-connectors' SCALES_KEY
 _FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # hs-connectors' floor: an all-zero row gets a finite scale
 _QUANTIZE_ROWS = 1024  # tokens per float32 temporary: ~117 MB at 4 states of width 7168

@@ -379,8 +379,9 @@ def start_server(
 ) -> SGLangServer:
     """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
     environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited; SGLang's crash diagnostics are off),
-    writing dumps for a store in `store_format` and `store_dtype` (`dump_layout`, `dump_quantize`), with the flags of `server_model_args` (no SGLang tokenizer,
-    the model's own dtype, unless ``sglang_args`` say otherwise); returns it ready."""
+    writing dumps for a store in `store_format` and `store_dtype` (`dump_layout`, `dump_quantize`), with the
+    flags of `server_model_args` (no SGLang tokenizer, the model's own dtype, unless ``sglang_args`` say
+    otherwise); returns it ready."""
     if server_url:
         server = SGLangServer(url=server_url)
     else:
