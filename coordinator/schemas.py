@@ -70,7 +70,8 @@ class AuditPublic(BaseModel):
 
 
 class JobPublic(BaseModel):
-    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker; its audit, if asked."""
+    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker; its audit, if asked; what
+    it has stored (tokens done x its store's bytes per token, in its store dtype: fp8 keeps about half of bf16's)."""
 
     job_id: str
     state: str
@@ -82,6 +83,9 @@ class JobPublic(BaseModel):
     samples_failed: int
     tokens_done: int
     tokens_total_estimate: int | None
+    store_dtype: str
+    bytes_per_token: int | None
+    bytes_done_estimate: int | None
     samples_per_s: float
     tokens_per_s: float
     eta_s: float | None
@@ -107,6 +111,9 @@ class JobPublic(BaseModel):
             samples_failed=view.samples_failed,
             tokens_done=view.tokens_done,
             tokens_total_estimate=estimate,
+            store_dtype=view.store_dtype,
+            bytes_per_token=view.bytes_per_token or None,
+            bytes_done_estimate=view.tokens_done * view.bytes_per_token if view.bytes_per_token else None,
             samples_per_s=view.samples_per_s,
             tokens_per_s=view.tokens_per_s,
             eta_s=view.eta_s,

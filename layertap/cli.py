@@ -14,7 +14,15 @@ from layertap.cli_audit import register_audit_command
 from layertap.cli_jobs import register_job_commands
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
-from layertap.spec import ANY_AUX_HELP, DEFAULT_MAX_BAD_ROWS, MAX_BAD_ROWS_HELP, ExtractionSpec, parse_layer_list
+from layertap.spec import (
+    ANY_AUX_HELP,
+    DEFAULT_MAX_BAD_ROWS,
+    MAX_BAD_ROWS_HELP,
+    STORE_DTYPE_HELP,
+    STORE_DTYPES,
+    ExtractionSpec,
+    parse_layer_list,
+)
 from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
@@ -61,7 +69,9 @@ def _quiet_libraries() -> None:
 @click.option(
     "--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge", show_default=True
 )
-@click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--store-dtype", type=click.Choice(STORE_DTYPES), default="bfloat16", show_default=True, help=STORE_DTYPE_HELP
+)
 @click.option("--max-length", type=int, default=None, help="Tokens per row at most; not above the model's context.")
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True)
 @click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
@@ -158,7 +168,9 @@ def extract(
             allow_any_aux_layers=allow_any_aux_layers,
             max_bad_rows=max_bad_rows,
         )
-    except (ValidationError, LayertapError) as exc:
+    except ValidationError as exc:  # one line per problem, without pydantic's decoration
+        _fail("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()))
+    except LayertapError as exc:
         _fail(str(exc))
     if compute_dtype and engine != "hf":
         _fail("--dtype is the HF engine's; a server computes in what --sglang-args '--dtype ...' says")
@@ -168,7 +180,8 @@ def extract(
             factory = hf_engine_factory(model, device, batch_tokens, compute_dtype)
         else:
             factory = sglang_engine_factory(model, out, spec.format, server_url, dump_root, in_flight, sglang_python,
-                                            sglang_args, trust_remote_code, allow_dummy_weights)  # fmt: skip
+                                            sglang_args, trust_remote_code, allow_dummy_weights,
+                                            spec.store_dtype)  # fmt: skip
         report = run_extraction(spec, out, factory, progress=progress, check_level=resume_check)
     except LayertapError as exc:
         _fail(str(exc))

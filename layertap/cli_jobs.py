@@ -18,7 +18,14 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from layertap.spec import ANY_AUX_HELP, DEFAULT_MAX_BAD_ROWS, MAX_BAD_ROWS_HELP, parse_layer_list
+from layertap.spec import (
+    ANY_AUX_HELP,
+    DEFAULT_MAX_BAD_ROWS,
+    MAX_BAD_ROWS_HELP,
+    STORE_DTYPE_HELP,
+    STORE_DTYPES,
+    parse_layer_list,
+)
 from layertap.trainers import GUIDE
 
 console = Console(stderr=True)
@@ -124,7 +131,7 @@ def coordinator(host: str, port: int) -> None:
 @click.option("--layer-convention", type=click.Choice(["capture", "sglang-eagle3", "vllm"]), default="capture")
 @click.option("--final", type=click.Choice(["post", "pre", "both"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge")
-@click.option("--store-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16")
+@click.option("--store-dtype", type=click.Choice(STORE_DTYPES), default="bfloat16", help=STORE_DTYPE_HELP)
 @click.option("--max-length", type=int, default=None, help="Tokens per row at most; not above the model's context.")
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate")
 @click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)

@@ -17,6 +17,7 @@ from layertap.store.formats.base import DTYPES
 
 # input_ids and loss_mask are stored as int64 beside the states in every format.
 TOKEN_OVERHEAD_BYTES = 16
+FP8_SCALE_BYTES = 4  # an FP8 store's float32 scale per token and state
 
 
 class DiskSpaceError(StoreError):
@@ -34,12 +35,14 @@ def free_bytes(path: Path) -> int:
 
 
 def bytes_per_token(capture: CaptureSpec, hidden_size: int, store_dtype: str) -> int:
-    """Stored bytes per token: each captured state ([T, H] in ``store_dtype``) plus ids and mask.
+    """Stored bytes per token: each captured state ([T, H] in ``store_dtype``; fp8 adds a float32 scale per
+    state) plus ids and mask.
 
     An upper bound for both formats (a format that keeps only one final state stores less).
     """
     states = len(capture.layers) + int(capture.final_post) + int(capture.final_pre)
-    return states * hidden_size * DTYPES[store_dtype].itemsize + TOKEN_OVERHEAD_BYTES
+    scale = FP8_SCALE_BYTES if store_dtype == "fp8" else 0
+    return states * (hidden_size * DTYPES[store_dtype].itemsize + scale) + TOKEN_OVERHEAD_BYTES
 
 
 def job_bytes_estimate(spec: ExtractionSpec, tokens: int) -> int:

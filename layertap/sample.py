@@ -43,7 +43,9 @@ class CapturedSample:
     decoder layer i = HF ``output_hidden_states[i]``). ``final_post`` [T, H]: after the final norm;
     ``final_pre`` [T, H]: before it. Either is None when the spec did not ask for it.
     ``source``: set when these tensors are views of a file already in a store format; a store in
-    that format and dtype commits by moving that file instead of writing one.
+    that format and dtype commits by moving that file instead of writing one. ``scales`` float32
+    [T, k+1, 1]: set when ``aux`` and ``final_pre`` are already FP8 (quantized by the capture server,
+    `sglang_patch.sample_files.quantize_fp8`), one scale per token and state.
     """
 
     sample: TokenizedSample
@@ -51,6 +53,7 @@ class CapturedSample:
     final_post: torch.Tensor | None
     final_pre: torch.Tensor | None
     source: SampleFile | None = None
+    scales: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

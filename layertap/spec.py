@@ -13,18 +13,23 @@ before that layer's norm). Other conventions are accepted here and converted onc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from layertap.errors import SpecError
 from layertap.trainers import check_trainer_takes
-from sglang_patch.contract import FORMAT_FINAL
+from sglang_patch.contract import FORMAT_FINAL, SPECULATORS
 
 Convention = Literal["capture", "sglang-eagle3", "vllm"]
 FinalKind = Literal["post", "pre", "both"]
 Format = Literal["specforge", "speculators"]
-StoreDtype = Literal["bfloat16", "float32"]
+StoreDtype = Literal["bfloat16", "float32", "fp8"]
+STORE_DTYPES: tuple[str, ...] = get_args(StoreDtype)
+STORE_DTYPE_HELP = (
+    "fp8 (speculators only): float8_e4m3fn states with one float32 scale per token and state, half of bfloat16's "
+    "bytes; speculators trains on it with --hidden-states-backend fp8."
+)
 OverlongPolicy = Literal["truncate", "skip"]
 ANY_AUX_HELP = "Skip the check that the format's stock trainer takes this many aux layers (for a modified trainer)."
 DEFAULT_MAX_BAD_ROWS = "1%"
@@ -163,6 +168,15 @@ class ExtractionSpec(BaseModel):
         needed = FORMAT_FINAL[self.format]
         if self.final is not None and self.final not in (needed, "both"):
             raise ValueError(f"format {self.format!r} stores the {needed}-norm final state; final={self.final!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _dtype_fits_format(self) -> ExtractionSpec:
+        if self.store_dtype == "fp8" and self.format != SPECULATORS:
+            raise ValueError(
+                f"store_dtype 'fp8' is for format 'speculators' (it reads FP8 with --hidden-states-backend fp8); "
+                f"SpecForge 0.2.0 reads no FP8 hidden states: use bfloat16 for format {self.format!r}"
+            )
         return self
 
     @property

@@ -19,7 +19,9 @@ Dump folders. A finished request appears, atomically (temp folder, fsync, rename
 
 or, with layout "specforge" / "speculators", the sample already in that trainer's format
 (`sglang_patch.sample_files`) as ``sample.ckpt`` / ``sample.safetensors``: the client then commits
-it by renaming the file, copying no bytes. A specforge file holds the loss mask, which the client
+it by renaming the file, copying no bytes. A speculators dump may be FP8 (``meta.dtype`` float8_e4m3fn:
+``hidden_states`` float8_e4m3fn [T, k+1, H] and ``hidden_states_scales`` float32 [T, k+1, 1]), quantized
+on the device before the copy to the host. A specforge file holds the loss mask, which the client
 sends with the request as ``sampling_params.custom_params[LOSS_MASK_PARAM]``: [start, end) runs.
 
 Temp folders live under ``<dump_root>/.tmp/`` on the same filesystem, so the rename is atomic and
@@ -79,12 +81,16 @@ AUX = "aux"
 # The speculators layout's [T, k+1, H]: the aux states, then the pre-norm final, stacked on the device so that
 # the writer saves the file's ``hidden_states`` as it is, with no host-side copy.
 AUX_FINAL_PRE = "aux_final_pre"
+# Beside an FP8 ``aux_final_pre`` (quantized on the device, `sample_files.quantize_fp8`): its float32 scales.
+SCALES = "scales"
+FP8_DTYPE = "float8_e4m3fn"
+FP8_SCALES = "hidden_states_scales"  # an FP8 speculators file's scales (hs-connectors' SCALES_KEY)
 FINAL_TENSORS: dict[str, str] = {"post": "final_post", "pre": "final_pre"}
 
 # Room for the temp suffix within the usual 255-byte file name limit.
 MAX_DIR_NAME_BYTES = 200
 
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", FP8_DTYPE: "F8_E4M3"}
 
 Status = Literal["ok", "error"]
 
@@ -259,7 +265,10 @@ class DumpMeta:
             raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
         code, t, h, k = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size, len(self.layers)
         if self.layout == SPECULATORS:
-            return "token_ids", {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
+            expected = {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
+            if self.dtype == FP8_DTYPE:  # one scale per token and state (sample_files.quantize_fp8)
+                expected[FP8_SCALES] = ("F32", [t, k + 1, 1])
+            return "token_ids", expected
         if self.layout == SPECFORGE:
             return None
         expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, k, h])}

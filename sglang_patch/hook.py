@@ -36,7 +36,8 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_patch.capture import Accumulator, Completed, Piece, Prompts, plan_pass
-from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM, SPECULATORS
+from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM, SCALES, SPECULATORS
+from sglang_patch.sample_files import quantize_fp8
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging
 
@@ -173,7 +174,11 @@ class _Capturer:
         aux = [captured[aux_role(i)][:needed] for i in self.settings.layers]
         rows = {INPUT_IDS: batch.input_ids[:needed].to(torch.int64, copy=True)}
         if self.settings.layout == SPECULATORS:  # the file's [T, k+1, H] assembled here, saved as it is
-            rows[AUX_FINAL_PRE] = torch.stack([*aux, captured[FINAL_TENSORS["pre"]][:needed]], dim=1)
+            states = torch.stack([*aux, captured[FINAL_TENSORS["pre"]][:needed]], dim=1)
+            if self.settings.quantize == "fp8":  # on the device: half the bytes to copy, pin, write and hash
+                rows[AUX_FINAL_PRE], rows[SCALES] = quantize_fp8(states)
+            else:
+                rows[AUX_FINAL_PRE] = states
         else:
             rows[AUX] = torch.stack(aux, dim=1)
             rows.update((FINAL_TENSORS[f], captured[FINAL_TENSORS[f]][:needed].clone()) for f in self.settings.finals)

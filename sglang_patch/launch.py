@@ -4,13 +4,13 @@ Usage (in the server's environment, with this repository's root on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
         --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
-        [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] [--allreduce-fusion off|sglang] \\
-        [--kernel-cache DIR] [--dry-run] <sglang server flags>
+        [--quantize none|fp8] [--writer-threads 4] [--pinned-cap 4G] [--keep-radix-cache] \\
+        [--allreduce-fusion off|sglang] [--kernel-cache DIR] [--dry-run] <sglang server flags>
 
 Each capture flag falls back to an environment variable (``LAYERTAP_DUMP_ROOT``,
 ``LAYERTAP_CAPTURE_LAYERS``, ``LAYERTAP_CAPTURE_FINAL``, ``LAYERTAP_RID_PREFIX``, ``LAYERTAP_DUMP_LAYOUT``,
-``LAYERTAP_WRITER_THREADS``, ``LAYERTAP_PINNED_CAP``, ``LAYERTAP_MAX_IDLE_PASSES``). Everything else goes to SGLang's own
-parser, then the launcher
+``LAYERTAP_QUANTIZE``, ``LAYERTAP_WRITER_THREADS``, ``LAYERTAP_PINNED_CAP``, ``LAYERTAP_MAX_IDLE_PASSES``).
+Everything else goes to SGLang's own parser, then the launcher
 
 - forces prefill CUDA graphs off (hooks do not run under graph replay, where ``rids`` is None):
   ``--disable-piecewise-cuda-graph`` on sglang 0.5.10, ``--cuda-graph-backend-prefill disabled`` on
@@ -60,6 +60,7 @@ from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
 from sglang_patch.identity import has_weight_files, model_identity
 from sglang_patch.settings import (
     FUSION_CHOICES,
+    QUANTIZE_CHOICES,
     CaptureSettings,
     aux_role,
     env_default,
@@ -92,6 +93,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
     parser.add_argument("--capture-final", default=env_default(environ, "capture_final"))
     parser.add_argument("--rid-prefix", default=env_default(environ, "rid_prefix") or DEFAULT_RID_PREFIX)
     parser.add_argument("--dump-layout", default=env_default(environ, "dump_layout") or "states")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=env_default(environ, "quantize") or "none")
     parser.add_argument("--writer-threads", type=int, default=env_default(environ, "writer_threads"))
     parser.add_argument("--pinned-cap", default=env_default(environ, "pinned_cap"), help="bytes, e.g. 4G")
     parser.add_argument("--max-idle-passes", type=int, default=env_default(environ, "max_idle_passes"))
@@ -115,6 +117,7 @@ def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> Launch
         finals=parse_finals(ns.capture_final),
         rid_prefix=ns.rid_prefix,
         layout=ns.dump_layout,
+        quantize=ns.quantize,
         allreduce_fusion=ns.allreduce_fusion,
         **tuning,
     )

@@ -8,7 +8,9 @@ worker's commit is a rename, no bytes copied), and by the layertap store, which 
   [1, T, H] (post-norm final state), ``aux_hidden_state`` [1, T, k*H] (aux layers concatenated in
   capture-index order).
 - ``speculators``: safetensors with ``token_ids`` long [T] and ``hidden_states`` [T, k+1, H] (aux
-  layers in capture-index order, then the pre-norm final state).
+  layers in capture-index order, then the pre-norm final state). Stored as FP8, ``hidden_states`` is
+  float8_e4m3fn and ``hidden_states_scales`` float32 [T, k+1, 1] beside it (`quantize_fp8`), which
+  speculators 0.9.0 dequantizes with ``--hidden-states-backend fp8`` (hs-connectors' ``FP8Transfer``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import IO
 
 import torch
 
-from sglang_patch.contract import SPECFORGE, SPECULATORS
+from sglang_patch.contract import FP8_SCALES, SCALES, SPECFORGE, SPECULATORS
 
 
 def specforge_tensors(
@@ -43,9 +45,47 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def speculators_tensors(input_ids: torch.Tensor, states: torch.Tensor) -> dict[str, torch.Tensor]:
-    """speculators' dict from ``states`` [T, k+1, H] (``stack_aux_final``; dtype kept as given)."""
-    return {"token_ids": input_ids.to(torch.long).contiguous(), "hidden_states": states}
+def speculators_tensors(
+    input_ids: torch.Tensor, states: torch.Tensor, scales: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """speculators' dict from ``states`` [T, k+1, H] (``stack_aux_final``; dtype kept as given) and, for FP8
+    states, their ``scales`` (`quantize_fp8`)."""
+    tensors = {"token_ids": input_ids.to(torch.long).contiguous(), "hidden_states": states}
+    if scales is not None:
+        tensors[FP8_SCALES] = scales
+    return tensors
+
+
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max  # 448
+_MIN_SCALE = 1e-12  # hs-connectors' floor: an all-zero row gets a finite scale
+_QUANTIZE_ROWS = 1024  # tokens per float32 temporary: ~117 MB at 4 states of width 7168
+
+
+def quantize_fp8(states: torch.Tensor, *, per_state: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``states`` [T, S, H] (any float dtype, any device) as float8_e4m3fn [T, S, H] and float32 scales, in
+    the arithmetic of hs-connectors 0.9.0's ``quantize_tensor_to_fp8`` (scale = amax / 448, at least 1e-12;
+    fp8 = x / scale in float32, rounded to nearest), so a file holds what speculators' own writer would.
+
+    ``per_state`` (what stores use): one scale per token and state, [T, S, 1], which speculators' reader
+    broadcasts as it does its own [T, 1, 1] (``per_state=False``: one scale per token across the states).
+    The float32 quotient is made `_QUANTIZE_ROWS` tokens at a time, so a capture server's device needs
+    little memory beside the pass."""
+    if per_state:
+        low, high = torch.aminmax(states, dim=-1, keepdim=True)
+    else:
+        low, high = (m.view(-1, *[1] * (states.dim() - 1)) for m in torch.aminmax(states.flatten(1), dim=1))
+    scale = (torch.maximum(-low, high).float() / _FP8_MAX).clamp(min=_MIN_SCALE)
+    out = torch.empty(states.shape, dtype=FP8, device=states.device)
+    for i in range(0, states.shape[0], _QUANTIZE_ROWS):
+        rows = slice(i, i + _QUANTIZE_ROWS)
+        out[rows] = (states[rows] / scale[rows]).to(FP8)  # bf16 / float32 divides in float32, as x.float() / s
+    return out, scale
+
+
+def dequantize_fp8(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """What speculators trains on: ``states.to(dtype) * scales.to(dtype)`` (hs-connectors' dequantization)."""
+    return states.to(dtype) * scales.to(dtype)
 
 
 def stack_aux_final(aux: torch.Tensor, final_pre: torch.Tensor) -> torch.Tensor:
@@ -94,7 +134,8 @@ def write_sample(fmt: str, tensors: dict[str, torch.Tensor], f: IO[bytes]) -> No
 
 
 _SAFETENSORS_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}  # fmt: skip
+                      torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL",
+                      FP8: "F8_E4M3"}  # fmt: skip
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], f: IO[bytes]) -> None:
@@ -123,11 +164,13 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f: IO[bytes]) -> None:
 
 def unpack_sample(fmt: str, tensors: dict[str, torch.Tensor], num_aux: int) -> dict[str, torch.Tensor]:
     """Views of a sample file's tensors as ``input_ids``, ``aux`` [T, k, H] and its final state
-    (``final_post`` or ``final_pre``): the inverse of the two builders above, copying nothing."""
+    (``final_post`` or ``final_pre``), plus an FP8 file's ``scales`` [T, k+1, 1]: the inverse of the two
+    builders above, copying nothing."""
     if fmt == SPECFORGE:
         ids, aux = tensors["input_ids"], tensors["aux_hidden_state"][0]
         return {"input_ids": ids, "aux": aux.view(aux.shape[0], num_aux, -1), "final_post": tensors["hidden_state"][0]}
     if fmt == SPECULATORS:
         states = tensors["hidden_states"]
-        return {"input_ids": tensors["token_ids"], "aux": states[:, :num_aux], "final_pre": states[:, num_aux]}
+        views = {"input_ids": tensors["token_ids"], "aux": states[:, :num_aux], "final_pre": states[:, num_aux]}
+        return views | ({SCALES: tensors[FP8_SCALES]} if FP8_SCALES in tensors else {})
     raise ValueError(f"unknown sample format {fmt!r}")

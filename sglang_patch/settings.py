@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, FORMAT_FINAL, LAYOUT_FILES
+from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS, FORMAT_FINAL, LAYOUT_FILES, SPECULATORS
 
 ENV_PREFIX = "LAYERTAP_"
 # An 8-GPU node runs up to 8 servers on its ~100+ cores, and the workers validate and commit beside
@@ -23,6 +23,7 @@ DEFAULT_WRITER_THREADS = 4
 DEFAULT_PINNED_CAP_BYTES = 4 << 30
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 FUSION_CHOICES = ("off", "sglang")
+QUANTIZE_CHOICES = ("none", "fp8")
 FINAL_CHOICES: dict[str, tuple[str, ...]] = {"post": ("post",), "pre": ("pre",), "both": ("post", "pre")}
 
 
@@ -43,7 +44,9 @@ class CaptureSettings:
     `allreduce_fusion`: "off" (the launcher forces SGLang's FlashInfer all-reduce fusion off: the safe
     setting) or "sglang" (left at SGLang's own choice, to measure what fusion does to captures: a
     decoder layer's output may then be a per-rank partial sum, which the hooks capture as it is and
-    log, instead of stopping the server).
+    log, instead of stopping the server). `quantize`: "none" (states as computed) or "fp8" (speculators
+    layout only: quantized on the device before the copy to the host, `sample_files.quantize_fp8`, so
+    device-to-host bytes, pinned memory and written bytes halve).
     """
 
     dump_root: str
@@ -55,6 +58,7 @@ class CaptureSettings:
     max_idle_passes: int = 256
     layout: str = "states"
     allreduce_fusion: str = "off"
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         if not self.dump_root:
@@ -77,6 +81,11 @@ class CaptureSettings:
             raise ValueError("writer_threads, pinned_cap_bytes and max_idle_passes must be >= 1")
         if self.allreduce_fusion not in FUSION_CHOICES:
             raise ValueError(f"allreduce_fusion must be one of {FUSION_CHOICES}, got {self.allreduce_fusion!r}")
+        if self.quantize not in QUANTIZE_CHOICES or (self.quantize != "none" and self.layout != SPECULATORS):
+            raise ValueError(
+                f"quantize must be one of {QUANTIZE_CHOICES}, and fp8 needs the speculators layout (the only trainer "
+                f"that reads FP8), got {self.quantize!r} with layout {self.layout!r}"
+            )
 
     def roles(self) -> list[str]:
         """Hook roles a pass needs: ``aux:<i>`` per capture index (hooked on decoder layer ``i-1``),

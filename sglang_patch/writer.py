@@ -44,6 +44,7 @@ from sglang_patch.contract import (
     INPUT_IDS,
     LOSS_MASK_PARAM,
     META_FILE,
+    SCALES,
     SPECFORGE,
     SPECULATORS,
     DumpMeta,
@@ -242,7 +243,7 @@ def layout_tensors(layout: str, tensors: dict[str, torch.Tensor], loss_mask: tor
             raise ValueError("a specforge dump needs the sample's loss mask")
         return specforge_tensors(ids, loss_mask, tensors[AUX], tensors[FINAL_TENSORS["post"]])
     if layout == SPECULATORS:
-        return speculators_tensors(ids, tensors[AUX_FINAL_PRE])
+        return speculators_tensors(ids, tensors[AUX_FINAL_PRE], tensors.get(SCALES))
     return tensors
 
 

@@ -8,7 +8,8 @@ that prompts span passes and passes hold several requests. Server warmup stays o
 one are skipped when the SGLang venv is missing (they fail under CI, which installs it).
 
 Fixtures:
-- ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=..., tp_size=1)``
+- ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=..., tp_size=1,
+  layout="states", quantize="none")``
   -> `SGLangServer`; the same arguments give the same (running) server; all stop at session end.
 - ``sglang_llama`` / ``sglang_kimi``: the factory applied to the tiny models with `DEFAULT_LAYERS`.
 """
@@ -84,6 +85,8 @@ def run_sglang_server(
     rid_prefix: str = "hscap",
     extra_args: Sequence[str] = (),
     tp_size: int = 1,
+    layout: str = "states",
+    quantize: str = "none",
 ) -> Iterator[SGLangServer]:
     """Start a CPU capture server with the product's own `layertap.engines.sglang_server.SGLangServer` (launched through
     `sglang_patch.launch`, dies with this process), wait until healthy, stop it on exit."""
@@ -95,6 +98,8 @@ def run_sglang_server(
         final=final,
         rid_prefix=rid_prefix,
         log_path=workdir / "server.log",
+        layout=layout,
+        quantize=quantize,
         sglang_args=(
             *CPU_SERVER_ARGS,
             "--dtype",
@@ -150,8 +155,10 @@ def sglang_servers(
             final: str = "both",
             extra_args: Sequence[str] = (),
             tp_size: int = 1,
+            layout: str = "states",
+            quantize: str = "none",
         ) -> SGLangServer:
-            key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size)
+            key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size, layout, quantize)
             if key not in running:
                 workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
                 running[key] = stack.enter_context(
@@ -163,6 +170,8 @@ def sglang_servers(
                         final=final,
                         extra_args=extra_args,
                         tp_size=tp_size,
+                        layout=layout,
+                        quantize=quantize,
                     )
                 )
             return running[key]

@@ -25,6 +25,7 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
         rid_prefix=settings.rid_prefix,
         log_path=dump_root.parent / f"sglang-{settings.worker_name}.log",
         store_format=spec.format,
+        store_dtype=spec.store_dtype,
         trust_remote_code=spec.trust_remote_code,
     )
     job = spec.out.name if spec.out else "job"

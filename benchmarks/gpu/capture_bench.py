@@ -31,6 +31,7 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from layertap.spec import ExtractionSpec
 from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
+from sglang_patch.contract import FORMAT_FINAL
 
 T0 = time.monotonic()
 # Flags every GPU benchmark server gets; each adds its attention backend, chunk size and memory split.
@@ -98,6 +100,7 @@ class CaptureRun:
     commit_busy: float  # the worker's checks + rename + hash + index append
     pinned_held: float  # torch's pinned allocator, cache included: the most it held (bytes)
     pinned_alloc_s: float  # seconds the forward pass's thread spent growing it (cudaHostAlloc) in this run
+    store: Path | None = None  # the store, when the caller keeps it
 
 
 class TimedStore(OutputStore):
@@ -214,12 +217,14 @@ def volume_rate(folder: Path, file_bytes: int, threads: int, total_bytes: int) -
 
 @dataclass
 class Bench:
-    """One shape's model and server; `link` is the server's dump root, a symlink re-pointed per volume."""
+    """One shape's model and server; `link` is the server's dump root, a symlink re-pointed per volume;
+    `quantize`: what the server's plugin quantizes its dumps to ("none" or "fp8")."""
 
     shape: Shape
     model: Path
     link: Path
     server: SGLangServer
+    quantize: str = "none"
 
 
 def repoint(link: Path, target: Path) -> None:
@@ -230,15 +235,16 @@ def repoint(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], in_flight: int,
-                 commit_threads: int) -> CaptureRun:  # fmt: skip
-    """Prefill + capture + checks + commit into a specforge store under `root`, the server's dumps
-    under `root` too (a commit is a rename)."""
-    tag = f"{bench.shape.arch}-{in_flight}-{uuid.uuid4().hex[:6]}"
-    repoint(bench.link, root / f"dumps-{bench.shape.arch}")
+def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], in_flight: int, commit_threads: int,
+                 *, fmt: str = "specforge", store_dtype: str = "bfloat16", keep: bool = False) -> CaptureRun:  # fmt: skip
+    """Prefill + capture + checks + commit into a `fmt` store in `store_dtype` under `root`, the server's dumps
+    under `root` too (a commit is a rename); the store is removed unless `keep` (then `CaptureRun.store`)."""
+    tag = f"{bench.shape.arch}-{bench.quantize}-{in_flight}-{uuid.uuid4().hex[:6]}"
+    repoint(bench.link, root / f"dumps-{bench.shape.arch}-{bench.quantize}")
     data = work / f"data-{tag}.jsonl"
     data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
-    spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format="specforge")
+    spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
+                          store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
     num_layers, hidden = model_dims(bench.model)
     cap = spec.resolve(num_layers)
     writer: list[dict[str, float]] = []
@@ -256,7 +262,8 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     assert len(report.computed) == len(batch) and report.failed == 0, report
     nbytes = sum(r.nbytes for r in store.records().values())
     store.close()
-    shutil.rmtree(store_root)
+    if not keep:
+        shutil.rmtree(store_root)
     data.unlink()
     writer_time = dt * (writer[0]["threads"] if writer else 1)
 
@@ -271,37 +278,43 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
                       writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
                       commit_busy=sum(store.commit_s) / (dt * commit_threads),
                       pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
-                      pinned_alloc_s=spread("pinned_alloc_s"))  # fmt: skip
+                      pinned_alloc_s=spread("pinned_alloc_s"), store=store_root if keep else None)  # fmt: skip
 
 
-def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool) -> list[Bench]:
-    """Build each model and launch its server without waiting; the next model builds meanwhile. The
-    processes are launched from this (main) thread: a server dies with the thread that launched it."""
+def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool, *, layout: str = "specforge",
+                  quantize: tuple[str, ...] = ("none",), sglang_args: tuple[str, ...] | None = None) -> list[Bench]:  # fmt: skip
+    """Build each model and launch its servers (one per `quantize` setting, writing `layout` dumps) without
+    waiting; the next model builds meanwhile. The processes are launched from this (main) thread: a server
+    dies with the thread that launched it."""
     python = Path("/opt/sglang-venv/bin/python") if smoke else Path(shutil.which("python3") or "python3")
     env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {}
-    benches, starting = [], ThreadPoolExecutor(len(shapes))
+    benches, starting = [], ThreadPoolExecutor(len(shapes) * len(quantize))
     futures = []
     for shape in shapes:
         model = build_tiny_model(shape.arch, args.work / f"model-{shape.arch}", dtype=torch.bfloat16, **shape.overrides)
         log(f"{shape.name}: model built ({sum(p.stat().st_size for p in model.glob('*.safetensors')) / 1e9:.1f} GB)")
-        link = args.work / f"dumproot-{shape.arch}"
-        repoint(link, Path(args.tmpfs) / f"dumps-{shape.arch}")
-        config = ServerConfig(python=python, env=env, model=model, dump_root=link, layers=shape.layers, final="post",
-                              layout="specforge", log_path=args.out.with_name(f"server-{shape.arch}.log"),
-                              sglang_args=CPU_ARGS if smoke else GPU_ARGS, writer_threads=args.writer_threads,
-                              pinned_cap=args.pinned_cap)  # fmt: skip
-        bench = Bench(shape, model, link, SGLangServer(config))
-        benches.append(bench)
-        bench.server.launch()
-        futures.append(starting.submit(bench.server.wait_ready))
+        for q in quantize:
+            link = args.work / f"dumproot-{shape.arch}-{q}"
+            repoint(link, Path(args.tmpfs) / f"dumps-{shape.arch}-{q}")
+            config = ServerConfig(python=python, env=env, model=model, dump_root=link, layers=shape.layers,
+                                  final=FORMAT_FINAL[layout], layout=layout, quantize=q,
+                                  log_path=args.out.with_name(f"server-{shape.arch}-{q}.log"),
+                                  sglang_args=sglang_args or (CPU_ARGS if smoke else GPU_ARGS),
+                                  writer_threads=args.writer_threads, pinned_cap=args.pinned_cap)  # fmt: skip
+            bench = Bench(shape, model, link, SGLangServer(config), quantize=q)
+            benches.append(bench)
+            bench.server.launch()
+            futures.append(starting.submit(bench.server.wait_ready))
     for bench, future in zip(benches, futures, strict=True):
         try:
             future.result()
         except Exception as exc:  # two servers sizing GPU memory at once can collide: retry alone
-            log(f"{bench.shape.name}: server failed to start ({type(exc).__name__}); starting it again alone")
+            log(
+                f"{bench.shape.name} ({bench.quantize}): server failed to start ({type(exc).__name__}); starting it again alone"
+            )
             bench.server.stop()
             bench.server.start()
-        log(f"{bench.shape.name}: server up at {bench.server.url}")
+        log(f"{bench.shape.name} ({bench.quantize}): server up at {bench.server.url}")
     starting.shutdown()
     return benches
 
@@ -354,20 +367,31 @@ def main() -> None:
     results.expected_bpt = {shape.name: expected_bytes_per_token(shape) for shape in shapes}
     volume_rates(shapes, results, args, writer_threads)
     benches = start_servers(shapes, args, smoke)
-    client = httpx.Client(timeout=600)
-    try:
-        with ThreadPoolExecutor(len(benches)) as pool:  # first requests build kernels: both at once
-            list(pool.map(lambda b: plain_rate(client, b.server.url, prompts(4, 99, low, high), 4), benches))
-        log("kernels warm")
+
+    def measure_all(client: httpx.Client) -> None:
         for bench in benches:
             measure(bench, batch, capture_in_flight, client, results, args)
+
+    run_warm(benches, (low, high), results, args.out, measure_all)
+
+
+def run_warm(benches: list[Bench], lengths: tuple[int, int], results: Any, out: Path,
+             measure_all: Callable[[httpx.Client], None]) -> None:  # fmt: skip
+    """Warm every server (first requests build kernels: all at once), run `measure_all`, then stop the servers,
+    write `results` (whatever was measured) and print them."""
+    client = httpx.Client(timeout=600)
+    try:
+        with ThreadPoolExecutor(len(benches)) as pool:
+            list(pool.map(lambda b: plain_rate(client, b.server.url, prompts(4, 99, *lengths), 4), benches))
+        log("kernels warm")
+        measure_all(client)
     finally:
         for bench in benches:
             bench.server.stop()
         client.close()
         results.write()
-        log(f"results in {args.out}")
-    print(args.out.read_text())
+        log(f"results in {out}")
+    print(out.read_text())
 
 
 def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], client: httpx.Client,

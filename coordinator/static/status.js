@@ -78,6 +78,7 @@ function jobCard(job, errors) {
       stat("samples", `${fmt.int(job.samples_done)} / ${fmt.int(job.samples_total)}`),
       stat("failed", fmt.int(job.samples_failed)),
       stat("tokens", tokens),
+      stat("stored", job.bytes_done_estimate == null ? "-" : `~${fmt.bytes(job.bytes_done_estimate)} (${job.store_dtype})`),
       stat("samples/s", fmt.rate(job.samples_per_s)),
       stat("tokens/s", fmt.rate(job.tokens_per_s)),
       stat("ETA", job.state === "running" ? fmt.duration(job.eta_s) : "-"),

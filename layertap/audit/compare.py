@@ -4,7 +4,8 @@ Pure functions of tensors, so the CLI audit, the GPU benchmark and the tests jud
 
 Per captured state and token t: ``e_t = ||x_t - r_t|| / ||r_t||``, the stored state ``x`` against the reference
 ``r`` computed in float32. The noise floor ``f_t`` is the same error of the reference run at the store's compute
-dtype and rounded to its store dtype: what an exact implementation at that precision could store. A state
+dtype and rounded to its store dtype (an FP8 store's: quantized and dequantized as its trainer reads it): what an
+exact implementation at that precision could store. A state
 passes when, for every audited sample, its median error is within ``K_BULK`` x the floor's median (a shifted,
 swapped, wrong-layer or wrong-sample state sits at O(1) on every token), and when it has no unexplained outlier
 tokens: tokens above ``K_OUTLIER`` x the floor's largest error off routing near-ties. In a MoE model bf16

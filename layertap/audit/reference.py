@@ -21,6 +21,7 @@ from layertap.engines.hf import load_language_model
 from layertap.errors import SpecError
 from layertap.models.folder import ModelFolder
 from layertap.models.quantization import PACKED, SCALE, SHAPE
+from sglang_patch.sample_files import FP8, dequantize_fp8, quantize_fp8
 
 Point = int | str  # a capture index, or "pre" / "post" for the final state
 GiB = 1024**3
@@ -28,8 +29,8 @@ GiB = 1024**3
 
 @dataclass(frozen=True, slots=True)
 class RefRun:
-    """One batch's reference: point -> [B, T, H] float32 states, the floor states at the store's precision,
-    and per MoE layer (index -> [B, T]) the routing margins."""
+    """One batch's reference: point -> [B, T, H] float32 states, the floor states at the store's precision
+    (`round_to_store`), and per MoE layer (index -> [B, T]) the routing margins."""
 
     states: dict[Point, torch.Tensor]
     floor: dict[Point, torch.Tensor]
@@ -112,11 +113,21 @@ class Reference:
                 self._seen["post"] = out.last_hidden_state
             results.append({p: self._seen[p].float() for p in self.points})
         states, shape = results[0], ids.shape
-        floor = {p: t.to(self.store_dtype).float() for p, t in results[-1].items()}
+        floor = {p: round_to_store(t, self.store_dtype) for p, t in results[-1].items()}
         margins = {i: m.reshape(shape) for i, m in self._margins.items()}
         self._seen.clear()
         self._margins.clear()
         return RefRun(states=states, floor=floor, margins=margins)
+
+
+def round_to_store(states: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
+    """``states`` [..., H] as a store in ``store_dtype`` gives them to its trainer, in float32: cast, or for FP8
+    quantized with its scale per token and state and dequantized to bf16 as speculators does (each state's rounding
+    depends on that state alone, so the reference's states round one by one)."""
+    if store_dtype != FP8:
+        return states.to(store_dtype).float()
+    fp8, scales = quantize_fp8(states.reshape(-1, 1, states.shape[-1]))
+    return dequantize_fp8(fp8, scales).float().reshape(states.shape)
 
 
 def _router(layer: torch.nn.Module) -> torch.nn.Module | None:

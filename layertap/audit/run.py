@@ -39,6 +39,7 @@ from layertap.store.formats.base import DTYPES
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import REPORTS_DIR, Manifest
 from layertap.store.store import OutputStore
+from sglang_patch.sample_files import FP8_SCALES, dequantize_fp8
 
 
 @dataclass(slots=True)
@@ -91,7 +92,8 @@ class AuditReport:
             f"Model `{self.model}`, device {self.device}, seed {self.seed}. {self.summary()}.",
             "",
             "Per-token relative error e_t = ||x_t - r_t|| / ||r_t|| of the stored state against HF float32; the floor "
-            "is the same reference at the store's compute dtype, rounded to its store dtype. A state passes when every "
+            "is the same reference at the store's compute dtype, rounded to its store dtype (FP8: quantized and "
+            "dequantized as the trainer reads it). A state passes when every "
             f"sample's median e_t <= {K_BULK:g} x its floor's median, and no token is above the threshold "
             f"({K_OUTLIER:g} x the floor's largest error off routing near-ties) unless a router margin before it is "
             f"below {TIE:g} (MoE states; a few allowed), and both controls fail (their median / floor median > "
@@ -253,6 +255,8 @@ def read_states(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[t
         ids, final = tensors["input_ids"], {"post": tensors["hidden_state"][0]}
     else:
         states = tensors["hidden_states"]
+        if FP8_SCALES in tensors:  # what speculators trains on (--hidden-states-backend fp8)
+            states = dequantize_fp8(states, tensors[FP8_SCALES])
         aux, ids, final = states[:, :k], tensors["token_ids"], {"pre": states[:, k]}
     return ids, {i: aux[:, j] for j, i in enumerate(manifest.capture_indices)} | final
 

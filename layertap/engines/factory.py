@@ -25,7 +25,7 @@ def hf_engine_factory(model: Path, device: str, batch_tokens: int, dtype: str | 
 
 def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
                           in_flight: int, sglang_python: Path, sglang_args: str, trust_remote_code: bool = False,
-                          allow_dummy_weights: bool = False):  # fmt: skip
+                          allow_dummy_weights: bool = False, store_dtype: str = "bfloat16"):  # fmt: skip
     """An engine factory for a capture server (the CLI's SGLang engine; imported only when chosen). The server is
     refused unless it serves ``model`` (with real weights, unless ``allow_dummy_weights``) for this capture."""
 
@@ -35,7 +35,8 @@ def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url:
         dumps = dump_root or out.parent / f".{out.name}-dumps"
         server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
                               sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
-                              store_format=store_format, trust_remote_code=trust_remote_code)  # fmt: skip
+                              store_format=store_format, store_dtype=store_dtype,
+                              trust_remote_code=trust_remote_code)  # fmt: skip
         return SGLangEngine(server, capture, model=model, dump_root=dumps, job=out.name, in_flight=in_flight,
                             allow_dummy_weights=allow_dummy_weights)  # fmt: skip
 

@@ -43,6 +43,8 @@ from sglang_patch.contract import (
     FINAL_TENSORS,
     FORMAT_FINAL,
     LOSS_MASK_PARAM,
+    SCALES,
+    SPECULATORS,
     DumpError,
     dump_dir,
     format_rid,
@@ -242,6 +244,7 @@ class SGLangEngine(Engine):
             final_post=t.get(FINAL_TENSORS["post"]) if self.spec.final_post else None,
             final_pre=t.get(FINAL_TENSORS["pre"]) if self.spec.final_pre else None,
             source=source,
+            scales=t.get(SCALES),
         ), rid
 
     def _observe(self, stage: str, since: float) -> float:
@@ -342,6 +345,12 @@ def dump_layout(store_format: str, capture: CaptureSpec) -> str:
     return "states"
 
 
+def dump_quantize(layout: str, store_dtype: str) -> str:
+    """What the server quantizes to: "fp8" for speculators dumps of an FP8 store (on the device, before the copy
+    to the host), else "none" (a "states" dump of an FP8 store is quantized by the store as it writes)."""
+    return "fp8" if store_dtype == "fp8" and layout == SPECULATORS else "none"
+
+
 def sglang_compute_dtype(server_dtype: str, folder_dtype: str) -> str:
     """What SGLang computes in for ``--dtype server_dtype`` on a folder saved in ``folder_dtype``: ``auto``
     keeps the folder's dtype except float32, which it downcasts to float16 (sglang 0.5.10 and 0.5.14)."""
@@ -397,19 +406,22 @@ def start_server(
     rid_prefix: str,
     log_path: Path,
     store_format: str,
+    store_dtype: str = "bfloat16",
     trust_remote_code: bool = False,
 ) -> SGLangServer:
     """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
     environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited; SGLang's crash diagnostics are off),
-    writing dumps for a store in `store_format`, with the flags of `server_model_args` (no SGLang tokenizer,
-    the model's own dtype, unless ``sglang_args`` say otherwise); returns it ready."""
+    writing dumps for a store in `store_format` and `store_dtype` (`dump_layout`, `dump_quantize`), with the
+    flags of `server_model_args` (no SGLang tokenizer, the model's own dtype, unless ``sglang_args`` say
+    otherwise); returns it ready."""
     if server_url:
         server = SGLangServer(url=server_url)
     else:
         args = server_model_args(ModelFolder.read(model), shlex.split(sglang_args), trust_remote_code=trust_remote_code)
         config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers,
                               final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
-                              sglang_args=tuple(args), layout=dump_layout(store_format, capture))  # fmt: skip
+                              sglang_args=tuple(args), layout=(layout := dump_layout(store_format, capture)),
+                              quantize=dump_quantize(layout, store_dtype))  # fmt: skip
         server = SGLangServer(config)
     server.start()
     return server

@@ -74,6 +74,7 @@ class ServerConfig:
     log_path: Path
     rid_prefix: str = "hscap"
     layout: str = "states"
+    quantize: str = "none"  # "fp8": the plugin quantizes speculators dumps on the device
     writer_threads: int | None = None  # None: the plugin's default (sglang_patch.settings)
     pinned_cap: str | None = None  # bytes, e.g. "4G"; None: the plugin's default
     sglang_args: tuple[str, ...] = ()
@@ -94,6 +95,7 @@ class ServerConfig:
             "--capture-final", self.final,
             "--rid-prefix", self.rid_prefix,
             "--dump-layout", self.layout,
+            *(["--quantize", self.quantize] if self.quantize != "none" else []),
             *(["--writer-threads", str(self.writer_threads)] if self.writer_threads else []),
             *(["--pinned-cap", self.pinned_cap] if self.pinned_cap else []),
             "--model-path", str(self.model),

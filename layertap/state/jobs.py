@@ -23,8 +23,11 @@ log = logging.getLogger(__name__)
 Send = Callable[[str, list], None]
 
 
-def create_job(redis: Redis, keys: Keys, job_id: str, spec: JobSpec, shards: Sequence[tuple[int, int]]) -> None:
-    """Write the job and all its shards as ``pending`` (and its audit, if it asks for one) in one transaction."""
+def create_job(
+    redis: Redis, keys: Keys, job_id: str, spec: JobSpec, shards: Sequence[tuple[int, int]], *, bytes_per_token: int = 0
+) -> None:
+    """Write the job and all its shards as ``pending`` (and its audit, if it asks for one) in one transaction;
+    ``bytes_per_token`` (what its store keeps per token) lets its views say how much it has stored."""
     pipe = redis.pipeline(transaction=True)
     pipe.hset(
         keys.job(job_id),
@@ -36,6 +39,7 @@ def create_job(redis: Redis, keys: Keys, job_id: str, spec: JobSpec, shards: Seq
             "num_shards": len(shards),
             "finalize_token": "",
             "error": "",
+            "bytes_per_token": bytes_per_token,
         },
     )
     pipe.zadd(keys.jobs, {job_id: server_time_ms(redis)})

@@ -132,6 +132,8 @@ class JobView:
     workers: list[WorkerView] = field(default_factory=list)
     error: str | None = None
     audit: AuditView | None = None
+    store_dtype: str = "bfloat16"
+    bytes_per_token: int = 0  # 0: unknown (a job whose state was rebuilt)
 
     @property
     def samples_per_s(self) -> float:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layertap.data.scan import save_duplicates, scan_dataset
+from layertap.diskspace import bytes_per_token
 from layertap.errors import SpecError, StoreError
 from layertap.models.folder import ModelFolder
 from layertap.state.model import JOB_FILE, JobSpec
@@ -27,6 +28,7 @@ class PlannedJob:
     job_id: str
     spec: JobSpec
     shards: list[tuple[int, int]]
+    bytes_per_token: int = 0  # what the store keeps per token (`diskspace.bytes_per_token`), for the status page
 
 
 def plan_shards(num_rows: int, shard_size: int) -> list[tuple[int, int]]:
@@ -103,4 +105,5 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
     OutputStore.create_or_resume(out, manifest).close()
     save_duplicates(out, scan)  # before any shard runs: shards see only their rows, the scan saw every id
     atomic_write_json(out / JOB_FILE, {"job_id": job_id, "spec": json.loads(resolved.model_dump_json())})
-    return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(scan.num_rows, spec.shard_size))
+    return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(scan.num_rows, spec.shard_size),
+                      bytes_per_token=bytes_per_token(capture, folder.hidden_size, spec.store_dtype))  # fmt: skip

@@ -48,6 +48,8 @@ def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
         num_shards=num_shards,
         error=job.get("error") or None,
         audit=AuditView.of(audit),
+        store_dtype=json.loads(job["spec"]).get("store_dtype", "bfloat16") if job.get("spec") else "bfloat16",
+        bytes_per_token=int(job.get("bytes_per_token") or 0),
     )
     states: Counter[str] = Counter()
     for state, done, tokens, failed in replies[:num_shards]:

@@ -162,6 +162,14 @@ def _speculators_section(
             "(config.json = `text_config`, the language model's tensors by symlink to the wrapper's shards, nothing "
             "copied), and speculators trains against that."
         )
+    backend, train_dtype = "", manifest.store_dtype
+    if manifest.store_dtype == "fp8":
+        backend, train_dtype = " --hidden-states-backend fp8", "bfloat16"
+        notes.append(
+            "The states are FP8 (float8_e4m3fn, with one float32 scale per token and state in `hidden_states_scales`): "
+            "`--hidden-states-backend fp8` makes speculators dequantize each file as it reads it, to bfloat16 "
+            "(without it, it would train on the unscaled FP8 values)."
+        )
     flag = ""
     if target is not None and target.remote_code:
         flag = " --trust-remote-code"
@@ -181,7 +189,7 @@ def _speculators_section(
         *view,
         f"speculators train --speculator-type eagle3 --verifier-name-or-path {verifier}{flag} \\",
         f"    --data-path {root} --target-layer-ids {ids} \\",
-        f"    --draft-vocab-size {draft_vocab} --hidden-states-dtype {manifest.store_dtype} "
+        f"    --draft-vocab-size {draft_vocab} --hidden-states-dtype {train_dtype}{backend} "
         f"--total-seq-len {max(longest, SPECULATORS_SEQ_LEN)}",
         "```",
         "",

@@ -7,12 +7,16 @@ import torch
 from layertap.sample import CapturedSample
 from layertap.store.formats.base import Layout
 from layertap.store.manifest import Manifest
+from sglang_patch.sample_files import FP8
 
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or +-inf anywhere: the min and max propagate NaN and show an inf. One pass, no
     temporary: on bf16 (CPU, one thread) 9x ``abs().amax()`` and 33x ``isfinite(t).all()``
-    (benchmarks/results/writer_commit.md)."""
+    (benchmarks/results/writer_commit.md). float8_e4m3fn has no inf and one NaN pattern (all exponent
+    and mantissa bits set), which torch's min/max do not take: its bytes are read instead."""
+    if t.dtype == FP8:
+        return t.numel() == 0 or int((t.view(torch.uint8) & 0x7F).max()) != 0x7F
     return t.numel() == 0 or all(bool(torch.isfinite(x)) for x in torch.aminmax(t))
 
 
@@ -34,4 +38,16 @@ def state_problems(captured: CapturedSample, layout: Layout, manifest: Manifest)
             out.append(f"{name} shape {tuple(tensor.shape)} != {shape}")
         elif not all_finite(tensor):
             out.append(f"{name} has non-finite values")
-    return out
+    return out + _fp8_problems(captured, layout)
+
+
+def _fp8_problems(captured: CapturedSample, layout: Layout) -> list[str]:
+    """An FP8 capture (quantized by the server) needs an FP8 store and its scales [T, k+1, 1], finite."""
+    if captured.aux.dtype != FP8:
+        return []
+    if layout.dtype != FP8:
+        return [f"the server stored FP8 states (--store-dtype fp8) and this store keeps {layout.dtype}"]
+    scales, shape = captured.scales, (captured.sample.num_tokens, layout.num_aux + 1, 1)
+    if scales is None or tuple(scales.shape) != shape or scales.dtype != torch.float32:
+        return [f"FP8 scales {None if scales is None else (tuple(scales.shape), scales.dtype)} != float32 {shape}"]
+    return [] if all_finite(scales) else ["FP8 scales have non-finite values"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save
 
 from layertap.audit import audit_store
 from layertap.store.atomic import sha256_file
@@ -82,14 +83,16 @@ def test_cli_writes_the_report_and_exits_by_verdict(kimi_store: Path, tmp_path: 
 
 
 def rewrite(store: Path, sample_id: str, change: Callable[[dict], dict]) -> None:
-    """Replace one specforge sample file with ``change(tensors)`` and re-hash it into the index, as a
-    consistent writer of wrong states would."""
+    """Replace one sample file with ``change(tensors)`` and re-hash it into the index, as a consistent writer of
+    wrong states would."""
     logs = sorted((store / "index").glob("*.jsonl"))
     lines = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
     rec = next(r for r in lines if r["sample_id"] == sample_id)
     path = store / rec["file"]
-    tensors = change(torch.load(path, weights_only=True))
-    torch.save(tensors, path)
+    if path.suffix == ".safetensors":  # speculators: rewritten in place, so its hidden_states/ hard link follows
+        path.write_bytes(save(change(load_file(path))))
+    else:
+        torch.save(change(torch.load(path, weights_only=True)), path)
     for log in logs:
         out = []
         for line in log.read_text().splitlines():
@@ -166,3 +169,26 @@ def test_corrupted_store_fails_naming_state_and_cause(
         assert state.failed_samples == {victim_rec.sample_id: state.failed_samples[victim_rec.sample_id]}
         assert cause in state.failed_samples[victim_rec.sample_id], report.markdown()
     assert cause in report.markdown()
+
+
+def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(tiny_kimi: Path, tmp_path: Path) -> None:
+    """The same run stored as bf16 and as FP8: each PASSes against its own floor (FP8's: the reference quantized and
+    dequantized as speculators reads it, ~10x bf16's), and the FP8 store shifted one token FAILs, named so."""
+    reports = {}
+    for dtype in ("bfloat16", "fp8"):
+        out = extract(tiny_kimi, tmp_path / dtype, KIMI_LAYERS, "--format", "speculators", "--store-dtype", dtype)
+        reports[dtype] = audit_store(out, samples=6, seed=1, write=False)
+        assert reports[dtype].passed, reports[dtype].markdown()
+        assert all(s.unexplained == 0 and min(s.controls.values()) > 10 for s in reports[dtype].states)
+    for bf16, fp8 in zip(reports["bfloat16"].states, reports["fp8"].states, strict=True):
+        assert bf16.state == fp8.state and 10 * bf16.floor_median < fp8.floor_median < 0.04, (bf16, fp8)
+        assert fp8.median <= fp8.floor_median * 1.01  # the HF engine stores what the floor computes
+
+    store = tmp_path / "fp8"
+    victim = min(OutputStore.open_existing(store).records().values(), key=lambda r: r.num_tokens)
+    shifted = {"hidden_states", "hidden_states_scales"}
+    rewrite(store, victim.sample_id, lambda t: {k: v.roll(1, dims=0) if k in shifted else v for k, v in t.items()})
+    assert verify_store(store).ok
+    report = audit_store(store, samples=6, seed=1, write=False)
+    failed = [s for s in report.states if not s.passed]
+    assert len(failed) == 4 and all("shifted one token" in s.failed_samples[victim.sample_id] for s in failed)

@@ -152,3 +152,20 @@ def test_a_specforge_job_with_2_aux_layers_is_refused_unless_the_spec_allows_any
     assert refused.status_code == 422 and "takes exactly 3" in refused.json()["detail"], refused.text
     allowed = api.post("/jobs", json=job_body(tiny_llama, dataset, layers=[1, 3], allow_any_aux_layers=True))
     assert allowed.status_code == 201, allowed.text
+
+
+def test_a_job_says_what_it_stores_per_token_and_fp8_is_for_speculators_only(
+    api, tiny_llama, dataset, redis_client, tmp_path
+) -> None:
+    """The status page's bytes: tokens done x the store's bytes per token, in its store dtype (hidden 64, 3 aux
+    layers + the final: bf16 2 bytes a value; FP8 1 byte and a 4-byte scale per state; ids and mask 16)."""
+    jobs = {}
+    for dtype in ("bfloat16", "fp8"):
+        reply = api.post("/jobs", json=job_body(tiny_llama, dataset, format="speculators", store_dtype=dtype))
+        assert reply.status_code == 201, reply.text
+        jobs[dtype] = api.get(f"/jobs/{reply.json()['job_id']}").json()
+    assert (jobs["bfloat16"]["store_dtype"], jobs["bfloat16"]["bytes_per_token"]) == ("bfloat16", 4 * 2 * 64 + 16)
+    assert (jobs["fp8"]["store_dtype"], jobs["fp8"]["bytes_per_token"]) == ("fp8", 4 * (64 + 4) + 16)
+    assert jobs["fp8"]["bytes_done_estimate"] == 0  # nothing done yet
+    refused = api.post("/jobs", json=job_body(tiny_llama, dataset, store_dtype="fp8"))  # specforge
+    assert refused.status_code == 422 and "SpecForge 0.2.0 reads no FP8" in refused.text

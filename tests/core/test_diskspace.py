@@ -14,7 +14,8 @@ from tests.core.datasets import conversation_rows, write_jsonl
 
 
 @pytest.mark.parametrize(
-    ("fmt", "final", "dtype"), [("specforge", "post", "bfloat16"), ("speculators", "pre", "float32")]
+    ("fmt", "final", "dtype"),
+    [("specforge", "post", "bfloat16"), ("speculators", "pre", "float32"), ("speculators", "pre", "fp8")],
 )
 def test_bytes_per_token_matches_what_the_store_writes(tiny_llama, tmp_path, fmt, final, dtype) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=3))

@@ -88,6 +88,17 @@ def test_forced_flags_in_each_version_spelling() -> None:
     ]
 
 
+def test_fp8_quantization_is_for_speculators_dumps_only() -> None:
+    argv = ["--dump-layout", "speculators", "--quantize", "fp8", "--model-path", "/m"]
+    assert parse_launch_args(argv, environ=ENV).settings.quantize == "fp8"
+    assert (
+        parse_launch_args(argv[:2] + argv[4:], environ={**ENV, "LAYERTAP_QUANTIZE": "fp8"}).settings.quantize == "fp8"
+    )
+    assert parse_launch_args(["--model-path", "/m"], environ=ENV).settings.quantize == "none"
+    with pytest.raises(ValueError, match="fp8 needs the speculators layout"):
+        parse_launch_args(["--quantize", "fp8", "--model-path", "/m"], environ=ENV)
+
+
 def test_fusion_kept_only_when_a_measurement_asks() -> None:
     """``--allreduce-fusion sglang`` leaves fusion to SGLang (no enforce flag, no refusal); the default forces it off."""
     options = parse_launch_args(["--allreduce-fusion", "sglang", "--model-path", "/m"], environ=ENV)

@@ -220,3 +220,38 @@ writer.close(timeout=30)
     assert dump.meta.status == "error" and "could not write this capture" in (dump.meta.error or "")
     assert "File too large" in (dump.meta.error or "")
     assert list((tmp_path / TMP_DIR).iterdir()) == []
+
+
+def test_fp8_speculators_dump_is_the_file_an_fp8_store_writes_and_needs_its_scales(tmp_path: Path) -> None:
+    """The hook quantizes on the device (`quantize_fp8`); the dump is then byte for byte what the store writes from
+    the same float32 capture (the HF engine's path), and a dump without its scales breaks the contract."""
+    from layertap.sample import CapturedSample, TokenizedSample
+    from layertap.store.formats import get_format
+    from layertap.store.formats.base import Layout
+    from sglang_patch.contract import SCALES, DumpError
+    from sglang_patch.sample_files import FP8, quantize_fp8
+
+    writer = DumpWriter(
+        tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1, layout="speculators"
+    )
+    rid, tensors = format_rid("j", "s", 0), both_finals(9, 5)
+    fp8, scales = quantize_fp8(torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1))
+    writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: fp8, SCALES: scales}))
+    writer.close(timeout=30)
+    dump = read_dump(dump_dir(tmp_path, rid))
+    assert dump.meta.dtype == "float8_e4m3fn" and dump.tensors["hidden_states_scales"].shape == (9, 3, 1)
+    captured = CapturedSample(
+        TokenizedSample("s", 0, tensors["input_ids"], torch.ones(9, dtype=torch.uint8)), tensors["aux"], None,
+        tensors["final_pre"],
+    )  # fmt: skip
+    store_file = tmp_path / "store-written"
+    with store_file.open("wb") as f:
+        get_format("speculators").write(captured, Layout(num_aux=2, hidden_size=8, dtype=FP8), f)
+    assert store_file.read_bytes() == (dump.path / dump.meta.file).read_bytes()
+
+    rid = format_rid("j", "no-scales", 0)
+    meta = build_meta(rid, {"input_ids": tensors["input_ids"], AUX_FINAL_PRE: fp8}, None, layers=(1, 4),
+                      finals=("pre",), layout="speculators")  # fmt: skip
+    write_dump(tmp_path, meta, {"input_ids": tensors["input_ids"], AUX_FINAL_PRE: fp8}, tag="t")
+    with pytest.raises(DumpError, match="hidden_states_scales"):
+        read_dump(dump_dir(tmp_path, rid))

@@ -63,11 +63,15 @@ def kimi25(request, tmp_path_factory) -> Path:
                             quantize=request.param)  # fmt: skip
 
 
-def _extract(model: Path, tmp_path: Path, fmt: str, samples: int, layers: tuple[int, ...] = (1, 3, 5)) -> Path:
+def _extract(
+    model: Path, tmp_path: Path, fmt: str, samples: int, layers: tuple[int, ...] = (1, 3, 5), dtype: str = "bfloat16"
+) -> Path:
     data = write_jsonl(tmp_path / f"{fmt}.jsonl", conversation_rows(samples, seed=21, max_words=25))
-    out = tmp_path / f"states-{fmt}"
+    out = tmp_path / f"states-{fmt}-{dtype}"
     remote = bool(ModelFolder.read(model).remote_code)
-    spec = ExtractionSpec(model=model, data=data, layers=layers, format=fmt, trust_remote_code=remote)  # type: ignore[arg-type]
+    spec = ExtractionSpec(
+        model=model, data=data, layers=layers, format=fmt, store_dtype=dtype, trust_remote_code=remote
+    )  # type: ignore[arg-type]
     run_extraction(spec, out, hf_engine_factory(model, "cpu", 4096))
     return out
 
@@ -149,12 +153,18 @@ def test_stock_specforge_cannot_train_on_2_aux_layers_which_layertap_refuses(
     assert run.returncode != 0 and "must contain exactly three" in run.stdout + run.stderr, run.stderr[-3000:]
 
 
-def test_speculators_trains_on_a_speculators_output_as_train_md_says(trainers_python, tiny_llama, tmp_path) -> None:
-    out = _extract(tiny_llama, tmp_path, "speculators", 20)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_speculators_trains_on_a_speculators_output_as_train_md_says(
+    trainers_python, tiny_llama, tmp_path, dtype
+) -> None:
+    out = _extract(tiny_llama, tmp_path, "speculators", 20, dtype=dtype)
     command = shlex.split(_block((out / "TRAIN.md").read_text(), "bash").replace("\\\n", " "))
     assert command[:2] == ["speculators", "train"]
     ids = command[command.index("--target-layer-ids") + 1 : command.index("--target-layer-ids") + 4]
     assert ids == ["1", "3", "5"]  # vLLM ids = capture indices
+    if dtype == "fp8":  # read through hs-connectors' FP8Transfer, dequantized to the dtype it trains in
+        assert command[command.index("--hidden-states-backend") + 1] == "fp8"
+        assert command[command.index("--hidden-states-dtype") + 1] == "bfloat16"
 
     extra = ["--draft-vocab-size", str(DRAFT_VOCAB), "--epochs", str(EPOCHS), "--total-seq-len", "512",
              "--num-workers", "0", "--lr", "3e-3", "--save-path", str(tmp_path / "speculators-run"),
@@ -221,3 +231,19 @@ def test_speculators_trains_on_a_kimi25_store_as_train_md_says(trainers_python, 
     val = [float(x) for x in re.findall(r"val/loss_epoch=([-+.\de]+)", output)]
     assert len(val) == EPOCHS, output[-3000:]
     _falls(val, 1)
+
+
+def test_hs_connectors_fp8_reader_loads_every_file_of_an_fp8_store(trainers_python, tiny_llama, tmp_path) -> None:
+    """Their `FP8Transfer` dequantizes every file within FP8's rounding of the float32 states of the same run, and
+    their own quantizer, applied state by state, gives exactly the files' bytes and scales ([T, k+1, 1])."""
+    fp8 = _extract(tiny_llama, tmp_path, "speculators", 12, dtype="fp8")
+    ref = _extract(tiny_llama, tmp_path, "speculators", 12, dtype="float32")
+    run = subprocess.run([str(trainers_python), str(HERE / "read_fp8.py"), str(fp8), str(ref)], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["files"] == 12 and summary["tokens"] == sum(json.loads(line)["num_tokens"]
+           for log in (fp8 / "index").glob("*.jsonl") for line in log.read_text().splitlines())  # fmt: skip
+    assert summary["keys"] == ["hidden_states", "token_ids"] and summary["dtype"] == "torch.bfloat16"
+    assert summary["bytes_equal"], summary
+    assert 0 < summary["worst_over_bound"] <= 1, summary

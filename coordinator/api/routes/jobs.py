@@ -49,7 +49,7 @@ def submit_job(
             SUBMISSIONS.labels("no_space").inc()
             raise
     planned = plan_job(spec, output_root=settings.output_root, job_id=job_id)
-    create_job(redis, keys, job_id, planned.spec, planned.shards)
+    create_job(redis, keys, job_id, planned.spec, planned.shards, bytes_per_token=planned.bytes_per_token)
     dispatch_pending(redis, keys, job_id, dispatcher.send)
     SUBMISSIONS.labels("accepted").inc()
     return _job(redis, keys, job_id)

@@ -11,8 +11,10 @@ import torch
 
 from layertap.sample import CapturedSample
 from layertap.store.index import SampleRecord
+from sglang_patch.sample_files import FP8
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Store dtype -> the dtype of its stored states; fp8 stores float8_e4m3fn with float32 scales beside it.
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": FP8}
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 Each safetensors file holds ``token_ids`` long [T] and ``hidden_states`` [T, k+1, H]: the aux layers
 in capture-index order, then the final state BEFORE the norm (the trainer applies ``verifier_norm``).
+An FP8 store (``store_dtype`` fp8) holds them as float8_e4m3fn with ``hidden_states_scales`` float32
+[T, k+1, 1] beside them, which speculators dequantizes with ``--hidden-states-backend fp8``.
 The Arrow rows (``input_ids``, ``loss_mask``, ``seq_len``, torch format) must line up with the file
 numbers: speculators loads ``hs_<row>`` for Arrow row ``row``.
 
@@ -26,7 +28,7 @@ from layertap.store.atomic import TMP_MARK
 from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
 from layertap.store.index import SampleRecord
 from sglang_patch.contract import SPECULATORS
-from sglang_patch.sample_files import speculators_tensors, stack_aux_final, write_sample
+from sglang_patch.sample_files import FP8, FP8_SCALES, quantize_fp8, speculators_tensors, stack_aux_final, write_sample
 from sglang_patch.writer import fsync_path
 
 KEYS = {"token_ids", "hidden_states"}
@@ -37,7 +39,7 @@ class SpeculatorsFormat(SampleFormat):
     name = SPECULATORS
     sample_glob = "samples/hs_*.safetensors"
     ids_key = "token_ids"
-    state_keys = ("hidden_states",)
+    state_keys = ("hidden_states", FP8_SCALES)  # the scales only in an FP8 store
 
     def relpath(self, index: int) -> str:
         return f"samples/hs_{index}.safetensors"
@@ -45,18 +47,26 @@ class SpeculatorsFormat(SampleFormat):
     def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
         if captured.final_pre is None:
             raise ValueError("speculators stores the pre-norm final state; the capture has none")
-        states = stack_aux_final(captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype))
-        tensors = speculators_tensors(captured.sample.input_ids, states)
-        write_sample(SPECULATORS, tensors, f)
+        scales = captured.scales
+        if scales is not None:  # quantized by the server already
+            states = stack_aux_final(captured.aux, captured.final_pre)
+        elif layout.dtype == FP8:  # from the compute dtype, as the capture server does on its device
+            states, scales = quantize_fp8(stack_aux_final(captured.aux, captured.final_pre))
+        else:
+            states = stack_aux_final(captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype))
+        write_sample(SPECULATORS, speculators_tensors(captured.sample.input_ids, states, scales), f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
 
     def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
         t, h = record.num_tokens, layout.hidden_size
-        out = key_problems(tensors, KEYS)
+        fp8 = layout.dtype == FP8
+        out = key_problems(tensors, KEYS | ({FP8_SCALES} if fp8 else set()))
         out += expect("token_ids", tensors.get("token_ids"), (t,), torch.long)
         out += expect("hidden_states", tensors.get("hidden_states"), (t, layout.num_aux + 1, h), layout.dtype)
+        if fp8:
+            out += expect(FP8_SCALES, tensors.get(FP8_SCALES), (t, layout.num_aux + 1, 1), torch.float32)
         return out
 
     def finalize(self, root: Path, records: list[SampleRecord]) -> None:
