@@ -1,9 +1,9 @@
 """One extraction run: dataset rows -> tokenized samples -> engine -> validated, committed files.
 
 The same function serves the CLI (one process, the whole dataset) and a Celery worker (one shard,
-``rows[start:stop]``): ``run_shard`` skips what the store verifiably holds, streams the rest through
-the engine, retries failing samples alone a bounded number of times, and reports each outcome to a
-``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
+``rows[start:stop]``): ``run_shard`` skips what the store verifiably holds and its rows still give
+(re-tokenized: `changed_samples`), streams the rest through the engine, retries failing samples alone a
+bounded number of times, and reports each outcome to a ``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
 """
 
 from __future__ import annotations
