@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from capture_bench import CPU_ARGS, CPU_STUB, GPU_COMMON, log, plain_rate  # noqa: E402
 
 from layertap.audit import audit_store  # noqa: E402
+from layertap.data.scan import dataset_sha256  # noqa: E402
 from layertap.engines.sglang import SGLangEngine  # noqa: E402
 from layertap.engines.sglang_server import ServerConfig, SGLangServer  # noqa: E402
 from layertap.models.folder import ModelFolder  # noqa: E402
@@ -64,9 +65,10 @@ def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Pat
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
     folder = ModelFolder.read(model)
     cap = spec.resolve(folder.num_layers)
-    engine = SGLangEngine(server, cap, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
+    engine = SGLangEngine(server, cap, model=model, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
     manifest = build_manifest(spec, cap, hidden_size=folder.hidden_size, compute_dtype="bfloat16",
-                              dataset_rows=sum(1 for _ in data.open()), engine=engine.describe())  # fmt: skip
+                              dataset_rows=sum(1 for _ in data.open()), dataset_sha256=dataset_sha256(data),
+                              engine=engine.describe())  # fmt: skip
     store = OutputStore.create_or_resume(out, manifest)
     t0 = time.perf_counter()
     report = run_shard(spec, store, engine, check_level="quick")

@@ -69,7 +69,9 @@ def test_an_fp8_store_made_through_the_server_verifies_and_passes_the_audit(fp8_
     capture = spec.resolve(6)
 
     def engine(_capture):
-        return SGLangEngine(SGLangServer(url=fp8_server.url), capture, dump_root=fp8_server.dump_root, job="fp8s")
+        return SGLangEngine(
+            SGLangServer(url=fp8_server.url), capture, model=tiny_llama, dump_root=fp8_server.dump_root, job="fp8s"
+        )
 
     report = run_extraction(spec, tmp_path / "out", engine)
     assert len(report.computed) == 12 and report.failed == 0
@@ -91,8 +93,8 @@ def test_an_fp8_store_quantizes_what_a_server_dumps_unquantized(sglang_llama, ti
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="speculators", final="both",
                           store_dtype="fp8")  # fmt: skip
     capture = spec.resolve(6)
-    make = lambda _c: SGLangEngine(SGLangServer(url=sglang_llama.url), capture, dump_root=sglang_llama.dump_root,  # noqa: E731
-                                   job="fp8-states")  # fmt: skip
+    make = lambda _c: SGLangEngine(SGLangServer(url=sglang_llama.url), capture, model=tiny_llama,  # noqa: E731
+                                   dump_root=sglang_llama.dump_root, job="fp8-states")  # fmt: skip
     report = run_extraction(spec, tmp_path / "out", make)
     assert len(report.computed) == 3 and verify_store(tmp_path / "out").ok
     store = OutputStore.open_existing(tmp_path / "out")
