@@ -36,7 +36,7 @@ CUDA_STUB_SOURCE = REPO_ROOT / "scripts" / "libcuda_stub.c"
 # legal index and one in between; for kimi, index 2 is the output of its first MoE layer.
 DEFAULT_LAYERS = {"llama": (1, 3, 5), "kimi-k2": (1, 2, 4)}
 CHUNKED_PREFILL_SIZE = 64
-STARTUP_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 900.0  # a start that outlasts it is not retried; a loaded 2-core box started TP=2 in > 300 s
 
 
 @dataclass(frozen=True, slots=True)

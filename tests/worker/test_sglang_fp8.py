@@ -45,7 +45,9 @@ class _Inspecting(SGLangEngine):
 
 def test_the_server_quantizes_and_its_dumps_are_within_fp8_of_hf(fp8_server, tiny_llama, hf_reference) -> None:
     spec = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="pre")
-    engine = _Inspecting(SGLangServer(url=fp8_server.url), spec, dump_root=fp8_server.dump_root, job="fp8", in_flight=4)
+    engine = _Inspecting(
+        SGLangServer(url=fp8_server.url), spec, model=tiny_llama, dump_root=fp8_server.dump_root, job="fp8", in_flight=4
+    )
     samples = _samples(tiny_llama, 12, seed=7)  # 1 to 2000 tokens: prompts over many 64-token passes
     results = list(engine.capture(samples))
     assert all(isinstance(r, CapturedSample) for r in results), results
