@@ -61,10 +61,6 @@ class FolderWeights:
         plain -= {p.removeprefix(folder.prefix) + k for p in self._packed.values() for k in (PACKED, SCALE, SHAPE)}
         self.names: tuple[str, ...] = tuple(sorted(plain | set(self._packed)))
 
-    def layer_names(self, layer: int) -> list[str]:
-        """The names of decoder layer ``layer``'s tensors."""
-        return [n for n in self.names if layer_of(n) == layer]
-
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (plain names) in their stored dtypes, a dequantized weight in float32 (exact);
         each shard is opened once."""
