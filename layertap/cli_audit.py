@@ -19,14 +19,19 @@ console = Console(stderr=True)
 @click.option("--samples", type=int, default=None, help="Samples to audit (default 32 unless --fraction).")
 @click.option("--fraction", type=float, default=None, help="Share of the committed samples to audit instead.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Picks the samples: same seed, same samples.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, or auto (spread over GPUs).")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="cpu, cuda, cuda:N, or auto (the first GPU, else the CPU). One device holds the whole audit.",
+)
 @click.option(
     "--model",
     type=click.Path(path_type=Path, exists=True, file_okay=False),
     default=None,
     help="The model folder, if it moved since the extraction (its config.json must be the manifest's).",
 )
-@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per forward.")
+@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per attention step.")
 @click.option("--no-final", is_flag=True, help="Leave the final state out: run only up to the deepest captured layer.")
 @click.option("--trust-remote-code", is_flag=True, help="As for extract: the folder ships code (read it first).")
 def audit(
@@ -42,6 +47,9 @@ def audit(
 ) -> None:
     """Audit a random subset of OUT's samples against the model run in HF transformers; exit 1 on FAIL.
 
+    The model runs one decoder layer at a time from its shards (routed experts one by one, INT4 ones dequantized on
+    the fly), so one GPU, or the CPU, audits any depth: it says what it needs before it starts.
+
     Per captured state and token: the error against a float32 reference, next to the noise floor (the same
     reference at the store's compute dtype), outliers explained by MoE routing near-ties, and negative controls
     that must fail. Writes OUT/reports/audit-*.json and .md."""
@@ -55,7 +63,8 @@ def audit(
         samples = 32
     try:
         report = audit_store(out, samples=samples, fraction=fraction, seed=seed, device=device, model=model,
-                             trust_remote_code=trust_remote_code, batch_tokens=batch_tokens, final=not no_final)  # fmt: skip
+                             trust_remote_code=trust_remote_code, batch_tokens=batch_tokens, final=not no_final,
+                             say=lambda line: console.print(escape(line)))  # fmt: skip
     except LayertapError as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         sys.exit(2)

@@ -61,13 +61,14 @@ class HFReference:
     here shares code with the engines under test.
     """
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype=None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         model_dir = _unwrapped(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.no_norm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dtype = dtype or torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.no_norm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.no_norm.get_decoder().norm = torch.nn.Identity()
 
     def states(self, input_ids):
@@ -123,12 +124,12 @@ def dequantized_int4(packed, scale, shape):
 
 @pytest.fixture(scope="session")
 def hf_reference():
-    """``hf_reference(model_dir)`` -> a cached ``HFReference``."""
-    cache: dict[Path, HFReference] = {}
+    """``hf_reference(model_dir, dtype=float32)`` -> a cached ``HFReference``."""
+    cache: dict[tuple, HFReference] = {}
 
-    def get(model_dir: Path) -> HFReference:
-        if model_dir not in cache:
-            cache[model_dir] = HFReference(model_dir)
-        return cache[model_dir]
+    def get(model_dir: Path, dtype=None) -> HFReference:
+        if (model_dir, dtype) not in cache:
+            cache[model_dir, dtype] = HFReference(model_dir, dtype)
+        return cache[model_dir, dtype]
 
     return get

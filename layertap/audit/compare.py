@@ -54,20 +54,26 @@ def bulk_ok(errors: torch.Tensor, floor: torch.Tensor) -> bool:
     return not errors.numel() or float(errors.median()) <= K_BULK * floor_median(floor)
 
 
-def diagnose(got: torch.Tensor, ref: torch.Tensor, floor: torch.Tensor, alternatives: dict[str, torch.Tensor]) -> str:
-    """The likeliest cause of a stored state ``got`` [T, H] not matching ``ref`` [T, H]: the first hypothesis under
-    which it passes. ``alternatives`` maps a cause (e.g. "layer swapped: holds capture index 3") to the reference
-    that cause would have stored. Zeroed rows are named before anything else."""
-    zeroed = int(zero_rows(got).sum())
-    if zeroed:
-        return f"{zeroed} token rows zeroed"
+def diagnose(
+    errors: torch.Tensor,
+    floor: torch.Tensor,
+    zeroed: torch.Tensor,
+    shifted: dict[int, torch.Tensor],
+    alternatives: dict[str, torch.Tensor],
+) -> str:
+    """The likeliest cause of a stored state not matching its reference: the first hypothesis under which it
+    passes. ``errors`` [T] are the state's against its reference, ``zeroed`` [T] its all-zero rows, ``shifted`` the
+    errors if row t held token t-1's state (1) or t+1's (-1), and ``alternatives`` maps a cause (e.g. "layer swapped:
+    holds capture index 3") to the state's errors against the reference that cause would have stored. Zeroed rows
+    are named before anything else."""
+    if n := int(zeroed.sum()):
+        return f"{n} token rows zeroed"
     for shift, where in ((1, "later"), (-1, "earlier")):
-        if got.shape[0] > 1 and bulk_ok(shifted_errors(got, ref, shift), floor):
+        if errors.numel() > 1 and bulk_ok(shifted[shift], floor):
             return f"shifted one token ({where}: row t holds token t{'-' if shift > 0 else '+'}1's state)"
     for cause, alt in alternatives.items():
-        if bulk_ok(token_errors(got, alt), floor):
+        if bulk_ok(alt, floor):
             return cause
-    errors = token_errors(got, ref)
     cut = K_OUTLIER * max(float(floor.max()), MIN_FLOOR) if floor.numel() else MIN_FLOOR
     agree = int(torch.cumprod(errors <= cut, dim=0).sum())
     if 0 < agree < errors.numel():

@@ -1,44 +1,39 @@
-"""The audit's reference: the folder's language model in HF transformers, run on the store's own token ids.
+"""The audit's reference: the folder's language model in HF transformers, streamed one decoder layer at a time.
 
-Only the layers the store needs are loaded and run: up to the deepest captured state (and the neighbouring
-layer the wrong-layer control reads), the whole stack only when a final state is stored. States are read with
-hooks (capture index i = input of decoder layer i = output of layer i-1; pre-norm final = the final norm's
-input; post-norm final = the model's output), never through ``output_hidden_states``, so a truncated stack
-means the same thing as a whole one. Hooks on the MoE routers record each token's routing margin.
+Every audited token goes through the model together, layer by layer: a layer is read from the shards (the next one
+read meanwhile, `readahead.py`), materialized (`layers.py`), run over each batch, then dropped. Two residual streams
+run side by side: float32, the reference, and the store's compute dtype, the noise floor. Memory is one layer's
+weights plus the audited tokens' activations, whatever the depth (`memory.py` says how much before it starts).
+
+Only the layers the store needs are run: up to the deepest captured state (and the neighbouring layer the
+wrong-layer control reads), the whole stack only when a final state is stored. Capture index i = input of decoder
+layer i = output of layer i-1; pre-norm final = the last layer's output; post-norm final = the final norm of it.
+Each point's states are handed to an observer as soon as they exist (the states of every point at once would not
+fit at Kimi's width). A hook on each MoE router records each token's routing margin.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from layertap.engines.hf import load_language_model
-from layertap.errors import SpecError
+from layertap.audit.layers import Decoder, Deferred, LayerInputs, StreamedExperts
+from layertap.audit.readahead import ReadAhead, ReadStats
 from layertap.models.folder import ModelFolder
-from layertap.models.quantization import PACKED, SCALE, SHAPE
+from layertap.models.weights import FolderWeights, layer_of
 from sglang_patch.sample_files import FP8, dequantize_fp8, quantize_fp8
 
 Point = int | str  # a capture index, or "pre" / "post" for the final state
-GiB = 1024**3
-
-
-@dataclass(frozen=True, slots=True)
-class RefRun:
-    """One batch's reference: point -> [B, T, H] float32 states, the floor states at the store's precision
-    (`round_to_store`), and per MoE layer (index -> [B, T]) the routing margins."""
-
-    states: dict[Point, torch.Tensor]
-    floor: dict[Point, torch.Tensor]
-    margins: dict[int, torch.Tensor]
+# observe(point, batch, states, floor): one batch's [B, T, H] float32 reference at a point, and its floor (the same
+# states computed in the store's compute dtype, rounded to its store dtype)
+Observer = Callable[[Point, int, torch.Tensor, torch.Tensor], None]
+Batch = tuple[torch.Tensor, list[int]]  # right-padded token ids [B, T] and each row's length
 
 
 class Reference:
-    """The float32 reference (plus, when the store computed in another dtype, the same model in that dtype)."""
+    """The float32 reference of ``folder`` at ``points`` (plus the same model in ``compute_dtype`` when the store
+    computed in another dtype), on ``device``."""
 
     def __init__(
         self,
@@ -47,50 +42,75 @@ class Reference:
         *,
         compute_dtype: torch.dtype,
         store_dtype: torch.dtype,
-        device: str,
+        device: torch.device,
     ) -> None:
         self.points = tuple(points)
         self.full = any(isinstance(p, str) for p in points)
-        depth = folder.num_layers if self.full else max(int(p) for p in points)
-        self.store_dtype = store_dtype
-        device_map = "auto" if device == "auto" else None
-        check_memory(folder, depth, compute_dtype, device)
-        self.models = [_load(folder, torch.float32, depth, device, device_map)]
-        if compute_dtype != torch.float32:
-            self.models.append(_load(folder, compute_dtype, depth, device, device_map))
-        self.device = next(self.models[0].parameters()).device
+        self.depth = folder.num_layers if self.full else max(int(p) for p in points)
+        self.store_dtype, self.device = store_dtype, device
+        self.weights = FolderWeights(folder)
+        dtypes = [torch.float32] + ([compute_dtype] if compute_dtype != torch.float32 else [])
+        self.decoders = [Decoder(folder, self.depth, dtype, device) for dtype in dtypes]
+        self.moe_layers = self.decoders[0].moe_layers
         self.k = int(folder.text_config.get("num_experts_per_tok") or 0)
-        self.moe_layers = [i for i, layer in enumerate(self.models[0].layers) if _router(layer) is not None]
-        self._seen: dict[Point, torch.Tensor] = {}
-        self._margins: dict[int, torch.Tensor] = {}
-        self._hooks = [self._attach(m, margins=(m is self.models[0])) for m in self.models]
+        self.stats = ReadStats()
 
-    def _attach(self, model: torch.nn.Module, *, margins: bool) -> list:
-        handles = []
-        for i, layer in enumerate(model.layers):
-            if i + 1 in self.points:
-                handles.append(layer.register_forward_hook(self._keep(i + 1)))
-            if margins and (gate := _router(layer)) is not None:
-                handles.append(gate.register_forward_hook(self._margin_hook(i)))
-        if 0 in self.points:
-            handles.append(
-                model.layers[0].register_forward_pre_hook(lambda _m, args: self._seen.__setitem__(0, args[0]))
-            )
+    @torch.inference_mode()
+    def run(self, batches: Sequence[Batch], observe: Observer) -> dict[int, torch.Tensor]:
+        """Push ``batches`` through the model, calling ``observe`` at each point; returns per MoE layer the
+        routing margins of the real tokens [N], batch by batch and row by row."""
+        reader = ReadAhead(self.weights, range(self.depth))
+        top = reader.read([n for n in self.weights.names if layer_of(n) is None and not n.startswith("lm_head.")])
+        streams, inputs = [], []
+        for decoder in self.decoders:
+            decoder.load_top(top)
+            embedded = [self._layer_inputs(decoder, ids, lengths) for ids, lengths in batches]
+            streams.append([h for h, _ in embedded])
+            inputs.append([kwargs for _, kwargs in embedded])
+            decoder.drop_embeddings()
+        del top
+        lengths = [lengths for _, lengths in batches]
+        self._observe(0, streams, observe)
+        margins: dict[int, torch.Tensor] = {}
+        for index, tensors in reader:
+            for s, decoder in enumerate(self.decoders):
+                layer = decoder.layer(index, tensors)
+                run_layer(layer, streams[s], [kw[index] for kw in inputs[s]], lengths,
+                          self._margin_hook(index, margins) if s == 0 else None)  # fmt: skip
+                del layer
+            del tensors
+            self._observe(index + 1, streams, observe)
         if self.full:
-            handles.append(
-                model.norm.register_forward_pre_hook(lambda _m, args: self._seen.__setitem__("pre", args[0]))
-            )
-        return handles
+            self._observe("pre", streams, observe)
+            for s, decoder in enumerate(self.decoders):
+                streams[s] = [decoder.model.norm(h) for h in streams[s]]
+            self._observe("post", streams, observe)
+        self.stats = reader.stats
+        return margins
 
-    def _keep(self, point: Point):
-        def hook(_module: torch.nn.Module, _args: tuple, output: torch.Tensor | tuple) -> None:
-            self._seen[point] = output[0] if isinstance(output, tuple) else output
+    def _layer_inputs(self, decoder: Decoder, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[dict]]:
+        """The embeddings of one batch and what the model passes each decoder layer with it (mask, positions), from
+        one forward of the decoder with stand-ins for its layers."""
+        seen: list[tuple[torch.Tensor, dict]] = []
+        keep = lambda h, kwargs: seen.append((h, kwargs))  # noqa: E731
+        decoder.model.layers = torch.nn.ModuleList(LayerInputs(keep) for _ in range(self.depth))
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        decoder.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        decoder.model.layers = torch.nn.ModuleList()
+        return seen[0][0], [kwargs for _, kwargs in seen]
 
-        return hook
+    def _observe(self, point: Point, streams: list[list[torch.Tensor]], observe: Observer) -> None:
+        if point not in self.points:
+            return
+        for b, (states, last) in enumerate(zip(streams[0], streams[-1], strict=True)):
+            observe(point, b, states, round_to_store(last.float(), self.store_dtype))
 
-    def _margin_hook(self, layer: int):
-        """The gap between the k-th and (k+1)-th selection score per token (sigmoid + correction bias as
-        DeepseekV3/Kimi select; softmax otherwise). Exact for one routing group; a proxy under group limits."""
+    def _margin_hook(self, layer: int, margins: dict[int, torch.Tensor]):
+        """A router hook keeping the gap between the k-th and (k+1)-th selection score per token (sigmoid +
+        correction bias as DeepseekV3/Kimi select; softmax otherwise). Exact for one routing group; a proxy under
+        group limits."""
 
         def hook(module: torch.nn.Module, _args: tuple, output: torch.Tensor | tuple) -> None:
             logits = (output[0] if isinstance(output, tuple) else output).float()
@@ -98,26 +118,41 @@ class Reference:
             bias = getattr(module, "e_score_correction_bias", None)
             scores = logits.sigmoid() + bias.float() if bias is not None else logits.softmax(dim=-1)
             top = scores.topk(min(self.k + 1, scores.shape[-1]), dim=-1).values
-            self._margins[layer] = top[:, self.k - 1] - top[:, self.k]
+            margins[layer] = top[:, self.k - 1] - top[:, self.k]
 
         return hook
 
-    @torch.inference_mode()
-    def run(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> RefRun:
-        """The reference of one right-padded batch ``ids`` [B, T]."""
-        results = []
-        for model in self.models:
-            self._seen.clear()
-            out = model(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
-            if self.full:
-                self._seen["post"] = out.last_hidden_state
-            results.append({p: self._seen[p].float() for p in self.points})
-        states, shape = results[0], ids.shape
-        floor = {p: round_to_store(t, self.store_dtype) for p, t in results[-1].items()}
-        margins = {i: m.reshape(shape) for i, m in self._margins.items()}
-        self._seen.clear()
-        self._margins.clear()
-        return RefRun(states=states, floor=floor, margins=margins)
+
+def run_layer(
+    layer: torch.nn.Module,
+    hidden: list[torch.Tensor],
+    kwargs: list[dict],
+    lengths: list[list[int]],
+    margin_hook: Callable | None,
+) -> None:
+    """Replace each batch's ``hidden`` [B, T, H] by ``layer``'s output. A MoE layer runs its attention batch by
+    batch and its MLP once over the real tokens of every batch, so each routed expert is read once per layer."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(getattr(mlp, "experts", None), StreamedExperts):
+        for b, h in enumerate(hidden):
+            hidden[b] = layer(h, **kwargs[b])
+        return
+    layer.mlp = deferred = Deferred()
+    for b, h in enumerate(hidden):
+        hidden[b] = layer(h, **kwargs[b])
+    tokens = torch.cat([x[row, :n] for x, rows in zip(deferred.inputs, lengths, strict=True)
+                        for row, n in enumerate(rows)])  # fmt: skip
+    deferred.inputs.clear()
+    hook = mlp.gate.register_forward_hook(margin_hook) if margin_hook else None
+    out = mlp(tokens[None])[0]
+    if hook:
+        hook.remove()
+    del tokens
+    offset = 0
+    for h, rows in zip(hidden, lengths, strict=True):
+        for row, n in enumerate(rows):
+            h[row, :n] += out[offset : offset + n]  # the layer's own last step: residual + MLP output
+            offset += n
 
 
 def round_to_store(states: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
@@ -128,52 +163,3 @@ def round_to_store(states: torch.Tensor, store_dtype: torch.dtype) -> torch.Tens
         return states.to(store_dtype).float()
     fp8, scales = quantize_fp8(states.reshape(-1, 1, states.shape[-1]))
     return dequantize_fp8(fp8, scales).float().reshape(states.shape)
-
-
-def _router(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """A decoder layer's MoE router (``mlp.gate`` with experts beside it), or None for a dense layer."""
-    mlp = getattr(layer, "mlp", None)
-    return getattr(mlp, "gate", None) if hasattr(mlp, "experts") else None
-
-
-def _load(folder: ModelFolder, dtype: torch.dtype, depth: int, device: str, device_map: str | None) -> torch.nn.Module:
-    model = load_language_model(folder, dtype, num_layers=depth, device_map=device_map).get_decoder()
-    return (model if device_map else model.to(device)).eval()
-
-
-def check_memory(folder: ModelFolder, depth: int, compute_dtype: torch.dtype, device: str) -> None:
-    """SpecError saying what the reference needs when ``device`` (one GPU) cannot hold it."""
-    if not device.startswith("cuda"):
-        return
-    need = weight_bytes(folder, depth, torch.float32)
-    if compute_dtype != torch.float32:
-        need += weight_bytes(folder, depth, compute_dtype)
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    if need * 1.1 > free:
-        total = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
-        raise SpecError(
-            f"the reference needs ~{need / GiB:.1f} GiB of weights on {device} (float32"
-            f"{' plus ' + str(compute_dtype).removeprefix('torch.') if compute_dtype != torch.float32 else ''}, "
-            f"{depth} layers) and {free / GiB:.1f} GiB is free; --device auto spreads it over the "
-            f"{torch.cuda.device_count()} GPUs here ({total / GiB:.1f} GiB free in all)"
-        )
-
-
-def weight_bytes(folder: ModelFolder, depth: int, dtype: torch.dtype) -> int:
-    """Bytes of the language model's weights for its first ``depth`` layers in ``dtype``, from the safetensors
-    headers (no weights read); packed INT4 weights count as the values they dequantize to."""
-    layer = re.compile(r"layers\.(\d+)\.")
-    numel = 0
-    for path in folder.path.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, info in header.items():
-            if name == "__metadata__" or not name.startswith(folder.prefix):
-                continue
-            if ((m := layer.search(name)) and int(m.group(1)) >= depth) or name.endswith((f".{SCALE}", f".{SHAPE}")):
-                continue  # a packed weight's scale and shape are folded into its dequantized values
-            n = 8 if name.endswith(f".{PACKED}") else 1  # an int32 word packs 8 INT4 values
-            for d in info["shape"]:
-                n *= d
-            numel += n
-    return numel * dtype.itemsize

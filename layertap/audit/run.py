@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from layertap.audit.compare import (
     token_errors,
     zero_rows,
 )
-from layertap.audit.reference import Point, Reference, RefRun
-from layertap.engines.hf import token_batches
+from layertap.audit.memory import BatchShape, check, estimate, pick_device
+from layertap.audit.reference import Point, Reference
+from layertap.diskspace import human_bytes
+from layertap.engines.hf import check_has_weights, token_batches
 from layertap.errors import SpecError, StoreError
 from layertap.models.folder import ModelFolder
 from layertap.store.atomic import atomic_write, atomic_write_json
@@ -56,6 +59,9 @@ class AuditReport:
     tokens_total: int
     seconds: float
     states: list[StateVerdict] = field(default_factory=list)
+    memory: str = ""  # what the reference needed, and where
+    reading: str = ""  # what reading the folder cost
+    peak_device_bytes: int | None = None  # on a GPU: the most torch held at once
     files: list[str] = field(default_factory=list)  # the report files written
 
     @property
@@ -71,7 +77,8 @@ class AuditReport:
         return {
             "passed": self.passed, "root": self.root, "model": self.model, "device": self.device, "seed": self.seed,
             "samples": self.samples, "samples_total": self.samples_total, "tokens": self.tokens,
-            "tokens_total": self.tokens_total, "share": self.share, "seconds": self.seconds,
+            "tokens_total": self.tokens_total, "share": self.share, "seconds": self.seconds, "memory": self.memory,
+            "reading": self.reading, "peak_device_bytes": self.peak_device_bytes,
             "states": [s.to_dict() for s in self.states],
             "rules": {"tie": TIE, "k_bulk": K_BULK, "k_outlier": K_OUTLIER},
         }  # fmt: skip
@@ -90,6 +97,10 @@ class AuditReport:
             f"# Audit of `{self.root}`: {'PASS' if self.passed else 'FAIL'}",
             "",
             f"Model `{self.model}`, device {self.device}, seed {self.seed}. {self.summary()}.",
+            "",
+            f"Reference: {self.memory}; {self.reading}"
+            + (f"; peak {human_bytes(self.peak_device_bytes)} on the GPU" if self.peak_device_bytes else "")
+            + ".",
             "",
             "Per-token relative error e_t = ||x_t - r_t|| / ||r_t|| of the stored state against HF float32; the floor "
             "is the same reference at the store's compute dtype, rounded to its store dtype (FP8: quantized and "
@@ -134,17 +145,20 @@ def audit_store(
     samples: int | None = None,
     fraction: float | None = None,
     seed: int = 0,
-    device: str = "cpu",
+    device: str = "auto",
     trust_remote_code: bool = False,
     model: Path | None = None,
     batch_tokens: int = 16384,
     final: bool = True,
     write: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> AuditReport:
     """Audit ``samples`` (or ``fraction`` of the) committed samples of the store at ``root`` against its model
-        folder (``model``, default the manifest's) run in HF transformers on ``device`` (``"auto"``: spread over the
-        GPUs). ``final=False`` leaves the stored final state out and runs the layers up to the deepest captured one
-    only. Writes the report under ``reports/`` unless ``write`` is False. Bad input -> SpecError/StoreError."""
+    folder (``model``, default the manifest's) run in HF transformers layer by layer on ``device`` (``auto``: the
+    first GPU, else the CPU). ``final=False`` leaves the stored final state out and runs the layers up to the
+    deepest captured one only. ``say`` hears what the reference needs, before it starts, and what reading cost.
+    Writes the report under ``reports/`` unless ``write`` is False. Bad input or too little memory ->
+    SpecError/StoreError."""
     started = time.time()
     root = Path(root)
     store = OutputStore.open_existing(root)
@@ -154,66 +168,111 @@ def audit_store(
         raise StoreError(f"{root} has no committed samples to audit")
     chosen = choose_samples(records, sample_count(len(records), samples, fraction), seed)
     folder = model_folder(manifest, model, trust_remote_code)
+    check_has_weights(folder)
     final_point: Point | None = ("post" if manifest.format == "specforge" else "pre") if final else None
     stored: list[Point] = [*manifest.capture_indices, *([final_point] if final_point else [])]
     points, neighbour = reference_points(manifest.capture_indices, final_point, folder.num_layers)
+    target = pick_device(device)
     ref = Reference(folder, points, compute_dtype=getattr(torch, manifest.compute_dtype),
-                    store_dtype=DTYPES[manifest.store_dtype], device=device)  # fmt: skip
+                    store_dtype=DTYPES[manifest.store_dtype], device=target)  # fmt: skip
+    batches = list(token_batches(chosen, max_tokens=batch_tokens, max_size=64))  # type: ignore[arg-type]
+    loaded = [[read_states(manifest, store.format.load(root / rec.file)) for rec in batch] for batch in batches]
+    shapes = [BatchShape(len(b), max(ids.numel() for ids, _ in b), sum(ids.numel() for ids, _ in b)) for b in loaded]
+    per_token = (len(manifest.capture_indices) + 1) * manifest.hidden_size * DTYPES[manifest.store_dtype].itemsize
+    need = estimate(ref.weights, ref.depth, [d.dtype for d in ref.decoders], shapes, per_token, target)
+    check(need)
+    if say:
+        say(need.summary())
+    if target.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target)
+    errors = PointErrors(loaded, stored, target)
+    margins = ref.run([(padded_ids(b), [ids.numel() for ids, _ in b]) for b in loaded], errors)
+    near_ties = split_margins(margins, [[ids.numel() for ids, _ in b] for b in loaded])
     per_state: dict[Point, list[SampleState]] = {p: [] for p in stored}
-    for batch in token_batches(chosen, max_tokens=batch_tokens, max_size=64):  # type: ignore[arg-type]
-        loaded = [read_states(manifest, store.format.load(root / rec.file)) for rec in batch]
-        longest = max(ids.numel() for ids, _ in loaded)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (sample_ids, _) in enumerate(loaded):
-            ids[row, : sample_ids.numel()], mask[row, : sample_ids.numel()] = sample_ids, 1
-        run = ref.run(ids, mask)
-        for row, (rec, (sample_ids, states)) in enumerate(zip(batch, loaded, strict=True)):
+    for b, batch in enumerate(batches):
+        for row, rec in enumerate(batch):
             for point in stored:
-                got = states[point]
-                per_state[point].append(
-                    sample_state(
-                        rec.sample_id,
-                        got.to(ref.device),
-                        run,
-                        row,
-                        sample_ids.numel(),
-                        point,
-                        neighbour[point],
-                        _near_tie_layers(ref.moe_layers, point),
-                    )
-                )
+                moe_before = _near_tie_layers(ref.moe_layers, point)
+                near = [near_ties[i][b][row] for i in moe_before]
+                per_state[point].append(errors.sample_state(rec.sample_id, b, row, point, neighbour[point], near))
     report = AuditReport(
-        root=str(root), model=str(folder.path), device=device, seed=seed, samples=[r.sample_id for r in chosen],
+        root=str(root), model=str(folder.path), device=str(target), seed=seed, samples=[r.sample_id for r in chosen],
         samples_total=len(records), tokens=sum(r.num_tokens for r in chosen),
         tokens_total=sum(r.num_tokens for r in records), seconds=0.0,
         states=[judge(state_name(p), not _near_tie_layers(ref.moe_layers, p), per_state[p]) for p in stored],
+        memory=need.summary(), reading=ref.stats.summary(),
+        peak_device_bytes=torch.cuda.max_memory_allocated(target) if target.type == "cuda" else None,
     )  # fmt: skip
     report.seconds = time.time() - started
+    if say:
+        say(report.reading)
     if write:
         report.write(root)
     return report
 
 
-def sample_state(
-    sample_id: str, got: torch.Tensor, run: RefRun, row: int, length: int, point: Point, neighbour: Point,
-    moe_before: list[int],
-) -> SampleState:  # fmt: skip
-    """One sample's errors at one state against its reference row (diagnosed when it fails)."""
-    ref, floor_ref = run.states[point][row, :length], run.floor[point][row, :length]
-    errors, floor = token_errors(got, ref), token_errors(floor_ref, ref)
-    margins = [run.margins[i][row, :length] for i in moe_before]
-    near = torch.stack(margins).min(dim=0).values < TIE if margins else torch.zeros(length, dtype=torch.bool)
-    zeroed = zero_rows(got)
-    controls = {"shift": shifted_errors(got, ref, 1), "layer": token_errors(got, run.states[neighbour][row, :length])}
-    cause = None
-    if zeroed.any() or not bulk_ok(errors, floor):
-        alternatives = {
-            swap_cause(point, other): states[row, :length] for other, states in run.states.items() if other != point
-        }
-        cause = diagnose(got, ref, floor, alternatives)
-    return SampleState(sample_id=sample_id, errors=errors.cpu(), floor=floor.cpu(), near_tie=near.cpu(),
-                       zeroed=zeroed.cpu(), controls={k: v.cpu() for k, v in controls.items()}, cause=cause)  # fmt: skip
+def padded_ids(loaded: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
+    """One batch's token ids [B, T], right-padded with zeros (the reference never lets a token see a later pad)."""
+    ids = torch.zeros(len(loaded), max(i.numel() for i, _ in loaded), dtype=torch.long)
+    for row, (sample_ids, _) in enumerate(loaded):
+        ids[row, : sample_ids.numel()] = sample_ids
+    return ids
+
+
+def split_margins(margins: dict[int, torch.Tensor], lengths: list[list[int]]) -> dict[int, list[list[torch.Tensor]]]:
+    """Per MoE layer, the flat margins of every real token split back into batch -> row -> [T]."""
+    out: dict[int, list[list[torch.Tensor]]] = {}
+    for layer, flat in margins.items():
+        pieces = iter(flat.cpu().split([n for rows in lengths for n in rows]))
+        out[layer] = [[next(pieces) for _ in rows] for rows in lengths]
+    return out
+
+
+@dataclass(slots=True)
+class OwnPoint:
+    """What a stored state's own reference point gives: the floor's errors, the shifted errors, the zero rows."""
+
+    floor: torch.Tensor
+    shifted: dict[int, torch.Tensor]
+    zeroed: torch.Tensor
+
+
+class PointErrors:
+    """The reference's observer: for each audited sample and stored state, its per-token errors against the
+    reference at every point, taken as each point's states appear (the states themselves are then dropped)."""
+
+    def __init__(self, loaded: list[list[tuple[torch.Tensor, dict[Point, torch.Tensor]]]], stored: list[Point],
+                 device: torch.device) -> None:  # fmt: skip
+        self.loaded, self.stored, self.device = loaded, stored, device
+        self.vs: dict[tuple[int, int, Point], dict[Point, torch.Tensor]] = {}  # (batch, row, stored) -> point -> [T]
+        self.own: dict[tuple[int, int, Point], OwnPoint] = {}
+
+    def __call__(self, point: Point, b: int, states: torch.Tensor, floor: torch.Tensor) -> None:
+        for row, (ids, got_states) in enumerate(self.loaded[b]):
+            n = ids.numel()
+            ref = states[row, :n]
+            for p in self.stored:
+                got = got_states[p].to(self.device)
+                self.vs.setdefault((b, row, p), {})[point] = token_errors(got, ref).cpu()
+                if point == p:
+                    shifted = {s: shifted_errors(got, ref, s).cpu() for s in (1, -1)}
+                    self.own[b, row, p] = OwnPoint(
+                        token_errors(floor[row, :n], ref).cpu(), shifted, zero_rows(got).cpu()
+                    )
+
+    def sample_state(
+        self, sample_id: str, b: int, row: int, point: Point, neighbour: Point, margins: list[torch.Tensor]
+    ) -> SampleState:
+        """One sample's verdict inputs at one stored state (diagnosed when it fails)."""
+        vs, own = self.vs[b, row, point], self.own[b, row, point]
+        errors = vs[point]
+        near = torch.stack(margins).min(dim=0).values < TIE if margins else torch.zeros_like(errors, dtype=torch.bool)
+        cause = None
+        if own.zeroed.any() or not bulk_ok(errors, own.floor):
+            alternatives = {swap_cause(point, other): e for other, e in vs.items() if other != point}
+            cause = diagnose(errors, own.floor, own.zeroed, own.shifted, alternatives)
+        return SampleState(sample_id=sample_id, errors=errors, floor=own.floor, near_tie=near, zeroed=own.zeroed,
+                           controls={"shift": own.shifted[1], "layer": vs[neighbour]}, cause=cause)  # fmt: skip
 
 
 def state_name(point: Point) -> str:

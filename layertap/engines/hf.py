@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from layertap.engines.base import Engine
 from layertap.errors import SpecError
@@ -43,36 +49,31 @@ def token_batches(
         yield batch
 
 
-def load_language_model(
-    folder: ModelFolder,
-    dtype: torch.dtype | None = None,
-    *,
-    num_layers: int | None = None,
-    device_map: str | None = None,
-) -> PreTrainedModel:
-    """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
-    ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out.
-    ``num_layers`` keeps only the first decoder layers (their weights alone are loaded: the audit's cost control);
-    ``device_map`` is transformers' own (``"auto"`` spreads the weights over the GPUs). A quantized folder's
-    packed INT4 weights are dequantized exactly by layertap (``models/weights.py``), never by a library."""
-    if not folder.has_weights:
-        raise SpecError(
-            f"model {folder.path} has no weight files (a config-only folder): HF transformers needs its weights; "
-            "only an SGLang server can run it, with random weights (--load-format dummy), for benchmarks"
-        )
+def language_config(folder: ModelFolder, num_layers: int | None = None) -> PretrainedConfig:
+    """The language model's transformers config: a wrapper's ``text_config``, a quantized folder's without its
+    quantization (layertap hands transformers plain, dequantized weights), cut to ``num_layers`` when given."""
     layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    if not folder.wrapped and folder.quantization is None:
+        return AutoConfig.from_pretrained(folder.path, **layers)
+    fields = {k: v for k, v in folder.text_config.items() if k != "quantization_config"}
+    return AutoConfig.for_model(**{**fields, **layers})
+
+
+def load_language_model(folder: ModelFolder, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
+    ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out. A quantized
+    folder's packed INT4 weights are dequantized exactly by layertap (``models/weights.py``), never by a library."""
+    check_has_weights(folder)
     dtype = dtype or getattr(torch, folder.dtype)
+    config = language_config(folder)
     if folder.quantization is not None:
-        return _load_dequantized(folder, dtype, num_layers, device_map)
+        return _load_dequantized(folder, config, dtype)
     if not folder.wrapped:
-        config = AutoConfig.from_pretrained(folder.path, **layers)
-        return AutoModelForCausalLM.from_pretrained(folder.path, config=config, dtype=dtype, device_map=device_map)
-    config = AutoConfig.for_model(**{**folder.text_config, **layers})
+        return AutoModelForCausalLM.from_pretrained(folder.path, config=config, dtype=dtype)
     model, info = AutoModelForCausalLM.from_pretrained(
         folder.path,
         config=config,
         dtype=dtype,
-        device_map=device_map,
         key_mapping={"^" + folder.prefix.replace(".", r"\."): ""},
         output_loading_info=True,
     )
@@ -80,22 +81,25 @@ def load_language_model(
     return model
 
 
-def _load_dequantized(
-    folder: ModelFolder, dtype: torch.dtype, num_layers: int | None, device_map: str | None
-) -> PreTrainedModel:
+def check_has_weights(folder: ModelFolder) -> None:
+    """SpecError for a config-only folder: HF transformers (the engine, the audit) needs real weights."""
+    if not folder.has_weights:
+        raise SpecError(
+            f"model {folder.path} has no weight files (a config-only folder): HF transformers needs its weights; "
+            "only an SGLang server can run it, with random weights (--load-format dummy), for benchmarks"
+        )
+
+
+def _load_dequantized(folder: ModelFolder, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
     """A quantized folder's language model from a state dict of its plain and dequantized tensors, under its
     config without the quantization (so transformers takes the weights as they are and quantizes nothing)."""
-    depth = folder.num_layers if num_layers is None else num_layers
-    fields = {k: v for k, v in folder.text_config.items() if k != "quantization_config"}
-    config = AutoConfig.for_model(**{**fields, "num_hidden_layers": depth})
     weights = FolderWeights(folder)
-    names = [n for n in weights.names if (layer := layer_of(n)) is None or layer < depth]
+    names = [n for n in weights.names if (layer := layer_of(n)) is None or layer < config.num_hidden_layers]
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class needs a folder; the state dict is ours
     try:
         model, info = model_class.from_pretrained(
-            None, config=config, state_dict=weights.read(names), dtype=dtype, device_map=device_map,
-            output_loading_info=True,
-        )  # fmt: skip
+            None, config=config, state_dict=weights.read(names), dtype=dtype, output_loading_info=True
+        )
     except RuntimeError as exc:  # transformers could not merge the per-expert tensors into its own
         raise SpecError(f"model {folder.path}: missing keys or shapes in its checkpoint ({exc})") from exc
     _check_loaded(folder, info, unexpected=True)

@@ -9,8 +9,11 @@ and a packed INT4 Linear (``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +26,8 @@ from layertap.models.quantization import PACKED, SCALE, SHAPE, dequantize
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 
 
 def weight_map(path: Path) -> dict[str, str]:
@@ -39,6 +44,31 @@ def layer_of(name: str) -> int | None:
     """The decoder layer a language-model tensor belongs to, or None (embeddings, final norm, LM head)."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """One packed INT4 weight as stored (read, not yet dequantized: a reader can hold a layer at 1/8 of float32)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.shape))
+
+    def dequantize(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The float32 weight, computed on ``device`` (exact)."""
+        return dequantize(self.packed.to(device), self.scale.to(device), self.shape.tolist())
+
+
+Stored = torch.Tensor | Packed
+
+
+def nbytes(value: Stored) -> int:
+    """Bytes a stored tensor (or packed triple) holds in memory."""
+    return value.nbytes if isinstance(value, Packed) else value.numel() * value.element_size()
 
 
 class FolderWeights:
@@ -60,10 +90,42 @@ class FolderWeights:
         plain = {s.removeprefix(folder.prefix) for s in self._files}
         plain -= {p.removeprefix(folder.prefix) + k for p in self._packed.values() for k in (PACKED, SCALE, SHAPE)}
         self.names: tuple[str, ...] = tuple(sorted(plain | set(self._packed)))
+        self._header: dict[str, tuple[str, list[int]]] | None = None
+
+    def layer(self, index: int) -> list[str]:
+        """The plain names of decoder layer ``index``'s tensors."""
+        return [n for n in self.names if layer_of(n) == index]
+
+    def numel(self, name: str) -> int:
+        """Values of tensor ``name`` once read (a packed weight's dequantized count: 8 per int32 word), from the
+        shards' headers: nothing is read."""
+        stored = self._packed[name] + PACKED if name in self._packed else self.folder.prefix + name
+        return math.prod(self._headers()[stored][1]) * (8 if name in self._packed else 1)
+
+    def stored_bytes(self, name: str) -> int:
+        """Bytes tensor ``name`` occupies in the shards (a packed weight's three tensors), from the headers."""
+        parts = [self._packed[name] + k for k in (PACKED, SCALE, SHAPE)] if name in self._packed else [
+            self.folder.prefix + name]  # fmt: skip
+        headers = self._headers()
+        return sum(math.prod(headers[p][1]) * _ITEMSIZE[headers[p][0]] for p in parts)
+
+    def _headers(self) -> dict[str, tuple[str, list[int]]]:
+        """Stored name -> (safetensors dtype, shape) of every tensor, read once from the shards' headers."""
+        if self._header is None:
+            self._header = {}
+            for shard in sorted(set(self._files.values())):
+                with open(self.folder.path / shard, "rb") as f:
+                    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+                self._header.update((k, (v["dtype"], v["shape"])) for k, v in header.items() if k in self._files)
+        return self._header
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (plain names) in their stored dtypes, a dequantized weight in float32 (exact);
         each shard is opened once."""
+        return {n: v.dequantize() if isinstance(v, Packed) else v for n, v in self.read_stored(names).items()}
+
+    def read_stored(self, names: Iterable[str]) -> dict[str, Stored]:
+        """The tensors ``names`` as stored: plain tensors, and packed weights still packed (`Packed`)."""
         names = list(names)
         wanted: dict[str, list[tuple[str, str]]] = {}  # shard -> (stored name, plain name)
         for name in names:
@@ -80,12 +142,11 @@ class FolderWeights:
         for shard, entries in wanted.items():
             with safe_open(str(self.folder.path / shard), "pt") as f:
                 raw.update((s, f.get_tensor(s)) for s, _ in entries)
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Stored] = {}
         for name in names:
             if name in self._packed:
                 p = self._packed[name]
-                tensor = dequantize(raw[p + PACKED], raw[p + SCALE], raw[p + SHAPE].tolist())
+                out[name] = Packed(raw[p + PACKED], raw[p + SCALE], raw[p + SHAPE])
             else:
-                tensor = raw[self.folder.prefix + name]
-            out[name] = tensor
+                out[name] = raw[self.folder.prefix + name]
         return out

@@ -1,0 +1,141 @@
+"""What the streamed reference needs, and where, said before it starts: the audit refuses what cannot fit.
+
+On the device: the largest layer's weights (a MoE layer's shared part plus one routed expert dequantized; or the
+embedding table while the tokens are embedded), the audited tokens' residual streams in every dtype computed, and
+one step's working set (a batch's attention and dense MLP, or a MoE layer's MLP over every token). In host memory:
+two layers as stored (the one computed and the one read ahead) and the audited samples' stored states. Nothing in
+it grows with the depth; it is read from the shards' headers, before any weight is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layertap.diskspace import human_bytes
+from layertap.errors import SpecError
+from layertap.models.weights import FolderWeights, layer_of
+
+EXPERTS = "mlp.experts."
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    rows: int
+    longest: int
+    tokens: int  # real (unpadded) tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """Bytes the audit's reference needs on its device and in host memory, and what it reads."""
+
+    device: torch.device
+    weights: int  # the largest layer's (or the embeddings') on the device
+    activations: int  # residual streams of the audited tokens + the largest step's working set
+    host: int  # two layers as stored + the audited samples' stored states
+    read: int  # bytes read from the folder: one read of the layers run
+    layers: int
+    tokens: int
+
+    @property
+    def on_device(self) -> int:
+        return self.weights + self.activations
+
+    def summary(self) -> str:
+        return (
+            f"streamed reference on {self.device}: ~{human_bytes(self.on_device)} there (largest layer "
+            f"{human_bytes(self.weights)} + activations of {self.tokens:,} tokens {human_bytes(self.activations)}), "
+            f"~{human_bytes(self.host)} of host memory; reads {human_bytes(self.read)} ({self.layers} layers)"
+        )
+
+
+def pick_device(requested: str) -> torch.device:
+    """``auto``: the first GPU when there is one, else the CPU; ``cuda`` means ``cuda:0``."""
+    if requested == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError(f"--device {requested}: no GPU here (torch sees none); use cpu or auto")
+        return torch.device("cuda", device.index or 0)
+    return device
+
+
+def estimate(
+    weights: FolderWeights,
+    depth: int,
+    dtypes: Sequence[torch.dtype],
+    batches: Sequence[BatchShape],
+    stored_bytes_per_token: int,
+    device: torch.device,
+) -> Need:
+    """The reference's need for ``batches`` through ``depth`` layers computed in ``dtypes``."""
+    cfg = weights.folder.text_config
+    hidden, widest = weights.folder.hidden_size, max(d.itemsize for d in dtypes)
+    top = [n for n in weights.names if layer_of(n) is None and not n.startswith("lm_head.")]
+    peak_weights = sum(weights.numel(n) for n in top) * widest
+    peak_stored = sum(weights.stored_bytes(n) for n in top)
+    read = peak_stored
+    for index in range(depth):
+        names = weights.layer(index)
+        shared = [n for n in names if EXPERTS not in n]
+        expert = [n for n in names if f"{EXPERTS}0." in n]
+        one = sum(weights.numel(n) for n in expert)
+        dequant = 12 * max((weights.numel(n) for n in expert), default=0)  # the unpacking's int64 and float32 steps
+        peak_weights = max(peak_weights, sum(weights.numel(n) for n in shared) * widest + one * (4 + widest) + dequant)
+        stored = sum(weights.stored_bytes(n) for n in names)
+        peak_stored, read = max(peak_stored, 2 * stored), read + stored
+    tokens = sum(b.tokens for b in batches)
+    padded = sum(b.rows * b.longest for b in batches)
+    streams = padded * hidden * sum(d.itemsize for d in dtypes)
+    masks = len(dtypes) * sum(b.rows * b.longest**2 for b in batches if b.rows > 1)  # sdpa's boolean padding masks
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head = int(cfg.get("head_dim") or hidden // heads)
+    qk, v = (
+        int(cfg.get("qk_nope_head_dim", head)) + int(cfg.get("qk_rope_head_dim", 0)),
+        int(cfg.get("v_head_dim", head)),
+    )
+    largest = max(batches, key=lambda b: b.rows * b.longest)
+    step = (
+        largest.rows
+        * largest.longest
+        * (heads * (2 * qk + 2 * v) + 4 * hidden + 3 * int(cfg.get("intermediate_size", 0)))
+    )
+    if device.type == "cpu":  # sdpa's math path holds the scores and the softmax
+        step += 2 * largest.rows * heads * largest.longest**2
+    experts, shared = int(cfg.get("n_routed_experts") or 0), int(cfg.get("n_shared_experts") or 0)
+    if experts:  # a MoE layer's MLP over every token: its input, output, the experts' sums, router scores
+        moe = tokens * (6 * hidden + 3 * shared * int(cfg.get("moe_intermediate_size", 0)) + 4 * experts)
+        step = max(step, moe + padded * hidden)  # + the layer's inputs kept while its attention runs
+    activations = streams + masks + 4 * step
+    return Need(device=device, weights=peak_weights, activations=activations,
+                host=peak_stored + tokens * stored_bytes_per_token, read=read, layers=depth, tokens=tokens)  # fmt: skip
+
+
+def check(need: Need) -> None:
+    """SpecError naming both sides when the device or the host cannot hold what the reference needs."""
+    host_free = available_host_memory()
+    if need.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(need.device)
+        if need.on_device > free:
+            raise SpecError(f"{need.summary()}; {human_bytes(free)} is free on {need.device}: {_FEWER}")
+        host = need.host
+    else:
+        host = need.host + need.on_device
+    if host > host_free:
+        raise SpecError(f"{need.summary()}; {human_bytes(host_free)} of host memory is available: {_FEWER}")
+
+
+_FEWER = "audit fewer samples (--samples, --fraction) or shorter batches (--batch-tokens)"
+
+
+def available_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable in bytes (the kernel's estimate of what can be allocated without swapping)."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise SpecError(f"{meminfo} states no MemAvailable")
