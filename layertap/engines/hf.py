@@ -98,7 +98,7 @@ def _load_dequantized(folder: ModelFolder, config: PretrainedConfig, dtype: torc
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class needs a folder; the state dict is ours
     try:
         model, info = model_class.from_pretrained(
-            None, config=config, state_dict=weights.read(names), dtype=dtype, output_loading_info=True
+            None, config=config, state_dict=weights.read(names, dtype), dtype=dtype, output_loading_info=True
         )
     except RuntimeError as exc:  # transformers could not merge the per-expert tensors into its own
         raise SpecError(f"model {folder.path}: missing keys or shapes in its checkpoint ({exc})") from exc

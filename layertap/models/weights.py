@@ -119,10 +119,15 @@ class FolderWeights:
                 self._header.update((k, (v["dtype"], v["shape"])) for k, v in header.items() if k in self._files)
         return self._header
 
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names`` (plain names) in their stored dtypes, a dequantized weight in float32 (exact);
-        each shard is opened once."""
-        return {n: v.dequantize() if isinstance(v, Packed) else v for n, v in self.read_stored(names).items()}
+    def read(self, names: Iterable[str], dequantized: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (plain names) in their stored dtypes, a dequantized weight in ``dequantized``
+        (float32: exact; a model loaded in bf16 takes them cast one by one, never all in float32 at once); each
+        shard is opened once."""
+        out = self.read_stored(names)
+        for name, value in out.items():
+            if isinstance(value, Packed):
+                out[name] = value.dequantize().to(dequantized)
+        return out  # type: ignore[return-value]
 
     def read_stored(self, names: Iterable[str]) -> dict[str, Stored]:
         """The tensors ``names`` as stored: plain tensors, and packed weights still packed (`Packed`)."""
