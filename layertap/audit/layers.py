@@ -117,7 +117,7 @@ def expert_weights(tensors: dict[str, Stored], index: int) -> dict[int, dict[str
 
 class StreamedExperts(torch.nn.Module):
     """Stands in for a layer's experts module: runs that module's own class, holding one expert at a time
-    (dequantized on the device as it is needed, dropped after), for the tokens routed to it. Contributions add up
+    (dequantized on the device as it is needed, dropped after), on the tokens routed to it. Contributions add up
     in expert order, as the whole module adds them."""
 
     def __init__(self, template: torch.nn.Module, experts: dict[int, dict[str, Stored]], device: torch.device) -> None:
@@ -131,7 +131,7 @@ class StreamedExperts(torch.nn.Module):
         self.weights, self.device = experts, device
 
     def one(self, expert: int) -> torch.nn.Module:
-        """The experts module holding ``expert`` alone (index 0; index 1 means "no expert" to it)."""
+        """The experts module holding ``expert`` alone."""
         parts = {
             p: to_device(v, self.device, self.template.gate_up_proj.dtype) for p, v in self.weights[expert].items()
         }
@@ -146,8 +146,10 @@ class StreamedExperts(torch.nn.Module):
     ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
-            routed = torch.where(top_k_index == expert, 0, 1)
-            out += self.one(expert)(hidden_states, routed, top_k_weights)
+            tokens, slot = torch.where(top_k_index == expert)  # the tokens routed to it, and in which of their k slots
+            only = torch.zeros_like(slot)[:, None]  # each of those tokens' one route: expert 0 of the one-expert module
+            routed = self.one(expert)(hidden_states[tokens], only, top_k_weights[tokens, slot, None])
+            out.index_add_(0, tokens, routed)
         return out
 
 

@@ -59,21 +59,26 @@ def language_config(folder: ModelFolder, num_layers: int | None = None) -> Pretr
     return AutoConfig.for_model(**{**fields, **layers})
 
 
-def load_language_model(folder: ModelFolder, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_language_model(
+    folder: ModelFolder, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> PreTrainedModel:
     """The folder's causal LM in ``dtype`` (default: the folder's own). For a wrapper, the model class of
     ``text_config``'s type loads the ``language_model.``-prefixed weights; the vision tower is left out. A quantized
-    folder's packed INT4 weights are dequantized exactly by layertap (``models/weights.py``), never by a library."""
+    folder's packed INT4 weights are dequantized exactly by layertap (``models/weights.py``), never by a library. On a
+    GPU ``device`` the weights go there as they load (a model that fits the GPU need not fit host memory twice)."""
     check_has_weights(folder)
     dtype = dtype or getattr(torch, folder.dtype)
     config = language_config(folder)
+    placed = {"device_map": device} if device is not None and device.type != "cpu" else {}
     if folder.quantization is not None:
-        return _load_dequantized(folder, config, dtype)
+        return _load_dequantized(folder, config, dtype, placed)
     if not folder.wrapped:
-        return AutoModelForCausalLM.from_pretrained(folder.path, config=config, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(folder.path, config=config, dtype=dtype, **placed)
     model, info = AutoModelForCausalLM.from_pretrained(
         folder.path,
         config=config,
         dtype=dtype,
+        **placed,
         key_mapping={"^" + folder.prefix.replace(".", r"\."): ""},
         output_loading_info=True,
     )
@@ -90,7 +95,9 @@ def check_has_weights(folder: ModelFolder) -> None:
         )
 
 
-def _load_dequantized(folder: ModelFolder, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+def _load_dequantized(
+    folder: ModelFolder, config: PretrainedConfig, dtype: torch.dtype, placed: dict[str, Any]
+) -> PreTrainedModel:
     """A quantized folder's language model from a state dict of its plain and dequantized tensors, under its
     config without the quantization (so transformers takes the weights as they are and quantizes nothing)."""
     weights = FolderWeights(folder)
@@ -98,7 +105,7 @@ def _load_dequantized(folder: ModelFolder, config: PretrainedConfig, dtype: torc
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class needs a folder; the state dict is ours
     try:
         model, info = model_class.from_pretrained(
-            None, config=config, state_dict=weights.read(names, dtype), dtype=dtype, output_loading_info=True
+            None, config=config, state_dict=weights.read(names, dtype), dtype=dtype, output_loading_info=True, **placed
         )
     except RuntimeError as exc:  # transformers could not merge the per-expert tensors into its own
         raise SpecError(f"model {folder.path}: missing keys or shapes in its checkpoint ({exc})") from exc
@@ -133,7 +140,7 @@ class HFEngine(Engine):
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        causal = load_language_model(ModelFolder.read(model_dir), dtype)
+        causal = load_language_model(ModelFolder.read(model_dir), dtype, self.device)
         # The base model skips the LM head: we only need hidden states.
         self.model = causal.get_decoder().to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype
