@@ -24,53 +24,43 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from layertap.diskspace import human_bytes  # noqa: E402
 from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
 
-MiB = 1024**2
 
-
-def child(kind: str, path: Path) -> None:
+def child(kind: str, path: Path, device: str) -> None:
     """Run one measured step in this process and print its JSON on the last line."""
-    import torch
-
     started = time.perf_counter()
     out: dict = {}
     if kind == "audit":
         from layertap.audit import audit_store
 
-        report = audit_store(path, fraction=1.0, device="cpu", trust_remote_code=True, write=False)
-        out = {"passed": report.passed, "tokens": report.tokens, "memory": report.memory, "reading": report.reading}
-    elif kind == "whole":
-        from layertap.engines.hf import load_language_model
-        from layertap.models.folder import ModelFolder
-
-        folder = ModelFolder.read(path)
-        models = [load_language_model(folder, dtype) for dtype in (torch.float32, torch.bfloat16)]
-        out = {"parameters": sum(p.numel() for p in models[0].parameters())}
+        report = audit_store(path, fraction=1.0, device=device, trust_remote_code=True, write=False)
+        out = {"passed": report.passed, "tokens": report.tokens, "memory": report.memory, "reading": report.reading,
+               "gpu_peak": report.peak_device_bytes, "markdown": report.markdown()}  # fmt: skip
     else:
         import layertap.audit  # noqa: F401  the baseline: the imports alone
-    out |= {
-        "seconds": time.perf_counter() - started,
-        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
-    print(json.dumps(out))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(out | {"seconds": time.perf_counter() - started, "maxrss": rss}))
 
 
-def measure(kind: str, path: Path) -> dict:
-    run = subprocess.run([sys.executable, __file__, "--child", kind, str(path)], capture_output=True, text=True,
-                         cwd=REPO, timeout=3600)  # fmt: skip
+def measure(kind: str, path: Path, device: str) -> dict:
+    run = subprocess.run([sys.executable, __file__, "--child", kind, str(path), "--device", device],
+                         capture_output=True, text=True, cwd=REPO, timeout=3600)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{kind} {path} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def largest_layer_bytes(folder: Path, depth: int) -> int:
-    """The largest decoder layer's weights dequantized to float32."""
+def weight_bytes(folder: Path, depth: int) -> tuple[int, int]:
+    """(the largest decoder layer's weights dequantized to float32, the whole language model in float32 + bf16:
+    what the audit loaded before it streamed), from the shards' headers."""
     from layertap.models.folder import ModelFolder
     from layertap.models.weights import FolderWeights
 
     weights = FolderWeights(ModelFolder.read(folder))
-    return max(sum(weights.numel(n) for n in weights.layer(i)) for i in range(depth)) * 4
+    layer = max(sum(weights.numel(n) for n in weights.layer(i)) for i in range(depth)) * 4
+    return layer, sum(weights.numel(n) for n in weights.names if not n.startswith("lm_head.")) * (4 + 2)
 
 
 def main() -> None:
@@ -80,15 +70,17 @@ def main() -> None:
     ap.add_argument("--shape", default="mla-gpu")
     ap.add_argument("--depths", default="8,32")
     ap.add_argument("--chats", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the stores are made there too)")
+    ap.add_argument("--commit", default="")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child[0], Path(args.child[1]))
+        return child(args.child[0], Path(args.child[1]), args.device)
     from layertap.tiny import build_tiny_model
 
     args.work.mkdir(parents=True, exist_ok=True)
     data = write_jsonl(args.work / "chats.jsonl", conversation_rows(args.chats, seed=23, max_words=80))
-    baseline = measure("baseline", args.work)
+    baseline = measure("baseline", args.work, args.device)
     rows = []
     for depth in map(int, args.depths.split(",")):
         folder = args.work / f"int4-{depth}"
@@ -97,45 +89,53 @@ def main() -> None:
         store = args.work / f"store-{depth}"
         if not (store / "manifest.json").exists():
             subprocess.run([sys.executable, "-m", "layertap", "extract", "--model", str(folder), "--data", str(data),
-                            "--layers", "1,3,5", "--format", "speculators", "--trust-remote-code", "--out", str(store)],
+                            "--layers", "1,3,5", "--format", "speculators", "--trust-remote-code", "--out", str(store),
+                            "--device", args.device],
                            check=True, cwd=REPO, capture_output=True, timeout=3600)  # fmt: skip
-        audit, whole = measure("audit", store), measure("whole", folder)
+        audit = measure("audit", store, args.device)
+        layer, whole = weight_bytes(folder, depth)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        rows.append({"depth": depth, "folder_bytes": size, "layer_bytes": largest_layer_bytes(folder, depth),
-                     "audit": audit, "whole": whole})  # fmt: skip
-        print(
-            f"depth {depth}: audit peak {audit['maxrss'] / MiB:,.0f} MiB, whole model {whole['maxrss'] / MiB:,.0f} MiB"
-        )
+        rows.append({"depth": depth, "folder_bytes": size, "layer_bytes": layer, "whole_bytes": whole, "audit": audit})
+        print(f"depth {depth}: audit peak RSS {human_bytes(audit['maxrss'])}, GPU {audit['gpu_peak']}", flush=True)
+    gpu = args.device != "cpu"
+    peak = "gpu_peak" if gpu else "maxrss"
     shallow, deep = rows[0], rows[-1]
-    growth = deep["audit"]["maxrss"] - shallow["audit"]["maxrss"]
-    holds = growth <= deep["layer_bytes"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    growth = deep["audit"][peak] - shallow["audit"][peak]
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()  # fmt: skip
     lines = [
-        "# Peak memory of `layertap audit` at two depths (CPU)", "",
-        f"Written by `benchmarks/audit_memory_bench.py` at commit {commit.strip()} "
+        f"# Peak memory of `layertap audit` at two depths ({'one GPU' if gpu else 'CPU'})", "",
+        f"Written by `benchmarks/audit_memory_bench.py --device {args.device} --shape {args.shape}` at commit {commit} "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Folders: `layertap tiny-model --arch kimi-k2.5 "
         f"--quantize int4 --shape {args.shape}` at {args.depths} layers (INT4 routed experts, the rest bf16); each "
-        f"store: {args.chats} chats through the HF engine (bf16), capture 1, 3, 5 + final, audited whole (float32 "
-        "reference + bf16 floor, every layer run for the final state). Peak = the process's `ru_maxrss`; the baseline "
-        f"process (imports only) peaks at {baseline['maxrss'] / MiB:,.0f} MiB.", "",
-        "| layers | folder | largest layer (float32) | audit: estimate | audit: peak RSS | above baseline "
-        "| audit time | verdict | whole model f32 + bf16 (before #23): peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"store: {args.chats} chats through the HF engine (bf16, on {args.device}), capture 1, 3, 5 + final, audited "
+        "whole (float32 reference + bf16 floor; the final state runs every layer). "
+        + ("Peak = torch's `max_memory_allocated` on the GPU (exact), beside the process's `ru_maxrss`. " if gpu else
+           "Peak = the process's `ru_maxrss`. ")
+        + f"The baseline process (imports only) peaks at {human_bytes(baseline['maxrss'])} of RSS.", "",
+        "| layers | folder | largest layer (float32) | the audit's estimate | peak GPU | peak RSS | RSS above baseline "
+        "| audit time | verdict | whole model f32 + bf16 weights (what the audit loaded before #23) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
-        a, w = r["audit"], r["whole"]
+        a = r["audit"]
         lines.append(
-            f"| {r['depth']} | {r['folder_bytes'] / MiB:,.0f} MiB | {r['layer_bytes'] / MiB:,.0f} MiB "
-            f"| {a['memory'].split(': ', 1)[1].split(';')[0]} | {a['maxrss'] / MiB:,.0f} MiB "
-            f"| {(a['maxrss'] - baseline['maxrss']) / MiB:,.0f} MiB | {a['seconds']:.1f} s "
-            f"| {'PASS' if a['passed'] else 'FAIL'} | {w['maxrss'] / MiB:,.0f} MiB |"
+            f"| {r['depth']} | {human_bytes(r['folder_bytes'])} | {human_bytes(r['layer_bytes'])} "
+            f"| {a['memory'].split(': ', 1)[1].split(';')[0]} | {human_bytes(a['gpu_peak']) if a['gpu_peak'] else '-'} "
+            f"| {human_bytes(a['maxrss'])} | {human_bytes(a['maxrss'] - baseline['maxrss'])} | {a['seconds']:.1f} s "
+            f"| {'PASS' if a['passed'] else 'FAIL'} | {human_bytes(r['whole_bytes'])} |"
         )
     lines += [
         "",
-        f"From {shallow['depth']} to {deep['depth']} layers the audit's peak grew by {growth / MiB:,.0f} MiB; one "
-        f"layer's weights are {deep['layer_bytes'] / MiB:,.0f} MiB: the bound "
-        f"{'holds' if holds else 'does NOT hold'}. Reading ({deep['depth']} layers): {deep['audit']['reading']}.",
+        f"From {shallow['depth']} to {deep['depth']} layers the audit's peak {'GPU memory' if gpu else 'RSS'} grew by "
+        f"{human_bytes(growth)}; one layer's weights are {human_bytes(deep['layer_bytes'])}: the bound "
+        f"{'holds' if growth <= deep['layer_bytes'] else 'does NOT hold'}. Reading ({deep['depth']} layers): "
+        f"{deep['audit']['reading']}.",
     ]
+    for r in rows:
+        if not r["audit"]["passed"]:
+            causes = [line for line in r["audit"]["markdown"].splitlines() if line.startswith("- **")]
+            lines += ["", f"The {r['depth']}-layer audit's verdict: FAIL, " + " ".join(causes)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

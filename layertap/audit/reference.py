@@ -117,7 +117,10 @@ class Reference:
             logits = logits.reshape(-1, logits.shape[-1])
             bias = getattr(module, "e_score_correction_bias", None)
             scores = logits.sigmoid() + bias.float() if bias is not None else logits.softmax(dim=-1)
-            top = scores.topk(min(self.k + 1, scores.shape[-1]), dim=-1).values
+            if scores.shape[-1] <= self.k:  # every expert is chosen: no choice to flip
+                margins[layer] = torch.full(scores.shape[:1], torch.inf, device=scores.device)
+                return
+            top = scores.topk(self.k + 1, dim=-1).values
             margins[layer] = top[:, self.k - 1] - top[:, self.k]
 
         return hook
