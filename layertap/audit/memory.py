@@ -109,7 +109,11 @@ def estimate(
         step += 2 * largest.rows * heads * largest.longest**2
     experts, shared = int(cfg.get("n_routed_experts") or 0), int(cfg.get("n_shared_experts") or 0)
     if experts:  # a MoE layer's MLP over every token: its input, output, the experts' sums, router scores
-        moe = tokens * (6 * hidden + 3 * shared * int(cfg.get("moe_intermediate_size", 0)) + 4 * experts)
+        inner = int(cfg.get("moe_intermediate_size", 0))
+        moe = tokens * (6 * hidden + 3 * shared * inner + 4 * experts)
+        k = int(cfg.get("num_experts_per_tok") or 1)
+        routed = min(tokens, 2 * tokens * k // experts)  # one expert's tokens, twice the mean for imbalance
+        moe += routed * (5 * hidden + 3 * inner)  # its gathered inputs, projections, output and weighted sum
         step = max(step, moe + padded * hidden)  # + the layer's inputs kept while its attention runs
     activations = streams + masks + 4 * step
     return Need(device=device, weights=peak_weights, activations=activations,
