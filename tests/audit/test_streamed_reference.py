@@ -46,8 +46,9 @@ def streamed(folder: ModelFolder, dtype: torch.dtype) -> tuple[dict, dict, Refer
         floor[point] += [low[row, : t.numel()] for row, t in enumerate(ids[b])]
 
     batches = [(padded_ids([(t, {}) for t in batch]), [t.numel() for t in batch]) for batch in ids]
-    margins = ref.run(batches, observe)
-    assert sorted(margins) == ref.moe_layers and all(m.numel() == sum(map(sum, LENGTHS)) for m in margins.values())
+    ref.margins = ref.run(batches, observe)
+    assert sorted(ref.margins) == ref.moe_layers
+    assert all(m.numel() == sum(map(sum, LENGTHS)) for m in ref.margins.values())
     return states, floor, ref
 
 
@@ -142,3 +143,15 @@ def test_what_cannot_fit_is_refused_naming_both_sides(tiny_kimi: Path) -> None:
     need = estimate(FolderWeights(folder), folder.num_layers, [torch.float32], huge, 1024, torch.device("cpu"))
     with pytest.raises(SpecError, match=r"streamed reference on cpu: .* of host memory is available: audit fewer"):
         check(need)
+
+
+def test_a_layer_routing_to_every_expert_has_no_near_tie(tmp_path: Path, hf_reference) -> None:
+    """Top-k of k experts (the seed-depth shape: 8 of 8) makes no routing choice: no margin to measure, and the
+    streamed reference still equals the whole model."""
+    path = build_tiny_model("kimi-k2", tmp_path / "all", n_routed_experts=4, num_experts_per_tok=4, n_group=1,
+                            topk_group=1)  # fmt: skip
+    folder = ModelFolder.read(path)
+    states, _, ref = streamed(folder, torch.float32)
+    assert all(bool(torch.isinf(m).all()) for m in ref.margins.values())
+    exact = whole(hf_reference(path), folder)
+    assert all(relative(g, w).max() < 1e-5 for p in exact for g, w in zip(states[p], exact[p], strict=True))
