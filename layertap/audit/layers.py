@@ -24,12 +24,22 @@ from transformers import AutoModel
 from layertap.engines.hf import language_config
 from layertap.errors import SpecError
 from layertap.models.folder import ModelFolder
-from layertap.models.weights import Packed, Stored
+from layertap.models.weights import FolderWeights, Packed, Stored, layer_of
 
 # DeepseekV3 covers Kimi-K2 and Kimi-K2.5's language model; Llama the dense decoders.
 MODEL_TYPES = ("llama", "deepseek_v3")
 EXPERTS = "mlp.experts."
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def top_names(weights: FolderWeights) -> list[str]:
+    """The decoder's tensors outside its layers: embeddings and final norm (the LM head is never run)."""
+    return [n for n in weights.names if layer_of(n) is None and not n.startswith("lm_head.")]
+
+
+def has_routed_experts(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer's MLP is a MoE with routed experts."""
+    return hasattr(getattr(layer, "mlp", None), "experts")
 
 
 def to_device(value: Stored, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -57,12 +67,12 @@ class Decoder:
     @property
     def moe_layers(self) -> list[int]:
         """Indices of the layers with routed experts."""
-        return [i for i, layer in enumerate(self.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+        return [i for i, layer in enumerate(self.layers) if has_routed_experts(layer)]
 
     def load_top(self, tensors: dict[str, Stored]) -> None:
-        """Materialize the embeddings and the final norm from ``tensors`` (plain names) and a rotary embedding
+        """Materialize the embeddings and the final norm from ``tensors`` (`top_names`) and a rotary embedding
         computed on the device (its buffers are not weights)."""
-        top = {k.removeprefix("model."): v for k, v in tensors.items() if not k.startswith("lm_head.")}
+        top = {k.removeprefix("model."): v for k, v in tensors.items()}
         for name in ("embed_tokens", "norm"):
             load(getattr(self.model, name), {k.removeprefix(name + "."): v for k, v in top.items()
                                              if k.startswith(name + ".")}, self.device, f"model.{name}")  # fmt: skip
@@ -78,7 +88,7 @@ class Decoder:
         its routed experts streamed (`StreamedExperts`)."""
         module = copy.deepcopy(self.layers[index])
         plain = {k: v for k, v in tensors.items() if not k.startswith(EXPERTS)}
-        if hasattr(getattr(module, "mlp", None), "experts"):
+        if has_routed_experts(module):
             module.mlp.experts = StreamedExperts(module.mlp.experts, expert_weights(tensors, index), self.device)
         load(module, plain, self.device, f"model.layers.{index}")
         return module
@@ -95,9 +105,11 @@ def load(module: torch.nn.Module, tensors: dict[str, Stored], device: torch.devi
         )
     state = {}
     for name, value in tensors.items():
-        if tuple(value.shape if not isinstance(value, Packed) else value.shape.tolist()) != tuple(expected[name].shape):
-            raise SpecError(f"{where}.{name}: shape {tuple(value.shape)} in the checkpoint, {tuple(expected[name].shape)} "
-                            "in the model")  # fmt: skip
+        shape = tuple(value.shape.tolist() if isinstance(value, Packed) else value.shape)
+        if shape != tuple(expected[name].shape):
+            raise SpecError(
+                f"{where}.{name}: shape {shape} in the checkpoint, {tuple(expected[name].shape)} in the model"
+            )
         state[name] = to_device(value, device, expected[name].dtype)
     module.load_state_dict(state, strict=True, assign=True)
 

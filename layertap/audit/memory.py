@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
+from layertap.audit.layers import EXPERTS, top_names
 from layertap.diskspace import human_bytes
 from layertap.errors import SpecError
-from layertap.models.weights import FolderWeights, layer_of
-
-EXPERTS = "mlp.experts."
+from layertap.models.weights import FolderWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +75,7 @@ def estimate(
     """The reference's need for ``batches`` through ``depth`` layers computed in ``dtypes``."""
     cfg = weights.folder.text_config
     hidden, widest = weights.folder.hidden_size, max(d.itemsize for d in dtypes)
-    top = [n for n in weights.names if layer_of(n) is None and not n.startswith("lm_head.")]
+    top = top_names(weights)
     peak_weights = sum(weights.numel(n) for n in top) * widest
     peak_stored = sum(weights.stored_bytes(n) for n in top)
     read = peak_stored

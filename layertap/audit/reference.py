@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from layertap.audit.layers import Decoder, Deferred, LayerInputs, StreamedExperts
+from layertap.audit.layers import Decoder, Deferred, LayerInputs, StreamedExperts, top_names
 from layertap.audit.readahead import ReadAhead, ReadStats
 from layertap.models.folder import ModelFolder
-from layertap.models.weights import FolderWeights, layer_of
+from layertap.models.weights import FolderWeights
 from sglang_patch.sample_files import FP8, dequantize_fp8, quantize_fp8
 
 Point = int | str  # a capture index, or "pre" / "post" for the final state
@@ -60,7 +60,7 @@ class Reference:
         """Push ``batches`` through the model, calling ``observe`` at each point; returns per MoE layer the
         routing margins of the real tokens [N], batch by batch and row by row."""
         reader = ReadAhead(self.weights, range(self.depth))
-        top = reader.read([n for n in self.weights.names if layer_of(n) is None and not n.startswith("lm_head.")])
+        top = reader.read(top_names(self.weights))
         streams, inputs = [], []
         for decoder in self.decoders:
             decoder.load_top(top)

@@ -177,7 +177,8 @@ def audit_store(
                     store_dtype=DTYPES[manifest.store_dtype], device=target)  # fmt: skip
     batches = list(token_batches(chosen, max_tokens=batch_tokens, max_size=64))  # type: ignore[arg-type]
     loaded = [[read_states(manifest, store.format.load(root / rec.file)) for rec in batch] for batch in batches]
-    shapes = [BatchShape(len(b), max(ids.numel() for ids, _ in b), sum(ids.numel() for ids, _ in b)) for b in loaded]
+    lengths = [[ids.numel() for ids, _ in b] for b in loaded]
+    shapes = [BatchShape(len(rows), max(rows), sum(rows)) for rows in lengths]
     per_token = (len(manifest.capture_indices) + 1) * manifest.hidden_size * DTYPES[manifest.store_dtype].itemsize
     need = estimate(ref.weights, ref.depth, [d.dtype for d in ref.decoders], shapes, per_token, target)
     check(need)
@@ -186,8 +187,8 @@ def audit_store(
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
     errors = PointErrors(loaded, stored, target)
-    margins = ref.run([(padded_ids(b), [ids.numel() for ids, _ in b]) for b in loaded], errors)
-    near_ties = split_margins(margins, [[ids.numel() for ids, _ in b] for b in loaded])
+    margins = ref.run([(padded_ids(b), rows) for b, rows in zip(loaded, lengths, strict=True)], errors)
+    near_ties = split_margins(margins, lengths)
     per_state: dict[Point, list[SampleState]] = {p: [] for p in stored}
     for b, batch in enumerate(batches):
         for row, rec in enumerate(batch):
