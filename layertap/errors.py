@@ -1,4 +1,4 @@
-"""Errors named by who has to act (see STYLE.md §8).
+"""Errors named by who has to act (the caller, the data or the operator).
 
 - ``SpecError``: the user's extraction spec or input is wrong; fix it and resubmit (API: 422).
 - ``DatasetError``: the dataset as a whole cannot be used (unreadable, no rows, a chat template that

@@ -66,7 +66,7 @@ LAYER_CONVENTION = "capture"
 
 META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
-# The trainers' formats (`sglang_patch.sample_files`), and the final state each stores (DESIGN.md,
+# The trainers' formats (`sglang_patch.sample_files`), and the final state each stores (docs/formats.md,
 # "Output formats"): "post" = after the final norm, "pre" = before it.
 SPECFORGE = "specforge"
 SPECULATORS = "speculators"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a GPU benchmark on the lent H200 machine (see ../shared/sglang/README.md, section B).
+# Run a GPU benchmark on an H200 machine with no network: SGLang 0.5.14 and its dependencies come as wheels.
 #
 #   call 1 (carry .whl1):  bash benchmarks/gpu/on_device.sh install .whl1
 #   call 2 (carry .whl2):  bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/tp_bench.py --out "$OUT"
