@@ -31,8 +31,9 @@ from layertap.audit.compare import (
     token_errors,
     zero_rows,
 )
-from layertap.audit.memory import BatchShape, check, estimate, pick_device
+from layertap.audit.memory import BatchShape, check, estimate
 from layertap.audit.reference import Point, Reference
+from layertap.device import pick_device
 from layertap.diskspace import human_bytes
 from layertap.engines.hf import check_has_weights, token_batches
 from layertap.errors import SpecError, StoreError
