@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from layertap.cli_audit import register_audit_command
 from layertap.cli_jobs import register_job_commands
+from layertap.device import DEVICE_HELP
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
 from layertap.spec import (
@@ -104,7 +105,7 @@ def _quiet_libraries() -> None:
     is_flag=True,
     help="Run the Python code the model folder ships (Kimi-K2.5's tokenizer is code). Read it first.",
 )
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help=f"HF engine: {DEVICE_HELP}.")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="HF engine: padded tokens per batch.")
 @click.option(
     "--dtype",

@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
+from layertap.device import DEVICE_HELP
 from layertap.errors import LayertapError
 
 console = Console(stderr=True)
@@ -23,7 +24,7 @@ console = Console(stderr=True)
     "--device",
     default="auto",
     show_default=True,
-    help="cpu, cuda, cuda:N, or auto (the first GPU, else the CPU). One device holds the whole audit.",
+    help=f"{DEVICE_HELP}. One device holds the whole audit.",
 )
 @click.option(
     "--model",

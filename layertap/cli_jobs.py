@@ -83,13 +83,22 @@ def _show(job: dict[str, Any]) -> None:
     table.add_row("shards", ", ".join(f"{n} {state}" for state, n in sorted(job["shards"].items())))
     table.add_row("output", job["out"])
     if audit := job.get("audit"):
-        verdict = audit["state"].upper() if audit["state"] in ("pass", "fail") else audit["state"]
         detail = f": {audit['summary']}" if audit["summary"] else f" ({audit['samples']} samples)"
-        table.add_row("audit", verdict + detail + (f"; report {audit['report']}" if audit["report"] else ""))
+        table.add_row(
+            "audit", _audit_state(audit) + detail + (f"; report {audit['report']}" if audit["report"] else "")
+        )
     for w in job["workers"]:
         live = f"shard {w['shard']}, {w['samples_per_s']:.1f} samples/s" if w["alive"] else "not working on it now"
         table.add_row(f"worker {w['name']}", f"{w['samples']:,} samples, {w['tokens']:,} tokens; {live}")
     Console().print(table)
+
+
+def _audit_state(audit: dict[str, Any]) -> str:
+    """The audit's state or verdict, where it runs and how far its reference is (layers run over every sample)."""
+    line = audit["state"].upper() if audit["state"] in ("pass", "fail") else audit["state"]
+    if audit["device"]:
+        line += f" on {audit['device']}"
+    return line + (f", {audit['layers_done']}/{audit['layers_total']} layers" if audit["layers_total"] else "")
 
 
 def _follow(api: str, token: str | None, job_id: str, every: float) -> dict[str, Any]:
@@ -101,7 +110,7 @@ def _follow(api: str, token: str | None, job_id: str, every: float) -> dict[str,
         console.print(
             f"{job['state']}: {job['samples_done']:,}/{job['samples_total']:,} samples, "
             f"{job['samples_failed']:,} failed, {job['tokens_per_s']:,.0f} tok/s, ETA {_duration(job['eta_s'])}"
-            + (f"; audit {audit['state']}" if audit else "")
+            + (f"; audit {_audit_state(audit)}" if audit else "")
         )
         if _settled(job):
             return job

@@ -7,8 +7,11 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field, PrivateAttr, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from layertap.device import DEVICE_HELP, parse_device
+from layertap.errors import SpecError
 
 
 class WorkerSettings(BaseSettings):
@@ -30,7 +33,10 @@ class WorkerSettings(BaseSettings):
 
     engine: Literal["hf", "sglang"] = "hf"
     device: str = Field(
-        default="cpu", description="HF engine, and the HF reference of job audits (any engine): torch device."
+        default="auto",
+        description=f"Where this worker computes with torch: {DEVICE_HELP}. The HF engine, and the HF reference of "
+        "its job audits (any engine: it runs after the engine is closed, so a server this worker launched has "
+        "freed its GPU; an attached LAYERTAP_SERVER_URL keeps its memory, so leave room or set cpu).",
     )
     hf_batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
     hf_batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
@@ -75,6 +81,15 @@ class WorkerSettings(BaseSettings):
     disk_check_s: float = Field(default=2.0, gt=0, description="How often free space is read (working or paused).")
 
     _read_in_pid: int = PrivateAttr(default_factory=os.getpid)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            parse_device(value)
+        except SpecError as exc:  # refused at start-up, not at the first shard or audit
+            raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSettings:

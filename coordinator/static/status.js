@@ -47,10 +47,10 @@ async function api(path) {
   return reply.json();
 }
 
-function progressBar(job) {
-  const total = job.samples_total || 1;
-  const done = job.samples_done / total, failed = job.samples_failed / total;
-  const ratio = Math.min(1, done + failed);
+function progressBar(done, failed, total) {
+  total = total || 1;
+  const ratio = Math.min(1, (done + failed) / total);
+  failed /= total;
   return el("div", { class: "bar", role: "progressbar", "aria-valuenow": (100 * ratio).toFixed(1),
                      "aria-valuemin": "0", "aria-valuemax": "100" },
     el("div", { class: "fill", style: `width:${(100 * ratio).toFixed(2)}%` }),
@@ -73,7 +73,7 @@ function jobCard(job, errors) {
       el("span", { class: "job-id" }, job.job_id),
       el("span", { class: `badge ${job.state}` }, job.state),
       el("span", { class: "muted" }, job.out)),
-    progressBar(job),
+    progressBar(job.samples_done, job.samples_failed, job.samples_total),
     el("div", { class: "stats" },
       stat("samples", `${fmt.int(job.samples_done)} / ${fmt.int(job.samples_total)}`),
       stat("failed", fmt.int(job.samples_failed)),
@@ -102,13 +102,20 @@ function jobCard(job, errors) {
   return card;
 }
 
-// The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state.
+// The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state. While it
+// runs: its device and how far its reference is (layers run over every audited sample), with a bar.
 function auditLine(audit) {
   const verdict = ["pass", "fail"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
+  const where = (audit.device ? ` on ${audit.device}` : "")
+    + (audit.layers_total ? `, ${fmt.int(audit.layers_done)} / ${fmt.int(audit.layers_total)} layers` : "");
+  const text = audit.summary
+    || `${fmt.int(audit.samples)} samples` + (audit.state === "pending" ? ", once the job has ended" : "");
   const line = el("div", { class: `audit ${audit.state}`, "data-audit": audit.state },
-    "audit ", el("span", { class: `badge ${audit.state}` }, verdict),
-    " " + (audit.summary || `${fmt.int(audit.samples)} samples, once the job has ended`));
+    "audit ", el("span", { class: `badge ${audit.state}` }, verdict), `${where}${where ? ":" : ""} ${text}`);
   if (audit.report) line.append(el("span", { class: "muted" }, ` report: ${audit.report}`));
+  if (audit.state === "running" && audit.layers_total) {
+    line.append(progressBar(audit.layers_done, 0, audit.layers_total));
+  }
   return line;
 }
 

@@ -52,18 +52,6 @@ class Need:
         )
 
 
-def pick_device(requested: str) -> torch.device:
-    """``auto``: the first GPU when there is one, else the CPU; ``cuda`` means ``cuda:0``."""
-    if requested == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SpecError(f"--device {requested}: no GPU here (torch sees none); use cpu or auto")
-        return torch.device("cuda", device.index or 0)
-    return device
-
-
 def estimate(
     weights: FolderWeights,
     depth: int,

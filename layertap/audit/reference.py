@@ -29,6 +29,7 @@ Point = int | str  # a capture index, or "pre" / "post" for the final state
 # states computed in the store's compute dtype, rounded to its store dtype)
 Observer = Callable[[Point, int, torch.Tensor, torch.Tensor], None]
 Batch = tuple[torch.Tensor, list[int]]  # right-padded token ids [B, T] and each row's length
+Progress = Callable[[int, int], None]  # (decoder layers run over every batch, layers to run)
 
 
 class Reference:
@@ -56,9 +57,14 @@ class Reference:
         self.stats = ReadStats()
 
     @torch.inference_mode()
-    def run(self, batches: Sequence[Batch], observe: Observer) -> dict[int, torch.Tensor]:
-        """Push ``batches`` through the model, calling ``observe`` at each point; returns per MoE layer the
-        routing margins of the real tokens [N], batch by batch and row by row."""
+    def run(
+        self, batches: Sequence[Batch], observe: Observer, progress: Progress | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Push ``batches`` through the model, calling ``observe`` at each point and ``progress`` before the first
+        layer and after each; returns per MoE layer the routing margins of the real tokens [N], batch by batch and
+        row by row."""
+        if progress:
+            progress(0, self.depth)
         reader = ReadAhead(self.weights, range(self.depth))
         top = reader.read(top_names(self.weights))
         streams, inputs = [], []
@@ -80,6 +86,8 @@ class Reference:
                 del layer
             del tensors
             self._observe(index + 1, streams, observe)
+            if progress:
+                progress(index + 1, self.depth)
         if self.full:
             self._observe("pre", streams, observe)
             for s, decoder in enumerate(self.decoders):

@@ -31,8 +31,9 @@ from layertap.audit.compare import (
     token_errors,
     zero_rows,
 )
-from layertap.audit.memory import BatchShape, check, estimate, pick_device
-from layertap.audit.reference import Point, Reference
+from layertap.audit.memory import BatchShape, check, estimate
+from layertap.audit.reference import Point, Progress, Reference
+from layertap.device import pick_device
 from layertap.diskspace import human_bytes
 from layertap.engines.hf import check_has_weights, token_batches
 from layertap.errors import SpecError, StoreError
@@ -152,13 +153,15 @@ def audit_store(
     final: bool = True,
     write: bool = True,
     say: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> AuditReport:
     """Audit ``samples`` (or ``fraction`` of the) committed samples of the store at ``root`` against its model
     folder (``model``, default the manifest's) run in HF transformers layer by layer on ``device`` (``auto``: the
     first GPU, else the CPU). ``final=False`` leaves the stored final state out and runs the layers up to the
-    deepest captured one only. ``say`` hears what the reference needs, before it starts, and what reading cost.
-    Writes the report under ``reports/`` unless ``write`` is False. Bad input or too little memory ->
-    SpecError/StoreError."""
+    deepest captured one only. ``say`` hears what the reference needs, before it starts, and what reading cost;
+    ``progress(done, total)`` hears the decoder layers run over every audited sample, from 0 (the reference is
+    layer-major: every sample is done at the last layer, none before). Writes the report under ``reports/`` unless
+    ``write`` is False. Bad input or too little memory -> SpecError/StoreError."""
     started = time.time()
     root = Path(root)
     store = OutputStore.open_existing(root)
@@ -187,7 +190,7 @@ def audit_store(
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
     errors = PointErrors(loaded, stored, target)
-    margins = ref.run([(padded_ids(b), rows) for b, rows in zip(loaded, lengths, strict=True)], errors)
+    margins = ref.run([(padded_ids(b), rows) for b, rows in zip(loaded, lengths, strict=True)], errors, progress)
     near_ties = split_margins(margins, lengths)
     per_state: dict[Point, list[SampleState]] = {p: [] for p in stored}
     for b, batch in enumerate(batches):

@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from layertap.device import pick_device
 from layertap.engines.base import Engine
 from layertap.errors import SpecError
 from layertap.models.folder import ModelFolder
@@ -139,7 +140,7 @@ class HFEngine(Engine):
         max_batch_size: int = 16,
     ) -> None:
         self.spec = spec
-        self.device = torch.device(device)
+        self.device = pick_device(device)
         causal = load_language_model(ModelFolder.read(model_dir), dtype, self.device)
         # The base model skips the LM head: we only need hidden states.
         self.model = causal.get_decoder().to(self.device).eval()

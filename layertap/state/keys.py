@@ -16,8 +16,9 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:job:{job}:shard:{n}:errors    HASH  row -> JSON {sample_id, reason, kind, attempts}
     {p}:job:{job}:finalize:lease      STR   token of the finalizer; expires unless it heart-beats
     {p}:job:{job}:audit               HASH  (jobs with audit_samples) state, samples (asked, then audited),
-                                            tokens, seconds, report, summary, token, worker, attempts,
-                                            started_ms, finished_ms
+                                            tokens, seconds, report, summary, device, layers_done,
+                                            layers_total (the reference's progress), token, worker,
+                                            attempts, started_ms, finished_ms
     {p}:job:{job}:audit:lease         STR   token of the worker running the audit; expires unless it heart-beats
     {p}:workers                       SET   worker names ever seen (pruned when their key is gone)
     {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat

@@ -90,7 +90,9 @@ class WorkerView:
 class AuditView:
     """A job's audit of its own store: ``pending`` until the job has ended, ``running``, then its verdict (``error``:
     it could not run, ``summary`` says why). ``samples`` is the number asked until the verdict, then the number
-    audited; ``report`` is the markdown report under the store's ``reports/``."""
+    audited; ``report`` is the markdown report under the store's ``reports/``. Once its reference starts: the
+    ``device`` it runs on and its progress, ``layers_done`` of ``layers_total`` decoder layers run over every
+    audited sample (layer by layer, so samples finish together at the last layer)."""
 
     state: AuditState
     samples: int
@@ -98,6 +100,9 @@ class AuditView:
     seconds: float = 0.0
     report: str | None = None
     summary: str | None = None
+    device: str | None = None
+    layers_done: int | None = None
+    layers_total: int | None = None
 
     @classmethod
     def of(cls, record: dict[str, str]) -> AuditView | None:
@@ -111,6 +116,9 @@ class AuditView:
             seconds=float(record.get("seconds") or 0),
             report=record.get("report") or None,
             summary=record.get("summary") or None,
+            device=record.get("device") or None,
+            layers_done=int(record["layers_done"]) if record.get("layers_done") else None,
+            layers_total=int(record["layers_total"]) if record.get("layers_total") else None,
         )
 
 

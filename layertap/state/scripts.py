@@ -220,10 +220,19 @@ if audit == 'pass' or audit == 'fail' or audit == 'error' then return {'done'} e
 if job[1] ~= 'done' and job[1] ~= 'failed' then return {'inactive'} end
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 local token = tostring(redis.call('INCR', KEYS[4]))
+redis.call('HDEL', KEYS[2], 'device', 'layers_done', 'layers_total')  -- a dead worker's progress is not this run's
 redis.call('HSET', KEYS[2], 'state', 'running', 'token', token, 'worker', ARGV[1], 'started_ms', now_ms())
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 redis.call('SET', KEYS[3], token, 'PX', ARGV[2])
 return {'ok', token, job[2]}
+""")
+
+# KEYS: audit. ARGV: token, device, layers done, layers total. Written only by the running audit's holder.
+AUDIT_PROGRESS = _script("""
+local a = redis.call('HMGET', KEYS[1], 'state', 'token')
+if a[1] ~= 'running' or a[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'device', ARGV[2], 'layers_done', ARGV[3], 'layers_total', ARGV[4])
+return 1
 """)
 
 # KEYS: audit, audit_lease. ARGV: token, then field, value... of the verdict. Written only by the audit's holder.

@@ -160,6 +160,13 @@ class AuditAttempt:
         self.token = reply[1]
         return "ok", JobSpec.model_validate_json(reply[2])
 
+    def progress(self, device: str, done: int, total: int) -> bool:
+        """Say where the audit runs and how far its reference is (decoder layers run over every audited sample), in
+        one round trip; False if this claim no longer holds the audit."""
+        return bool(
+            scripts.AUDIT_PROGRESS([self.keys.audit(self.job_id)], [self.token, device, done, total], client=self.redis)
+        )
+
     def finish(self, verdict: AuditView) -> bool:
         """Record the verdict; False if this claim lost the audit to another worker meanwhile."""
         fields = [item for pair in asdict(verdict).items() for item in pair]

@@ -61,6 +61,17 @@ def test_hf_engine_stores_pass(kimi_store: Path, tiny_llama: Path, tiny_kimi25: 
     assert_passes(wrapper, trust_remote_code=True)
 
 
+def test_progress_is_reported_per_layer_run_over_every_sample(kimi_store: Path) -> None:
+    """The reference runs layer-major: ``progress`` hears 0 of N, then each layer, N being the layers it runs (every
+    one for a final state, up to the deepest capture without)."""
+    heard: list[tuple[int, int]] = []
+    audit_store(kimi_store, samples=2, write=False, progress=lambda *step: heard.append(step))
+    assert heard == [(n, 5) for n in range(6)]  # the tiny Kimi-K2's 5 layers
+    heard.clear()
+    audit_store(kimi_store, samples=2, write=False, final=False, progress=lambda *step: heard.append(step))
+    assert heard == [(n, 4) for n in range(5)]  # up to capture 4 (= layer 3's output)
+
+
 def test_the_int4_folders_store_passes(tiny_kimi25_int4: Path, tmp_path: Path) -> None:
     """The released layout (INT4 routed experts, bf16 elsewhere) computed in its own bf16: the audit loads the folder
     (experts dequantized exactly) and PASSes against the float32 reference with its bf16 floor."""
