@@ -2,13 +2,15 @@
 
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
-it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
-a bounded number of times, except a pass that outran SGLang's scheduler watchdog or a start that never became
-healthy (a retry meets the same hang again); the final error says in two lines how the last try ended, the decisive
-line of its log, and the log's path; SGLang's crash diagnostics (a minute of py-spy and CUDA core dumps
-before a crashed server exits) are off, so a retry comes within seconds. The server runs in its own process group (so stop() takes the
-scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
-SIGKILLed worker leaves no orphan holding GPU memory.
+it. The server imports the capture plugin from a folder that holds it alone (`PluginFolder`), whatever the
+working directory and however layertap is installed. A start that fails (e.g. SGLang's own warm-up timing
+out on a cold node) is retried with backoff a bounded number of times, except a pass that outran SGLang's
+scheduler watchdog or a start that never became healthy (a retry meets the same hang again); the final
+error says in two lines how the last try ended, the decisive line of its log, and the log's path; SGLang's
+crash diagnostics (a minute of py-spy and CUDA core dumps before a crashed server exits) are off, so a retry
+comes within seconds. The server runs in its own process group (so stop() takes the scheduler and
+detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a SIGKILLed worker leaves
+no orphan holding GPU memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -28,10 +31,10 @@ from pathlib import Path
 
 import httpx
 
+import sglang_patch
 from layertap.errors import ServerError
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 # What a tiny model needs to run on SGLang 0.5.10's CPU backend (see scripts/setup_sglang_cpu.sh).
@@ -164,6 +167,25 @@ def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
     return repr(line if len(line) <= limit else line[: limit - 3] + "...")
 
 
+class PluginFolder:
+    """A temporary folder holding only a link to the installed capture plugin (``sglang_patch``), for the server's
+    PYTHONPATH: the package's own parent (the repository, or the project venv's site-packages) holds layertap's other
+    packages and, in a venv, torch and transformers pinned apart from the server's. Removed when this object goes;
+    made again if something (a temp cleaner) removed it meanwhile."""
+
+    PACKAGE = Path(sglang_patch.__file__).resolve().parent
+
+    def __init__(self) -> None:
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def path(self) -> Path:
+        if self._folder is None or not (Path(self._folder.name) / self.PACKAGE.name).exists():
+            self._folder = tempfile.TemporaryDirectory(prefix="layertap-plugin-")
+            (Path(self._folder.name) / self.PACKAGE.name).symlink_to(self.PACKAGE, target_is_directory=True)
+        return Path(self._folder.name)
+
+
 def _die_with_parent() -> None:
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -179,6 +201,7 @@ class SGLangServer:
         self._url = url
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where the current try's lines start in the log
+        self._plugin = PluginFolder()
         self.restarts = 0
 
     @property
@@ -253,8 +276,8 @@ class SGLangServer:
         cfg.dump_root.mkdir(parents=True, exist_ok=True)
         cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = cfg.port or free_port()
-        # The repo first (for sglang_patch), then whatever the server's environment already had.
-        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        # The plugin first, then whatever the server's environment already had.
+        pythonpath = os.pathsep.join(p for p in (str(self._plugin.path), os.environ.get("PYTHONPATH", "")) if p)
         env = {**CRASH_DIAGNOSTICS_OFF, **os.environ, **cfg.env, "PYTHONPATH": pythonpath}
         env.pop("VIRTUAL_ENV", None)
         with cfg.log_path.open("ab") as logf:
