@@ -4,8 +4,8 @@ It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or atta
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
 it. The server imports the capture plugin from a folder that holds it alone (`PluginFolder`), whatever the
 working directory and however layertap is installed. A start that fails (e.g. SGLang's own warm-up timing
-out on a cold node) is retried with backoff a bounded number of times, except a pass that outran SGLang's
-scheduler watchdog or a start that never became healthy (a retry meets the same hang again); the final
+out on a cold node) is retried with backoff a bounded number of times, except one that would fail the same
+way again (`not_retried`: a hang, a watchdog timeout, an import error, a refused command line); the final
 error says in two lines how the last try ended, the decisive line of its log, and the log's path; SGLang's
 crash diagnostics (a minute of py-spy and CUDA core dumps before a crashed server exits) are off, so a retry
 comes within seconds. The server runs in its own process group (so stop() takes the scheduler and
@@ -33,6 +33,7 @@ import httpx
 
 import sglang_patch
 from layertap.errors import ServerError
+from sglang_patch.launch import USAGE_ERROR
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -128,6 +129,8 @@ _DECISIVE = (
 # restart would meet again in the same pass (a first start's kernel builds: the launcher allows them FIRST_START_S).
 WATCHDOG = re.compile(r"watchdog timeout", re.IGNORECASE)
 NOT_HEALTHY = "was not healthy after"
+# A module that did not import (the plugin, a hook's factory, one of SGLang's own): the same environment fails again.
+IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b")
 # SGLang's crash diagnostics (py-spy stack dumps, CUDA core dumps) say how it reported a death, never why.
 _DIAGNOSTICS = re.compile(r"py-?spy|core ?dump", re.IGNORECASE)
 
@@ -165,6 +168,23 @@ def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
             hit = next((ln for ln in reversed(lines) if pattern.search(ln)), None)
     line = (hit if hit is not None else lines[-1]).strip()
     return repr(line if len(line) <= limit else line[: limit - 3] + "...")
+
+
+def not_retried(failure: str, decisive: str) -> str | None:
+    """Why a start that ended so would end so again, which is then not retried; None when a retry may succeed.
+
+    ``failure`` says how the try ended (`SGLangServer._wait_ready`), ``decisive`` is its log's `decisive_log_line`.
+    """
+    if failure.startswith(NOT_HEALTHY):
+        return "a start that hung would hang as long again"
+    if WATCHDOG.search(decisive):
+        return ("a pass outran SGLang's watchdog and would again; allow it more with --watchdog-timeout in the server "
+                "flags")  # fmt: skip
+    if IMPORT_FAILED.search(decisive):
+        return "a module did not import, and would not again"
+    if failure == f"exited {describe_exit(USAGE_ERROR)}":
+        return "its command line was refused, and would be again"
+    return None
 
 
 class PluginFolder:
@@ -228,12 +248,8 @@ class SGLangServer:
             if failure is None:
                 return
             self.kill()
-            if failure.startswith(NOT_HEALTHY):  # a hang: another try would hang as long
-                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried): it {failure}"))
-            if WATCHDOG.search(decisive_log_line(cfg.log_path, self._log_offset)):
-                raise ServerError(self.failure(
-                    f"failed to start (try {attempt}, not retried: a pass outran SGLang's watchdog and would again; "
-                    f"allow it more with --watchdog-timeout in the server flags); it {failure}"))  # fmt: skip
+            if reason := not_retried(failure, decisive_log_line(cfg.log_path, self._log_offset)):
+                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}"))
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from layertap.engines.sglang_server import PluginFolder
-from sglang_patch.launch import forced_flags, hook_specs, parse_launch_args, unsafe_settings
+from sglang_patch.launch import USAGE_ERROR, forced_flags, hook_specs, parse_launch_args, unsafe_settings
 from sglang_patch.settings import CaptureSettings
 from tests.sglang_fixtures import SGLANG_PYTHON
 
@@ -236,12 +236,12 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     refused = run_launcher(
         [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, "--enforce-piecewise-cuda-graph"], cuda_stub_dir
     )
-    assert refused.returncode != 0
+    assert refused.returncode == USAGE_ERROR
     assert "prefill CUDA graphs are on" in refused.stderr
 
     dp_attention = ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"]
     refused = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, *dp_attention], cuda_stub_dir)
-    assert refused.returncode != 0
+    assert refused.returncode == USAGE_ERROR
     assert "DP attention (--enable-dp-attention) is not supported" in refused.stderr
 
 
