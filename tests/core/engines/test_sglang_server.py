@@ -12,13 +12,15 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
+import sglang_patch
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, PluginFolder, ServerConfig, SGLangServer, cpu_server_env
 from layertap.errors import ServerError
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
@@ -43,6 +45,15 @@ WATCHDOG_LOG = """\
 [2026-12-01 08:15:09] Pyspy failed (py-spy dump --pid 4242). Error: /bin/sh: 1: py-spy: not found
 [2026-12-01 08:15:10] Received sigquit from a child process. It usually means the child failed.
 """
+
+
+def test_the_servers_plugin_folder_holds_the_installed_plugin_alone_and_is_made_again_when_removed():
+    plugin = PluginFolder()
+    for _ in range(2):  # the second time after a temp cleaner removed it
+        folder = plugin.path
+        assert [p.name for p in folder.iterdir()] == ["sglang_patch"]
+        assert (folder / "sglang_patch").resolve() == Path(sglang_patch.__file__).resolve().parent
+        shutil.rmtree(folder)
 
 
 def fake_server_python(folder: Path, *, fail_times: int, how: str = "exit 3", log: str = DYING_LOG) -> Path:
