@@ -1,6 +1,6 @@
 """Start SGLang's own HTTP server with the capture hooks and safe settings.
 
-Usage (in the server's environment, with this repository's root on PYTHONPATH)::
+Usage (in the server's environment, with a folder holding this package on PYTHONPATH)::
 
     python -m sglang_patch.launch --dump-root /dev/shm/dumps --capture-layers 3,31,59 \\
         --capture-final post [--rid-prefix hscap] [--dump-layout states|specforge|speculators] \\
@@ -42,7 +42,10 @@ Everything else goes to SGLang's own parser, then the launcher
   module paths and the ``language_model.`` ones of Kimi-K2.5's multimodal wrapper, each carrying the served
   folder's identity (`sglang_patch.identity`), which ``/server_info`` then returns to clients.
 
-``--dry-run`` prints the resolved settings as JSON instead of starting the server.
+``--dry-run`` prints the resolved settings as JSON instead of starting the server. A command line it refuses
+(a missing or malformed capture flag, an unsafe setting) ends it as argparse ends on one: a line
+``python -m sglang_patch.launch: error: ...`` and status 2 (``USAGE_ERROR``), as SGLang's parser ends on a flag it
+rejects, so that a client can tell a start that would fail again from one a retry may not meet.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import os
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from sglang_patch.contract import DEFAULT_RID_PREFIX, FINAL_TENSORS
 from sglang_patch.identity import has_weight_files, model_identity
@@ -69,6 +72,8 @@ from sglang_patch.settings import (
     parse_layers,
 )
 
+PROG = "python -m sglang_patch.launch"
+USAGE_ERROR = 2  # argparse's exit status for a command line it refuses
 HOOK_FACTORY = "sglang_patch.hook:hook_factory"
 # Module path prefixes of the decoder stack: plain causal LMs, and Kimi-K2.5's multimodal wrapper.
 MODULE_PREFIXES = ("", "language_model.")
@@ -87,7 +92,7 @@ class LaunchOptions:
 
 def parse_launch_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchOptions:
     """Split the command line into capture settings (flags, else ``LAYERTAP_*`` env) and SGLang's argv."""
-    parser = argparse.ArgumentParser(prog="python -m sglang_patch.launch", allow_abbrev=False, add_help=False)
+    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, add_help=False)
     parser.add_argument("--dump-root", default=env_default(environ, "dump_root"))
     parser.add_argument("--capture-layers", default=env_default(environ, "capture_layers"))
     parser.add_argument("--capture-final", default=env_default(environ, "capture_final"))
@@ -265,11 +270,17 @@ def hook_specs(
     ]
 
 
+def refuse(message: str) -> NoReturn:
+    """End as argparse ends on a command line it refuses (see the module's docstring): one line, status 2."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(USAGE_ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         options = parse_launch_args(sys.argv[1:] if argv is None else argv, os.environ)
     except ValueError as exc:
-        sys.exit(f"sglang_patch.launch: {exc}")
+        refuse(str(exc))
 
     from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -287,12 +298,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     random_weights_for_config_only(server_args)
     problems = unsafe_settings(server_args, allow_allreduce_fusion=measure_fusion)
     if problems:
-        sys.exit("sglang_patch.launch refuses these settings:\n  - " + "\n  - ".join(problems))
+        refuse("these settings cannot capture correctly: " + "; ".join(problems))
     try:
         model = model_identity(Path(server_args.model_path)) if Path(server_args.model_path).is_dir() else {}
         specs = hook_specs(options.settings, server_args.get_model_config().num_hidden_layers, model)
     except ValueError as exc:
-        sys.exit(f"sglang_patch.launch: {exc}")
+        refuse(str(exc))
     server_args.forward_hooks = [*(server_args.forward_hooks or []), *specs]
 
     if options.dry_run:

@@ -2,7 +2,7 @@
 
 A server is SGLang 0.5.10.post1 from its own venv (``LAYERTAP_SGLANG_PYTHON``, default
 /opt/sglang-venv/bin/python; `scripts/setup_sglang_cpu.sh` makes it), started as
-``python -m sglang_patch.launch`` with this repository on PYTHONPATH, the libcuda stub on
+``python -m sglang_patch.launch`` with the plugin's own folder on PYTHONPATH, the libcuda stub on
 LD_LIBRARY_PATH and ``SGLANG_USE_CPU_ENGINE=1``, in float32 with small chunked-prefill passes so
 that prompts span passes and passes hold several requests. Server warmup stays on. Tests that need
 one are skipped when the SGLang venv is missing (they fail under CI, which installs it).

@@ -2,13 +2,15 @@
 
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
-it. A start that fails (e.g. SGLang's own warm-up timing out on a cold node) is retried with backoff
-a bounded number of times, except a pass that outran SGLang's scheduler watchdog or a start that never became
-healthy (a retry meets the same hang again); the final error says in two lines how the last try ended, the decisive
-line of its log, and the log's path; SGLang's crash diagnostics (a minute of py-spy and CUDA core dumps
-before a crashed server exits) are off, so a retry comes within seconds. The server runs in its own process group (so stop() takes the
-scheduler and detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a
-SIGKILLed worker leaves no orphan holding GPU memory.
+it. The server imports the capture plugin from a folder that holds it alone (`PluginFolder`), whatever the
+working directory and however layertap is installed. A start that fails (e.g. SGLang's own warm-up timing
+out on a cold node) is retried with backoff a bounded number of times, except one that would fail the same
+way again (`not_retried`: a hang, a watchdog timeout, an import error, a refused command line); the final
+error says in two lines how the last try ended, the decisive line of its log, and the log's path; SGLang's
+crash diagnostics (a minute of py-spy and CUDA core dumps before a crashed server exits) are off, so a retry
+comes within seconds. The server runs in its own process group (so stop() takes the scheduler and
+detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a SIGKILLed worker leaves
+no orphan holding GPU memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -28,10 +31,11 @@ from pathlib import Path
 
 import httpx
 
+import sglang_patch
 from layertap.errors import ServerError
+from sglang_patch.launch import USAGE_ERROR
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 # What a tiny model needs to run on SGLang 0.5.10's CPU backend (see scripts/setup_sglang_cpu.sh).
@@ -125,6 +129,8 @@ _DECISIVE = (
 # restart would meet again in the same pass (a first start's kernel builds: the launcher allows them FIRST_START_S).
 WATCHDOG = re.compile(r"watchdog timeout", re.IGNORECASE)
 NOT_HEALTHY = "was not healthy after"
+# A module that did not import (the plugin, a hook's factory, one of SGLang's own): the same environment fails again.
+IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b")
 # SGLang's crash diagnostics (py-spy stack dumps, CUDA core dumps) say how it reported a death, never why.
 _DIAGNOSTICS = re.compile(r"py-?spy|core ?dump", re.IGNORECASE)
 
@@ -164,6 +170,42 @@ def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
     return repr(line if len(line) <= limit else line[: limit - 3] + "...")
 
 
+def not_retried(failure: str, decisive: str) -> str | None:
+    """Why a start that ended so would end so again, which is then not retried; None when a retry may succeed.
+
+    ``failure`` says how the try ended (`SGLangServer._wait_ready`), ``decisive`` is its log's `decisive_log_line`.
+    """
+    if failure.startswith(NOT_HEALTHY):
+        return "a start that hung would hang as long again"
+    if WATCHDOG.search(decisive):
+        return ("a pass outran SGLang's watchdog and would again; allow it more with --watchdog-timeout in the server "
+                "flags")  # fmt: skip
+    if IMPORT_FAILED.search(decisive):
+        return "a module did not import, and would not again"
+    if failure == f"exited {describe_exit(USAGE_ERROR)}":
+        return "its command line was refused, and would be again"
+    return None
+
+
+class PluginFolder:
+    """A temporary folder holding only a link to the installed capture plugin (``sglang_patch``), for the server's
+    PYTHONPATH: the package's own parent (the repository, or the project venv's site-packages) holds layertap's other
+    packages and, in a venv, torch and transformers pinned apart from the server's. Removed when this object goes;
+    made again if something (a temp cleaner) removed it meanwhile."""
+
+    PACKAGE = Path(sglang_patch.__file__).resolve().parent
+
+    def __init__(self) -> None:
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def path(self) -> Path:
+        if self._folder is None or not (Path(self._folder.name) / self.PACKAGE.name).exists():
+            self._folder = tempfile.TemporaryDirectory(prefix="layertap-plugin-")
+            (Path(self._folder.name) / self.PACKAGE.name).symlink_to(self.PACKAGE, target_is_directory=True)
+        return Path(self._folder.name)
+
+
 def _die_with_parent() -> None:
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -179,6 +221,7 @@ class SGLangServer:
         self._url = url
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where the current try's lines start in the log
+        self._plugin = PluginFolder()
         self.restarts = 0
 
     @property
@@ -205,12 +248,8 @@ class SGLangServer:
             if failure is None:
                 return
             self.kill()
-            if failure.startswith(NOT_HEALTHY):  # a hang: another try would hang as long
-                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried): it {failure}"))
-            if WATCHDOG.search(decisive_log_line(cfg.log_path, self._log_offset)):
-                raise ServerError(self.failure(
-                    f"failed to start (try {attempt}, not retried: a pass outran SGLang's watchdog and would again; "
-                    f"allow it more with --watchdog-timeout in the server flags); it {failure}"))  # fmt: skip
+            if reason := not_retried(failure, decisive_log_line(cfg.log_path, self._log_offset)):
+                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}"))
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)
@@ -253,8 +292,8 @@ class SGLangServer:
         cfg.dump_root.mkdir(parents=True, exist_ok=True)
         cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = cfg.port or free_port()
-        # The repo first (for sglang_patch), then whatever the server's environment already had.
-        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        # The plugin first, then whatever the server's environment already had.
+        pythonpath = os.pathsep.join(p for p in (str(self._plugin.path), os.environ.get("PYTHONPATH", "")) if p)
         env = {**CRASH_DIAGNOSTICS_OFF, **os.environ, **cfg.env, "PYTHONPATH": pythonpath}
         env.pop("VIRTUAL_ENV", None)
         with cfg.log_path.open("ab") as logf:

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_patch.launch import forced_flags, hook_specs, parse_launch_args, unsafe_settings
+from layertap.engines.sglang_server import PluginFolder
+from sglang_patch.launch import USAGE_ERROR, forced_flags, hook_specs, parse_launch_args, unsafe_settings
 from sglang_patch.settings import CaptureSettings
-from tests.sglang_fixtures import REPO_ROOT, SGLANG_PYTHON
+from tests.sglang_fixtures import SGLANG_PYTHON
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -189,11 +190,12 @@ needs_sglang = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"no SGLang
 
 
 def run_launcher(args: list[str], cuda_stub_dir: Path) -> subprocess.CompletedProcess[str]:
+    plugin = PluginFolder()  # the folder a server layertap launches gets; removed when this returns
     env = {
         **os.environ,
         "SGLANG_USE_CPU_ENGINE": "1",
         "LD_LIBRARY_PATH": str(cuda_stub_dir),
-        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONPATH": str(plugin.path),
     }
     return subprocess.run(
         [str(SGLANG_PYTHON), "-m", "sglang_patch.launch", *args], env=env, capture_output=True, text=True, timeout=300
@@ -234,12 +236,12 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     refused = run_launcher(
         [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, "--enforce-piecewise-cuda-graph"], cuda_stub_dir
     )
-    assert refused.returncode != 0
+    assert refused.returncode == USAGE_ERROR
     assert "prefill CUDA graphs are on" in refused.stderr
 
     dp_attention = ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"]
     refused = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, *dp_attention], cuda_stub_dir)
-    assert refused.returncode != 0
+    assert refused.returncode == USAGE_ERROR
     assert "DP attention (--enable-dp-attention) is not supported" in refused.stderr
 
 

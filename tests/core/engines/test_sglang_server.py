@@ -1,5 +1,6 @@
-"""Starting a capture server: a failed start is retried with backoff; when every try fails, the error
-says in two lines how the last one ended, the decisive line of its log and where the log is.
+"""Starting a capture server: a failed start is retried with backoff, unless it would fail the same way again
+(a hang, a watchdog timeout, an import error, a refused command line); when it is not started, the error says in two
+lines how the last try ended, the decisive line of its log and where the log is.
 
 The failing server is a real process: a stand-in for the server's python (``FakeServerPython``) that
 writes what a dying SGLang writes and exits; after it, the real CPU SGLang server (marked ``sglang``).
@@ -7,15 +8,19 @@ writes what a dying SGLang writes and exits; after it, the real CPU SGLang serve
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
+import sglang_patch
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, PluginFolder, ServerConfig, SGLangServer, cpu_server_env
 from layertap.errors import ServerError
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
@@ -40,6 +45,15 @@ WATCHDOG_LOG = """\
 [2026-12-01 08:15:09] Pyspy failed (py-spy dump --pid 4242). Error: /bin/sh: 1: py-spy: not found
 [2026-12-01 08:15:10] Received sigquit from a child process. It usually means the child failed.
 """
+
+
+def test_the_servers_plugin_folder_holds_the_installed_plugin_alone_and_is_made_again_when_removed():
+    plugin = PluginFolder()
+    for _ in range(2):  # the second time after a temp cleaner removed it
+        folder = plugin.path
+        assert [p.name for p in folder.iterdir()] == ["sglang_patch"]
+        assert (folder / "sglang_patch").resolve() == Path(sglang_patch.__file__).resolve().parent
+        shutil.rmtree(folder)
 
 
 def fake_server_python(folder: Path, *, fail_times: int, how: str = "exit 3", log: str = DYING_LOG) -> Path:
@@ -106,7 +120,9 @@ def test_a_start_that_never_becomes_healthy_is_not_retried(tiny_llama, tmp_path)
     fake = fake_server_python(tmp_path / "fake", fail_times=99, how="sleep 60")
     server = SGLangServer(_config(fake, tiny_llama, tmp_path, start_attempts=3, start_backoff_s=0.05,
                                   startup_timeout_s=2.0))  # fmt: skip
-    with pytest.raises(ServerError, match=r"failed to start \(try 1, not retried\): it was not healthy after 2 s"):
+    with pytest.raises(
+        ServerError, match=r"failed to start \(try 1, not retried: a start that hung .*\); it was not healthy after 2 s"
+    ):
         server.start()
     assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
 
@@ -148,6 +164,38 @@ def test_a_start_that_fails_once_is_retried_and_the_server_then_serves(tiny_llam
     assert "start attempt 1/3" in first and "Read timed out" in first and "Read timed out" not in second
 
 
+# A forward hook whose factory's module is nowhere: SGLang's scheduler fails to import it as it loads the model.
+MISSING_HOOK = [{"name": "missing", "target_modules": ["model.layers.0"], "hook_factory": "no_such_hook_module:factory",
+                 "config": {}}]  # fmt: skip
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("flags", "says", "reason"),
+    [
+        (("--forward-hooks", json.dumps(MISSING_HOOK)), "ModuleNotFoundError: No module named 'no_such_hook_module'",
+         "a module did not import"),
+        (("--no-such-flag",), "error: unrecognized arguments: --no-such-flag", "its command line was refused"),
+        (("--pp-size", "2"), "pipeline parallelism (--pp-size > 1) is not supported", "its command line was refused"),
+    ],
+    ids=["import-error", "rejected-flag", "refused-setting"],
+)  # fmt: skip
+def test_a_start_that_would_fail_again_is_reported_once_with_the_servers_own_line_and_not_retried(
+    flags, says, reason, tiny_llama, cuda_stub_dir, tmp_path, caplog
+):
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
+    config = _config(SGLANG_PYTHON, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.05,
+                     sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", *flags))  # fmt: skip
+    with caplog.at_level(logging.WARNING), pytest.raises(ServerError) as info:
+        SGLangServer(config).start()
+    first, log_line = str(info.value).splitlines()
+    assert first.startswith(f"SGLang server failed to start (try 1, not retried: {reason}") and says in first, first
+    assert log_line == f"server log: {config.log_path}"
+    assert config.log_path.read_text().count("--- layertap: start attempt") == 1
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
 # A forward hook that raises on the first captured request (rid prefix "hscap:"), not on SGLang's warm-up:
 # a server that dies at its first request, of a cause the test controls (as a tokenizer's KeyError did).
 CRASH_HOOK = """
@@ -163,9 +211,6 @@ def factory(config):
 def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attached_ones_are_not(
     tiny_llama, cuda_stub_dir, tmp_path, monkeypatch, caplog
 ):
-    import json
-    import logging
-
     import torch
 
     from layertap.engines.sglang import SGLangEngine
