@@ -46,7 +46,7 @@ def sample_names(exposition: str) -> set[str]:
 
 
 def test_every_metric_the_dashboard_queries_is_exported(redis_server, tmp_path) -> None:
-    settings = CoordinatorSettings(redis_url=redis_server.url, output_root=tmp_path)
+    settings = CoordinatorSettings(redis_url=redis_server.url, output_root=tmp_path, api_open=True)
     dispatcher = Dispatcher(redis_server.url)
     state = StateCollector(dispatcher.broker, Keys("dashboard-test"), dispatcher, settings)
     coordinator = sample_names(generate_latest(build_registry(state)).decode())
