@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from redis import Redis
 
 from coordinator.api.deps import DispatcherDep, KeysDep, RedisDep, SettingsDep, require_token
+from coordinator.api.errors import responses
 from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
 from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
@@ -17,7 +18,9 @@ from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
 from layertap.state.views import job_errors, job_view, list_job_ids
 
-router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
+router = APIRouter(
+    prefix="/jobs", tags=["jobs"], dependencies=[Depends(require_token)], responses=responses(401, 422, 503)
+)
 
 
 def _job(redis: Redis, keys: Keys, job_id: str) -> JobPublic:
@@ -27,7 +30,7 @@ def _job(redis: Redis, keys: Keys, job_id: str) -> JobPublic:
     return JobPublic.of(view)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post("", status_code=status.HTTP_201_CREATED, responses=responses(400, 403, 409, 507))
 def submit_job(
     body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
 ) -> JobPublic:
@@ -64,13 +67,13 @@ def list_jobs(redis: RedisDep, keys: KeysDep, limit: int = Query(default=50, ge=
     return JobsPublic(count=len(jobs), jobs=jobs)
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=responses(404))
 def get_job(job_id: str, redis: RedisDep, keys: KeysDep) -> JobPublic:
     """State, samples and tokens done/failed/total, rate, ETA and per-worker progress."""
     return _job(redis, keys, job_id)
 
 
-@router.get("/{job_id}/errors")
+@router.get("/{job_id}/errors", responses=responses(404))
 def get_job_errors(job_id: str, redis: RedisDep, keys: KeysDep) -> JobErrorsPublic:
     """Every row that produced no sample, with the reason (bad row, too long, capture failed N times)."""
     failures = job_errors(redis, keys, job_id)
@@ -80,7 +83,7 @@ def get_job_errors(job_id: str, redis: RedisDep, keys: KeysDep) -> JobErrorsPubl
     return JobErrorsPublic(job_id=job_id, count=len(errors), errors=errors)
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=responses(404, 409))
 def cancel(job_id: str, redis: RedisDep, keys: KeysDep) -> JobPublic:
     """Stop dispatching; queued shards are skipped, running ones stop at their next sample and are released."""
     before = cancel_job(redis, keys, job_id)
@@ -91,7 +94,7 @@ def cancel(job_id: str, redis: RedisDep, keys: KeysDep) -> JobPublic:
     return _job(redis, keys, job_id)
 
 
-@router.post("/{job_id}/resume")
+@router.post("/{job_id}/resume", responses=responses(404, 409))
 def resume(job_id: str, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep) -> JobPublic:
     """Dispatch again every shard that is not done (or finalize, if all are); committed samples are kept."""
     outcome = resume_job(redis, keys, job_id, dispatcher.send, lease_ms=settings.queued_grace_ms)
