@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, HTTPException, Query, status
 from redis import Redis
@@ -12,6 +13,7 @@ from coordinator.api.errors import responses
 from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
 from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
+from layertap.errors import SpecError
 from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
 from layertap.state.keys import Keys
 from layertap.state.model import JobSpec
@@ -30,12 +32,30 @@ def _job(redis: Redis, keys: Keys, job_id: str) -> JobPublic:
     return JobPublic.of(view)
 
 
+def _check_root(name: str, path: Path, root: Path | None) -> None:
+    """403 unless ``path`` lies under ``root`` once ``..`` and symlinks are resolved: workers read whatever a job
+    names, so the operator's roots bound what a submitter can make them read. Checked before anything is read;
+    a relative path is left to ``plan_job`` (422: it must be absolute)."""
+    if root is None or not path.is_absolute():
+        return
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError) as exc:  # a name the filesystem refuses (NUL, not UTF-8), a symlink loop
+        raise SpecError(f"{name} {str(path)!r} is not a usable path: {exc}") from exc
+    if not resolved.is_relative_to(root.resolve()):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"{name} {str(path)!r} resolves to {resolved}, outside this coordinator's {name} root {root} "
+            f"(LAYERTAP_{name.upper()}_ROOT)",
+        )
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, responses=responses(400, 403, 409, 507))
 def submit_job(
     body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
 ) -> JobPublic:
-    """Check the spec, the dataset and (given expected_tokens) the free space, create the output store, cut
-    shards and enqueue one task per shard."""
+    """Check the operator's policy, the spec, the dataset and (given expected_tokens) the free space, create the
+    output store, cut shards and enqueue one task per shard."""
     job_id = uuid.uuid4().hex[:12]
     spec = JobSpec(**body.model_dump(exclude={"expected_tokens"}))
     if spec.trust_remote_code and not settings.allow_remote_code:
@@ -44,6 +64,8 @@ def submit_job(
             "this coordinator does not accept trust_remote_code: its operator has not enabled remote code "
             "(LAYERTAP_ALLOW_REMOTE_CODE)",
         )
+    _check_root("model", spec.model, settings.model_root)
+    _check_root("data", spec.data, settings.data_root)
     if body.expected_tokens is not None:
         try:
             estimate = job_bytes_estimate(spec, body.expected_tokens)
