@@ -6,7 +6,7 @@
 #               sglang, safetensors) has to be importable inside the server, which the launcher
 #               arranges by putting the source folder (/app, hence the editable installs) on PYTHONPATH.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.10.post1
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.14
 # A CPU-only torch wheel index keeps the image small (the worker reads dumps on the CPU); empty
 # means PyPI's default torch build.
 ARG TORCH_INDEX_URL=

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -181,7 +182,9 @@ def bench_coordinator(redis_url: str, model: Path, data: Path, root: Path, shard
 def bench_http(redis_url: str, model: Path, data: Path, root: Path, shard_size: int, logs: Path) -> float:
     """Seconds for POST /jobs through a uvicorn coordinator (HTTP, validation, planning, enqueueing)."""
     port = free_port()
-    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_OUTPUT_ROOT": str(root), "PYTHONPATH": str(REPO)}
+    token = secrets.token_hex(16)  # closed as a deployment is: the timed call carries the token
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_OUTPUT_ROOT": str(root), "PYTHONPATH": str(REPO),
+           "LAYERTAP_API_TOKEN": token}  # fmt: skip
     cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--port", str(port), "--log-level", "warning"]
     with open(logs / "coordinator.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -190,7 +193,8 @@ def bench_http(redis_url: str, model: Path, data: Path, root: Path, shard_size: 
         body = {"model": str(model), "data": str(data), "layers": [1, 3, 5], "shard_size": shard_size,
                 "out": f"http-{data.suffix[1:]}"}  # fmt: skip
         t0 = time.perf_counter()
-        reply = httpx.post(f"http://127.0.0.1:{port}/jobs", json=body, timeout=600)
+        reply = httpx.post(f"http://127.0.0.1:{port}/jobs", json=body, timeout=600,
+                           headers={"Authorization": f"Bearer {token}"})  # fmt: skip
         seconds = time.perf_counter() - t0
         reply.raise_for_status()
         return seconds

@@ -35,8 +35,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.metrics_registry = build_registry(
         StateCollector(app.state.redis, app.state.keys, app.state.dispatcher, settings)
     )
-    if settings.api_token is None:
-        log.warning("LAYERTAP_API_TOKEN is not set: the API is open to anyone who can reach it")
+    if settings.api_open:
+        log.warning("LAYERTAP_API_OPEN is set: the API is open to anyone who can reach it")
     reaper = asyncio.create_task(reaper_loop(app.state.redis, app.state.keys, app.state.dispatcher, settings))
     try:
         yield

@@ -12,8 +12,9 @@ from layertap.state.model import JobSpec, JobView
 class JobCreate(JobSpec):
     """Body of ``POST /jobs``: an extraction spec plus how to spread it over workers.
 
-    ``model`` and ``data`` are absolute paths every worker can read; ``out`` is relative to the
-    coordinator's output root (default: the job id). Layer ids are read in ``layer_convention``.
+    ``model`` and ``data`` are absolute paths every worker can read, under the coordinator's model and data
+    roots when it has them (403 otherwise); ``out`` is relative to the coordinator's output root (default: the
+    job id). Layer ids are read in ``layer_convention``.
     With ``expected_tokens``, the job is refused (507) unless its estimated output fits on the volume.
     With ``audit_samples``, a worker audits that many stored samples once the job has ended (``JobPublic.audit``).
     """

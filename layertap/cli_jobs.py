@@ -127,7 +127,8 @@ def _settled(job: dict[str, Any]) -> bool:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 def coordinator(host: str, port: int) -> None:
-    """Run the coordinator API (settings from LAYERTAP_* variables; same as `uvicorn coordinator.app:app`)."""
+    """Run the coordinator API (settings from LAYERTAP_* variables; same as `uvicorn coordinator.app:app`). It needs
+    LAYERTAP_API_TOKEN, or LAYERTAP_API_OPEN=true to serve anyone who can reach it."""
     import uvicorn
 
     uvicorn.run("coordinator.app:app", host=host, port=port)

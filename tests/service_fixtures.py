@@ -221,8 +221,8 @@ class Services:
         cli: bool = False,
         **env: str,
     ) -> Coordinator:
-        """A coordinator (``uvicorn coordinator.app:app``, or ``layertap coordinator`` with ``cli``); its
-        watchdog runs every 0.5 s and a lost message is resent after 5 s."""
+        """A coordinator (``uvicorn coordinator.app:app``, or ``layertap coordinator`` with ``cli``), closed by
+        ``token`` or else explicitly open; its watchdog runs every 0.5 s and a lost message is resent after 5 s."""
         port = port or free_port()
         settings = {
             "LAYERTAP_REDIS_URL": redis_url,
@@ -230,6 +230,7 @@ class Services:
             "LAYERTAP_REAPER_INTERVAL_S": "0.5",
             "LAYERTAP_QUEUED_GRACE_S": "5",
             "LAYERTAP_API_TOKEN": token or "",
+            "LAYERTAP_API_OPEN": "false" if token else "true",  # no token: open on purpose (127.0.0.1 only)
             **env,
         }
         cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host", "127.0.0.1", "--port", str(port)]

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -241,9 +242,11 @@ def main() -> None:
                                     "--dir", str(args.work)], dict(os.environ), logs / "redis.log").start())  # fmt: skip
         base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
                     "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_ALLOW_REMOTE_CODE": "1"}  # fmt: skip
+        token = secrets.token_hex(16)  # closed as a deployment is: the job's calls carry the token
         coordinator = Proc("coordinator", [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host",
                                            "127.0.0.1", "--port", str(api_port), "--log-level", "warning"],
-                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root), "LAYERTAP_QUEUED_GRACE_S": "10"}, logs / "coordinator.log")  # fmt: skip
+                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root), "LAYERTAP_QUEUED_GRACE_S": "10",
+                            "LAYERTAP_API_TOKEN": token}, logs / "coordinator.log")  # fmt: skip
         procs.append(coordinator.start())
         api = f"http://127.0.0.1:{api_port}"
         wait_http(api + "/health", coordinator, 60)
@@ -271,7 +274,7 @@ def main() -> None:
         # -- the job -------------------------------------------------------------------------------------
         body = {"model": str(model), "data": str(data), "layers": LAYERS, "format": "specforge", "out": "e2e",
                 "shard_size": args.shard_size, "trust_remote_code": True, "max_length": context}  # fmt: skip
-        client = httpx.Client(timeout=30)
+        client = httpx.Client(timeout=30, headers={"Authorization": f"Bearer {token}"})
         t = Timeline(posted=time.monotonic())
         reply = client.post(api + "/jobs", json=body)
         assert reply.status_code in (200, 201, 202), reply.text

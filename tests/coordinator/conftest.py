@@ -13,16 +13,23 @@ from tests.core.datasets import conversation_rows, write_jsonl
 
 @pytest.fixture
 def make_api(redis_server, redis_client, tmp_path, monkeypatch) -> Iterator[Callable[..., TestClient]]:
-    """``make_api(token=None, allow_remote_code=False)`` -> a started TestClient; outputs go under
-    ``tmp_path / "outputs"``."""
+    """``make_api(token=None, allow_remote_code=False, **roots)`` -> a started TestClient; outputs go under
+    ``tmp_path / "outputs"``. Without a token the API is explicitly open (LAYERTAP_API_OPEN); ``roots``
+    (``model_root``, ``data_root``) bound the paths a job may name."""
     clients: list[TestClient] = []
 
-    def make(token: str | None = None, allow_remote_code: bool = False) -> TestClient:
+    def make(token: str | None = None, allow_remote_code: bool = False, **roots: Path) -> TestClient:
         monkeypatch.setenv("LAYERTAP_REDIS_URL", redis_server.url)
         monkeypatch.setenv("LAYERTAP_OUTPUT_ROOT", str(tmp_path / "outputs"))
         monkeypatch.setenv("LAYERTAP_REAPER_INTERVAL_S", "3600")
         monkeypatch.setenv("LAYERTAP_API_TOKEN", token or "")
+        monkeypatch.setenv("LAYERTAP_API_OPEN", "false" if token else "true")
         monkeypatch.setenv("LAYERTAP_ALLOW_REMOTE_CODE", "1" if allow_remote_code else "0")
+        for name in ("model_root", "data_root"):
+            if name in roots:
+                monkeypatch.setenv(f"LAYERTAP_{name.upper()}", str(roots[name]))
+            else:
+                monkeypatch.delenv(f"LAYERTAP_{name.upper()}", raising=False)
         client = TestClient(app)
         client.__enter__()
         clients.append(client)

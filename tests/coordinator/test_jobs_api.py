@@ -1,5 +1,6 @@
 """``/jobs`` over HTTP: validation before anything is enqueued, planning, progress, cancel/resume, auth."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,32 @@ def test_remote_code_is_refused_unless_the_operator_allowed_it(
     reply = opened.post("/jobs", json=job_body(tiny_kimi25, dataset, trust_remote_code=True, layers=[1, 2, 4]))
     assert reply.status_code == 201, reply.text
     assert reply.json()["num_shards"] == 5
+
+
+def test_a_model_or_dataset_outside_the_operators_roots_is_forbidden(
+    make_api, tiny_llama, dataset, redis_client, tmp_path
+) -> None:
+    models, data = tmp_path / "models", tmp_path / "data"
+    shutil.copytree(tiny_llama, models / "tiny")
+    data.mkdir()
+    rows = Path(shutil.copy(dataset, data / "rows.jsonl"))
+    (models / "link").symlink_to(tiny_llama)  # inside the model root, to a folder outside it
+    api = make_api(model_root=models, data_root=data)
+    outside = [
+        ({"model": str(tiny_llama)}, f"outside this coordinator's model root {models} (LAYERTAP_MODEL_ROOT)"),
+        ({"model": f"{models}/../data"}, f"resolves to {data}, outside"),
+        ({"model": str(models / "link")}, f"resolves to {tiny_llama}, outside"),
+        # ".." after a link climbs from where the link points, as the workers' reads would: not back into models/
+        ({"model": f"{models}/link/../tiny"}, f"resolves to {tiny_llama.parent / 'tiny'}, outside"),
+        ({"data": str(dataset)}, f"outside this coordinator's data root {data} (LAYERTAP_DATA_ROOT)"),
+        ({"data": f"{data}/../data.jsonl"}, f"resolves to {dataset}, outside"),
+    ]
+    for change, detail in outside:
+        reply = api.post("/jobs", json=job_body(models / "tiny", rows) | change)
+        assert reply.status_code == 403 and detail in reply.json()["detail"], (change, reply.text)
+    assert nothing_enqueued(redis_client, tmp_path)
+    # Inside both roots, written with a detour that resolves back into them: accepted.
+    assert api.post("/jobs", json=job_body(models / "tiny" / ".." / "tiny", rows)).status_code == 201
 
 
 def test_an_output_folder_of_another_job_is_a_conflict(api, tiny_llama, dataset) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dotenv import dotenv_values
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,6 +27,7 @@ from worker.metrics import WorkerMetrics
 MONITORING = REPO_ROOT / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "layertap.json"
 METRIC = re.compile(r"\blayertap_[a-z0-9_]+")
+SGLANG_GPU_VERSION = "0.5.14"  # what every GPU measurement (benchmarks/results) ran on; SpecForge 0.2.0 pins it too
 
 
 def dashboard_queries() -> list[str]:
@@ -46,7 +48,7 @@ def sample_names(exposition: str) -> set[str]:
 
 
 def test_every_metric_the_dashboard_queries_is_exported(redis_server, tmp_path) -> None:
-    settings = CoordinatorSettings(redis_url=redis_server.url, output_root=tmp_path)
+    settings = CoordinatorSettings(redis_url=redis_server.url, output_root=tmp_path, api_open=True)
     dispatcher = Dispatcher(redis_server.url)
     state = StateCollector(dispatcher.broker, Keys("dashboard-test"), dispatcher, settings)
     coordinator = sample_names(generate_latest(build_registry(state)).decode())
@@ -132,6 +134,32 @@ def test_docker_compose_config_validates_and_wires_the_stack(tmp_path) -> None:
     assert Path(mounts["/var/lib/grafana/dashboards"]) == DASHBOARD.parent
     assert Path(mounts["/etc/grafana/provisioning"]) == MONITORING / "grafana" / "provisioning"
 
-    # Without the Grafana password the stack refuses to start with a default one.
-    bare = docker_compose("--env-file", "/dev/null", "config", "-q", tmp_path=tmp_path / "bare")
-    assert bare.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in bare.stderr
+    # The coordinator is closed: the token comes from .env, and so does every service's that calls the API; the
+    # workers, which do not, get none. Jobs may name only what the coordinator mounts for models and data.
+    example = dotenv_values(REPO_ROOT / ".env.example")
+    coordinator = services["coordinator"]["environment"]
+    assert coordinator["LAYERTAP_API_TOKEN"] == services["demo-job"]["environment"]["LAYERTAP_API_TOKEN"]
+    assert coordinator["LAYERTAP_API_TOKEN"] == example["LAYERTAP_API_TOKEN"] and "LAYERTAP_API_OPEN" not in coordinator
+    assert not any("LAYERTAP_API_TOKEN" in services[name]["environment"] for name in ("worker-gpu", "worker-cpu"))
+    mounts = {v["target"] for v in services["coordinator"]["volumes"]}
+    assert {coordinator["LAYERTAP_MODEL_ROOT"], coordinator["LAYERTAP_DATA_ROOT"]} == {"/models", "/data"} <= mounts
+
+    # Without the Grafana password or the API token, or with an empty token, the stack refuses to start.
+    for env, missing in [
+        ("LAYERTAP_API_TOKEN=t\n", "GRAFANA_ADMIN_PASSWORD"),
+        ("GRAFANA_ADMIN_PASSWORD=x\n", "LAYERTAP_API_TOKEN"),
+        ("GRAFANA_ADMIN_PASSWORD=x\nLAYERTAP_API_TOKEN=\n", "LAYERTAP_API_TOKEN"),
+    ]:
+        (tmp_path / "bare.env").write_text(env)
+        bare = docker_compose("--env-file", str(tmp_path / "bare.env"), "config", "-q", tmp_path=tmp_path / "bare")
+        assert bare.returncode != 0 and missing in bare.stderr, (env, bare.stderr)
+        shutil.rmtree(tmp_path / "bare")
+
+    # The GPU image is the SGLang every GPU figure was measured on, by default and in .env.example alike.
+    (tmp_path / "min.env").write_text("GRAFANA_ADMIN_PASSWORD=x\nLAYERTAP_API_TOKEN=t\n")
+    defaults = docker_compose("--env-file", str(tmp_path / "min.env"), "--profile", "gpu", "config", "--format", "json",
+                              tmp_path=tmp_path / "defaults")  # fmt: skip
+    assert defaults.returncode == 0, defaults.stderr
+    image = json.loads(defaults.stdout)["services"]["worker-gpu"]["build"]["args"]["SGLANG_IMAGE"]
+    dockerfile = re.search(r"^ARG SGLANG_IMAGE=(\S+)$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    assert image == example["SGLANG_IMAGE"] == dockerfile.group(1) == f"lmsysorg/sglang:v{SGLANG_GPU_VERSION}"

@@ -6,11 +6,12 @@ from fastapi import APIRouter, HTTPException, status
 from redis.exceptions import RedisError
 
 from coordinator.api.deps import RedisDep
+from coordinator.api.errors import responses
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
+@router.get("/health", responses=responses(503))
 def health(redis: RedisDep) -> dict[str, str]:
     """The coordinator is up and reaches Redis."""
     try:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from coordinator.api.deps import KeysDep, RedisDep, require_token
+from coordinator.api.errors import responses
 from coordinator.schemas import WorkersPublic, WorkerStatePublic
 from layertap.state.views import live_workers
 
-router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_token)])
+router = APIRouter(
+    prefix="/workers", tags=["workers"], dependencies=[Depends(require_token)], responses=responses(401, 503)
+)
 
 
 @router.get("")
