@@ -189,12 +189,15 @@ def tokenized_samples(
     stop: int | None = None,
     events: ShardEvents | None = None,
     duplicates: Mapping[int, int] | None = None,
+    server_limit: int | None = None,
 ) -> Iterator[TokenizedSample]:
     """Rows ``[start, stop)`` that still need capturing, tokenized; bad rows are recorded, not raised.
 
     ``duplicates`` maps a row to the earlier row that has its id (see ``scan_dataset``): such a row is
-    an error of kind ``duplicate_id``. Only a dataset-wide problem (a chat template that cannot mask
-    any conversation, no template at all) raises; whatever one row does costs that row only.
+    an error of kind ``duplicate_id``. A sample longer than ``server_limit`` (a ``max_length`` above the
+    server's limit, in a job accepted before a worker told it) is an error of kind ``server_limit``. Only a
+    dataset-wide problem (a chat template that cannot mask any conversation, no template at all) raises;
+    whatever one row does costs that row only.
     """
     events = events or ProgressEvents()
     duplicates = duplicates or {}
@@ -205,6 +208,12 @@ def tokenized_samples(
             if sample_id in done:
                 continue
             sample = tokenize_row(chat, spec, number, row, sample_id)
+            if server_limit is not None and sample.num_tokens > server_limit:
+                raise RowError(
+                    f"{sample.num_tokens} tokens, more than the {server_limit} the SGLang server accepts (the job's "
+                    f"max_length {spec.max_length} is above its limit: submit with max_length at most {server_limit})",
+                    row=number, sample_id=sample_id, kind="server_limit",
+                )  # fmt: skip
         except RowError as err:
             _row_failed(store, report, events, err)
             continue
@@ -451,9 +460,15 @@ def run_shard(
     Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows (duplicate ids
     as the planner's scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
     Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are kept within the engine's
-    limit (`within_engine_limit`). Does not finalize.
+    limit (`within_engine_limit`); under a ``max_length`` above it, each longer row is its own error. Does not
+    finalize.
     """
-    spec = within_engine_limit(spec, engine.max_input_tokens)
+    server_limit = None
+    try:
+        spec = within_engine_limit(spec, engine.max_input_tokens)
+    except SpecError as exc:  # a job accepted before any worker told its server's limit: its longer rows fail alone
+        log.warning("%s; rows longer than that fail one by one", exc)
+        server_limit = engine.max_input_tokens
     events = events or ProgressEvents()
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
@@ -475,7 +490,8 @@ def run_shard(
     report.changed = [rec.sample_id for rec, _ in stale]
     report.already_done = len(done)
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates)
+    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates,
+                                server_limit=server_limit)  # fmt: skip
     _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     report.stopped = not events.keep_going()
     return report
