@@ -1,7 +1,7 @@
 """What naming a dataset by its content costs: `dataset_sha256` (one streamed read of the bytes) beside the
 planner's id scan (`scan_dataset` without it), on a JSONL of the seed's shape: 37K chats of ~9,500
 characters (~2,400 tokens each, ~88M tokens in all). Also what a resume's re-tokenization of done rows
-(`pipeline.changed_samples` tokenizes each with `tokenize_row`) costs per row, on the tiny Llama's tokenizer. Prints a markdown table.
+(`pipeline.stale_samples` tokenizes each with `tokenize_row`) costs per row, on the tiny Llama's tokenizer. Prints a markdown table.
 
     .venv/bin/python benchmarks/dataset_hash_bench.py --out /tmp/hash-bench [--rows 37000 --tokenize-rows 500]
 """

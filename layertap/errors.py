@@ -33,6 +33,7 @@ ROW_KINDS: dict[str, str] = {
     "tokenizer": "the tokenizer failed or gave no tokens",
     "loss_mask": "the loss mask came out all 0 or all 1",
     "overlong": "longer than max_length under the skip policy",
+    "server_limit": "longer than the SGLang server accepts (a job's max_length above its limit, not known at submit)",
     "capture": "the capture failed every attempt",
     "internal": "an unexpected error while preparing the row (a bug: please report it)",
 }

@@ -2,7 +2,7 @@
 
 The same function serves the CLI (one process, the whole dataset) and a Celery worker (one shard,
 ``rows[start:stop]``): ``run_shard`` skips what the store verifiably holds and its rows still give
-(re-tokenized: `changed_samples`), streams the rest through the engine, retries failing samples alone a
+(re-tokenized: `stale_samples`; the others are retired), streams the rest through the engine, retries failing samples alone a
 bounded number of times, and reports each outcome to a ``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
 """
 
@@ -134,7 +134,7 @@ class RunReport:
     rows: int = 0
     already_done: int = 0
     redone: list[str] = field(default_factory=list)  # committed files that failed their check
-    changed: list[str] = field(default_factory=list)  # committed samples their rows no longer give
+    changed: list[str] = field(default_factory=list)  # committed samples their rows no longer give: retired
     computed: list[str] = field(default_factory=list)
     tokens: int = 0
     truncated: int = 0
@@ -189,12 +189,15 @@ def tokenized_samples(
     stop: int | None = None,
     events: ShardEvents | None = None,
     duplicates: Mapping[int, int] | None = None,
+    server_limit: int | None = None,
 ) -> Iterator[TokenizedSample]:
     """Rows ``[start, stop)`` that still need capturing, tokenized; bad rows are recorded, not raised.
 
     ``duplicates`` maps a row to the earlier row that has its id (see ``scan_dataset``): such a row is
-    an error of kind ``duplicate_id``. Only a dataset-wide problem (a chat template that cannot mask
-    any conversation, no template at all) raises; whatever one row does costs that row only.
+    an error of kind ``duplicate_id``. A sample longer than ``server_limit`` (a ``max_length`` above the
+    server's limit, in a job accepted before a worker told it) is an error of kind ``server_limit``. Only a
+    dataset-wide problem (a chat template that cannot mask any conversation, no template at all) raises;
+    whatever one row does costs that row only.
     """
     events = events or ProgressEvents()
     duplicates = duplicates or {}
@@ -205,6 +208,12 @@ def tokenized_samples(
             if sample_id in done:
                 continue
             sample = tokenize_row(chat, spec, number, row, sample_id)
+            if server_limit is not None and sample.num_tokens > server_limit:
+                raise RowError(
+                    f"{sample.num_tokens} tokens, more than the {server_limit} the SGLang server accepts (the job's "
+                    f"max_length {spec.max_length} is above its limit: submit with max_length at most {server_limit})",
+                    row=number, sample_id=sample_id, kind="server_limit",
+                )  # fmt: skip
         except RowError as err:
             _row_failed(store, report, events, err)
             continue
@@ -219,41 +228,55 @@ def tokenized_samples(
         yield sample
 
 
-def changed_samples(
+def stale_samples(
     spec: ExtractionSpec,
-    done: Mapping[str, SampleRecord],
+    records: Mapping[str, SampleRecord],
     *,
     start: int = 0,
     stop: int | None = None,
     duplicates: Mapping[int, int] | None = None,
-) -> list[str]:
-    """Ids of committed samples whose rows no longer give them: rows ``[start, stop)`` re-tokenized as this run
-    tokenizes, compared with the records (row, ``input_ids`` hash, loss-mask runs). A dataset regenerated with
-    the same row count (an edited turn, a new system prompt, a template fix) changes exactly these samples; a
-    row that now fails to tokenize is changed too (its error is recorded when the run comes to it)."""
-    if not done:
-        return []
+) -> Iterator[tuple[SampleRecord, str]]:
+    """Each of ``records`` of rows ``[start, stop)`` that its row no longer gives, with why: the row re-tokenized as
+    ``spec`` tokenizes it (a truncated sample at its stored length), compared with the record (id, ``input_ids``
+    hash, loss-mask runs). A dataset regenerated with the same row count (an edited turn, a new system prompt, a
+    template fix) changes exactly these; a row that now fails (unreadable, a repeated or other id, no longer
+    tokenizes, over ``max_length``) no longer gives its sample either. The one test of what resume retires and
+    redoes (`run_shard`) and of what ``verify --data`` reports."""
+    by_row: dict[int, list[SampleRecord]] = {}
+    for rec in records.values():
+        if rec.index >= start and (stop is None or rec.index < stop):
+            by_row.setdefault(rec.index, []).append(rec)
+    if not by_row:
+        return
     duplicates = duplicates or {}
     chat = chat_tokenizer(spec)
-    changed = []
     for number, row in iter_rows(spec.data, start=start, stop=stop):
-        try:
-            sample_id = row_sample_id(number, row, duplicates)
-        except RowError:
-            continue
-        if (record := done.get(sample_id)) is None:
-            continue
-        try:
-            same = record.describes(tokenize_row(chat, spec, number, row, sample_id))
-        except RowError:
-            same = False
-        except LayertapError:
-            raise
-        except Exception:  # a bug met on this row: reported as its error when the run tokenizes it again
-            same = False
-        if not same:
-            changed.append(sample_id)
-    return changed
+        for rec in by_row.pop(number, []):
+            if (why := _why_stale(chat, spec, number, row, rec, duplicates)) is not None:
+                yield rec, why
+    for rec in (rec for recs in by_row.values() for rec in recs):
+        yield rec, f"row {rec.index} is not in {spec.data}"
+
+
+def _why_stale(
+    chat: ChatTokenizer, spec: ExtractionSpec, number: int, row: Row, rec: SampleRecord, duplicates: Mapping[int, int]
+) -> str | None:
+    """Why row ``number`` no longer gives ``rec`` (None: it does)."""
+    at = spec.model_copy(update={"max_length": rec.num_tokens}) if rec.truncated else spec
+    try:
+        sample_id = row_sample_id(number, row, duplicates)
+        sample = tokenize_row(chat, at, number, row, sample_id)
+    except RowError as err:
+        return f"row {number} of {spec.data} no longer gives a sample: {err.reason}"
+    except LayertapError:
+        raise
+    except Exception as exc:  # a bug met on this row: reported as its error when the run tokenizes it again
+        return f"row {number} of {spec.data} fails: unexpected {type(exc).__name__}: {exc}"
+    if sample_id != rec.sample_id:
+        return f"row {number} of {spec.data} has the id {sample_id!r} now"
+    if not rec.describes(sample):
+        return f"row {number} of {spec.data} gives other tokens or another loss mask than the stored sample"
+    return None
 
 
 def row_sample_id(number: int, row: Row | RowError, duplicates: Mapping[int, int]) -> str:
@@ -437,9 +460,15 @@ def run_shard(
     Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows (duplicate ids
     as the planner's scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
     Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are kept within the engine's
-    limit (`within_engine_limit`). Does not finalize.
+    limit (`within_engine_limit`); under a ``max_length`` above it, each longer row is its own error. Does not
+    finalize.
     """
-    spec = within_engine_limit(spec, engine.max_input_tokens)
+    server_limit = None
+    try:
+        spec = within_engine_limit(spec, engine.max_input_tokens)
+    except SpecError as exc:  # a job accepted before any worker told its server's limit: its longer rows fail alone
+        log.warning("%s; rows longer than that fail one by one", exc)
+        server_limit = engine.max_input_tokens
     events = events or ProgressEvents()
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
@@ -448,17 +477,21 @@ def run_shard(
         raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
     duplicates = load_duplicates(store.root)
-    report.changed = changed_samples(spec, done, start=start, stop=stop, duplicates=duplicates)
-    if report.changed:
+    stale = list(stale_samples(spec, done, start=start, stop=stop, duplicates=duplicates))
+    if stale:
         log.warning(
-            "%d committed samples no longer match their rows (tokens or loss mask changed since they were stored): "
-            "recomputing them, e.g. %s", len(report.changed), ", ".join(report.changed[:3]),
+            "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
+            "were stored): retiring them and doing their rows again, e.g. %s",
+            len(stale), "; ".join(f"{rec.sample_id}: {why}" for rec, why in stale[:3]),
         )  # fmt: skip
-    for sample_id in report.changed:
-        del done[sample_id]
+    for rec, _ in stale:
+        store.retire(rec)
+        del done[rec.sample_id]
+    report.changed = [rec.sample_id for rec, _ in stale]
     report.already_done = len(done)
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates)
+    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates,
+                                server_limit=server_limit)  # fmt: skip
     _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     report.stopped = not events.keep_going()
     return report

@@ -6,10 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layertap.data.reader import iter_rows
 from layertap.data.scan import scan_dataset
-from layertap.errors import RowError
-from layertap.pipeline import chat_tokenizer, row_sample_id, tokenize_row
+from layertap.pipeline import stale_samples
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import write_training_guide
@@ -102,9 +100,9 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
 def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust_remote_code: bool = False) -> None:
     """Add to ``report`` what differs between the store and dataset ``data`` tokenized as the store's run
     tokenized it (the manifest's model folder, max_length and overlong policy; a truncated sample at its stored
-    length): a stored sample its row no longer gives (other tokens, another loss mask, a row that fails now), a
-    sample no row has the id of, a tokenizer or chat template other than the store's; rows with no sample are
-    counted in a warning (bad rows, or not done yet)."""
+    length): a stored sample its row no longer gives (`stale_samples`, as a resume retires them), a tokenizer or
+    chat template other than the store's; rows with no sample are counted in a warning (bad rows, or not done
+    yet)."""
     manifest = store.manifest
     model = Path(manifest.model_path)
     now = model_facts(model)
@@ -119,24 +117,8 @@ def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust
         report.warnings.append(f"{data} (sha256 {scan.sha256[:12]}) is not the dataset the manifest names "
                                f"({manifest.dataset_path}, sha256 {str(manifest.dataset_sha256)[:12]})")  # fmt: skip
     records = store.records()
-    chat = chat_tokenizer(spec)
-    seen, unstored = set(), 0
-    for number, row in iter_rows(data):
-        try:
-            sample_id = row_sample_id(number, row, scan.duplicates)
-        except RowError:
-            continue  # a row no run can store
-        if (rec := records.get(sample_id)) is None:
-            unstored += 1
-            continue
-        seen.add(sample_id)
-        at = spec.model_copy(update={"max_length": rec.num_tokens}) if rec.truncated else spec
-        where = f"{rec.file} ({sample_id}): row {number} of {data}"
-        try:
-            if not rec.describes(tokenize_row(chat, at, number, row, sample_id)):
-                report.problems.append(f"{where} gives other tokens or another loss mask than the stored sample")
-        except RowError as err:
-            report.problems.append(f"{where} no longer gives a sample: {err.reason}")
-    report.problems += [f"{records[sid].file} ({sid}): no row of {data} has this id" for sid in records.keys() - seen]
+    stale = stale_samples(spec, records, duplicates=scan.duplicates)
+    report.problems += [f"{rec.file} ({rec.sample_id}): {why}" for rec, why in stale]
+    unstored = scan.num_rows - len({r.index for r in records.values() if r.index < scan.num_rows})
     if unstored:
         report.warnings.append(f"{unstored} rows of {data} have no stored sample (bad rows, or not done yet)")

@@ -24,10 +24,11 @@ from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import FailureTally, run_shard, run_verdict
 from layertap.sample import TokenizedSample
+from layertap.spec import CaptureSpec
 from layertap.state.jobs import Send
 from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
-from layertap.state.shards import FinalizeAttempt, ShardAttempt
+from layertap.state.shards import FinalizeAttempt, ShardAttempt, publish_input_limit
 from layertap.state.views import job_errors
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
@@ -190,7 +191,7 @@ class WorkerContext:
         """This process's engine for the job, refused if it would not compute in the manifest's dtype or the
         job wants model code run that this worker was not allowed to run."""
         self.check_remote_code(spec)
-        engine = self.engines.get(spec, spec.resolve(store.manifest.num_layers))
+        engine = self.engine_for(spec, spec.resolve(store.manifest.num_layers))
         dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
         if dtype != store.manifest.compute_dtype:
             raise ServerError(
@@ -210,9 +211,16 @@ class WorkerContext:
         try:
             spec = JobSpec.model_validate_json(raw)
             self.check_remote_code(spec)
-            self.engines.get(spec, spec.resolve(ModelFolder.read(spec.model).num_layers))
+            self.engine_for(spec, spec.resolve(ModelFolder.read(spec.model).num_layers))
         except Exception as exc:  # reported by the attempt that claims the shard
             log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
+
+    def engine_for(self, spec: JobSpec, capture: CaptureSpec) -> Engine:
+        """This process's engine for ``spec`` (`EngineCache`); its server's input limit is told to Redis, where the
+        coordinator refuses a job whose max_length is above it."""
+        engine = self.engines.get(spec, capture)
+        publish_input_limit(self.redis, self.keys, str(spec.model), self.name, engine.max_input_tokens)
+        return engine
 
     def check_remote_code(self, spec: JobSpec) -> None:
         """Refuse a job that wants the model folder's code run when this worker was not allowed to run it."""

@@ -22,6 +22,8 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:job:{job}:audit:lease         STR   token of the worker running the audit; expires unless it heart-beats
     {p}:workers                       SET   worker names ever seen (pruned when their key is gone)
     {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat
+    {p}:input_limit:{model}           HASH  worker name -> the longest prompt (tokens) its server for that model
+                                            accepts, set when it attaches; a worker counts while its record lives
 
 Shard states: ``pending`` (needs a message) -> ``queued`` (a message carries its token) -> ``running``
 (a worker holds the lease) -> ``done``; ``failed`` after the task gave up. Job states: ``running``,
@@ -61,6 +63,9 @@ class Keys:
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
+
+    def input_limit(self, model: str) -> str:
+        return f"{self.prefix}:input_limit:{model}"
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"

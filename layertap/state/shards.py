@@ -201,3 +201,25 @@ def publish_worker(redis: Redis, keys: Keys, name: str, info: dict[str, str | in
     pipe.pexpire(keys.worker(name), ttl_ms)
     pipe.sadd(keys.workers, name)
     pipe.execute()
+
+
+def publish_input_limit(redis: Redis, keys: Keys, model: str, worker: str, limit: int | None) -> None:
+    """Say that ``worker``'s server for ``model`` accepts prompts of at most ``limit`` tokens (None: no limit known),
+    so that the coordinator refuses a job asking more (`input_limit`)."""
+    if limit is None:
+        redis.hdel(keys.input_limit(model), worker)
+    else:
+        redis.hset(keys.input_limit(model), worker, limit)
+
+
+def input_limit(redis: Redis, keys: Keys, model: str) -> int | None:
+    """The lowest limit the live workers said their servers for ``model`` accept (any of them may run a job's
+    shard); None while none has said (a worker whose record expired with its heartbeat no longer counts)."""
+    limits = redis.hgetall(keys.input_limit(model))
+    if not limits:
+        return None
+    pipe = redis.pipeline(transaction=False)
+    for worker in limits:
+        pipe.exists(keys.worker(worker))
+    live = [int(limit) for (worker, limit), alive in zip(limits.items(), pipe.execute(), strict=True) if alive]
+    return min(live, default=None)

@@ -24,7 +24,7 @@ CONVENTION_TEXT = (
 )
 # Fields that may legitimately differ between the run that created a store and one resuming it.
 # The dataset's content hash is one of them: a resume re-tokenizes every row and recomputes the samples whose
-# tokens or loss mask changed (`pipeline.changed_samples`), so the manifest names the dataset the store now holds.
+# tokens or loss mask changed (`pipeline.stale_samples`), so the manifest names the dataset the store now holds.
 _RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers"}
 
 

@@ -2,7 +2,8 @@
 
 A sample is *done* only when its file was renamed into place AND its index record was appended
 after that. Resume trusts neither alone: it re-checks each indexed file (size, sha256, keys, shapes,
-dtypes, token ids) before skipping it, so a truncated or corrupted file is redone.
+dtypes, token ids) before skipping it, so a truncated or corrupted file is redone. A sample its row no
+longer gives is *retired* (`OutputStore.retire`): a line in ``retired/``, then its file removed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from layertap.store.guide import write_training_guide
 from layertap.store.index import (
     ERRORS_DIR,
     INDEX_DIR,
+    RETIRED_DIR,
     JsonlLog,
     SampleRecord,
     load_index_candidates,
@@ -123,6 +125,12 @@ class OutputStore:
             raise SampleError(f"sample {record.sample_id!r}: its dump file {source.path.name}: " + "; ".join(problems))
         return move_into_place(source.path, dest)
 
+    def retire(self, record: SampleRecord) -> None:
+        """Take a committed sample out of the store (its row no longer gives it): the retirement is logged, then
+        the file removed, which is what makes it count (`records`); a commit of the row since brings it back."""
+        self._log(RETIRED_DIR).append(json.dumps({"sample_id": record.sample_id, "sha256": record.sha256}))
+        (self.root / record.file).unlink(missing_ok=True)
+
     def note_server(self, engine: dict[str, Any], rows: tuple[int, int]) -> list[str]:
         """Record that this writer's samples of rows ``[start, stop)`` come from the server ``engine`` describes
         (`SGLangEngine.describe`), unless another server of this store computed differently: then nothing is
@@ -170,14 +178,18 @@ class OutputStore:
 
         That is the latest record, except when two writers committed the same sample with different
         bytes (a frozen worker whose lease was taken over): both renamed a file to the same path, in
-        an order the logs cannot tell, so the record whose sha256 matches the file on disk wins.
+        an order the logs cannot tell, so the record whose sha256 matches the file on disk wins. A retired
+        record (`retire`) is left out while its file is not on disk as it recorded.
         """
+        retired = {(d["sample_id"], d["sha256"]) for d in read_jsonl_dir(self.root / RETIRED_DIR)}
         out = {}
         for sample_id, candidates in load_index_candidates(self.root).items():
             latest = candidates[-1]
             if len({r.sha256 for r in candidates}) > 1:
                 on_disk = self._file_sha256(latest.file)
                 latest = next((r for r in reversed(candidates) if r.sha256 == on_disk), latest)
+            if (sample_id, latest.sha256) in retired and self._file_sha256(latest.file) != latest.sha256:
+                continue
             out[sample_id] = latest
         return out
 

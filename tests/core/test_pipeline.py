@@ -15,6 +15,7 @@ from layertap.store.index import ERRORS_DIR, INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
+from tests.core.trainer_reads import masked_token_counts
 
 
 def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path) -> None:
@@ -139,6 +140,34 @@ def test_a_run_that_stores_nothing_ends_1_naming_the_cause_and_a_max_length_abov
     assert cli.returncode == 2 and not (tmp_path / "long").exists(), cli.stderr[-3000:]
     assert "max_length 4097 is above the context length of " in " ".join(cli.stderr.split())
     assert "(4096, max_position_embeddings in config.json): give at most 4096" in " ".join(cli.stderr.split())
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_run_where_every_row_is_refused_finalizes_an_empty_store_the_trainers_read_as_0_rows(
+    tiny_llama, tmp_path, fmt
+) -> None:
+    rows = [{"id": f"r{i}", "input_ids": [1, 99_000 + i], "loss_mask": [0, 1]} for i in range(3)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = tmp_path / "out"
+    cli = subprocess.run(
+        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
+         "--layers", "1,2,3", "--format", fmt, "--max-bad-rows", "100%", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-3000:]
+    assert "nothing was stored: none of the 3 rows gave a sample" in " ".join(cli.stderr.split())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["samples_committed"] == 0
+    assert masked_token_counts(out) == Counter()  # as the trainer reads the folder: no sample, no error
+    if fmt == "speculators":
+        from datasets import load_from_disk
+
+        arrow = load_from_disk(str(out))
+        assert len(arrow) == 0
+        assert set(arrow.column_names) == {"sample_id", "dataset_index", "input_ids", "loss_mask", "seq_len"}
+    check = verify_store(out)
+    assert check.ok and check.samples == 0, check.problems
+    assert len(OutputStore.open_existing(out).errors()) == 3
 
 
 def test_demo_command_runs_end_to_end(tmp_path) -> None:

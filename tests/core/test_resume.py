@@ -21,6 +21,7 @@ from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.trainer_reads import masked_token_counts
 
 
 def _cmd(model: Path, data: Path, out: Path) -> list[str]:
@@ -183,3 +184,58 @@ def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path)
 
     with pytest.raises(StoreError, match="output folder belongs to a different run; tokenizer_sha256: store has"):
         run_extraction(spec, out, lambda capture: HFEngine(model, capture))
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_row_that_no_longer_tokenizes_on_resume_becomes_its_error_and_its_old_sample_leaves_the_store(
+    tiny_llama, tmp_path, fmt
+) -> None:
+    rows = conversation_rows(12, seed=13, max_words=20)
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = tmp_path / "out"
+    cmd = [*_cmd(tiny_llama, data, out), "--format", fmt, "--max-length", "300", "--overlong", "skip",
+           "--max-bad-rows", "1"]  # fmt: skip
+    _run(cmd)
+    before = OutputStore.open_existing(out).records()
+    assert set(before) == {r["id"] for r in rows}, "every row fits --max-length at first"
+    # Row 3 made malformed (the file keeps its row count), row 7 grown past --max-length.
+    rows[7]["messages"][-1]["content"] += " state" * 400
+    write_jsonl(data, rows[:3] + rows[4:], raw_lines={3: '{"id": "conv-3", "messages": [ '})
+    stale = {"conv-3": before["conv-3"], "conv-7": before["conv-7"]}
+
+    checked = _verify_data(out, data)  # what the resume will retire, in verify's words
+    assert checked.returncode == 1 and "2 problems" in checked.stderr, checked.stderr[-3000:]
+    said = " ".join(checked.stderr.split())
+    assert f"{stale['conv-3'].file} (conv-3): row 3 of" in said and f"{stale['conv-7'].file} (conv-7): row 7 of" in said
+    assert said.count("no longer gives a sample") == 2
+
+    _run(cmd)
+    report = _last_report(out)
+    assert sorted(report["changed"]) == ["conv-3", "conv-7"] and report["computed"] == []
+    assert report["row_errors"] == 1 and report["skipped_overlong"] == 1
+    store = OutputStore.open_existing(out)
+    errors = {e["row"]: e for e in store.errors()}
+    assert {row: e["kind"] for row, e in errors.items()} == {3: "row", 7: "overlong"}
+    assert "JSON" in errors[3]["reason"] and "300" in errors[7]["reason"]
+    after = store.records()
+    assert set(after) == set(before) - set(stale)
+    assert {s: r.sha256 for s, r in after.items()} == {s: r.sha256 for s, r in before.items() if s not in stale}
+    assert not any((out / r.file).exists() for r in stale.values())
+    assert json.loads((out / "manifest.json").read_text())["samples_committed"] == len(rows) - 2
+    # As the trainers read the folder: the kept samples' loss-masked tokens, no more.
+    assert sum(masked_token_counts(out).values()) == sum(int(r.loss_mask().sum()) for r in after.values())
+    if fmt == "speculators":
+        from datasets import load_from_disk
+
+        assert sorted(load_from_disk(str(out))["sample_id"]) == sorted(after)
+    check = verify_store(out)
+    assert check.ok and check.samples == len(rows) - 2, check.problems
+    assert _verify_data(out, data).returncode == 0
+
+    # The row restored: the next resume stores it again (the same bytes), and the retirement no longer counts.
+    write_jsonl(data, conversation_rows(12, seed=13, max_words=20))
+    _run(cmd)
+    assert sorted(_last_report(out)["computed"]) == ["conv-3", "conv-7"]
+    again = OutputStore.open_existing(out).records()
+    assert {s: r.sha256 for s, r in again.items()} == {s: r.sha256 for s, r in before.items()}
+    assert verify_store(out).ok and _verify_data(out, data).returncode == 0

@@ -14,10 +14,12 @@ from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
 from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
 from layertap.errors import SpecError
+from layertap.pipeline import within_engine_limit
 from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
 from layertap.state.keys import Keys
 from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
+from layertap.state.shards import input_limit
 from layertap.state.views import job_errors, job_view, list_job_ids
 
 router = APIRouter(
@@ -54,8 +56,9 @@ def _check_root(name: str, path: Path, root: Path | None) -> None:
 def submit_job(
     body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
 ) -> JobPublic:
-    """Check the operator's policy, the spec, the dataset and (given expected_tokens) the free space, create the
-    output store, cut shards and enqueue one task per shard."""
+    """Check the operator's policy, the spec (a max_length above the input limit the workers' servers said they
+    take is refused), the dataset and (given expected_tokens) the free space, create the output store, cut shards and
+    enqueue one task per shard."""
     job_id = uuid.uuid4().hex[:12]
     spec = JobSpec(**body.model_dump(exclude={"expected_tokens"}))
     if spec.trust_remote_code and not settings.allow_remote_code:
@@ -73,6 +76,7 @@ def submit_job(
         except DiskSpaceError:
             SUBMISSIONS.labels("no_space").inc()
             raise
+    within_engine_limit(spec.extraction(), input_limit(redis, keys, str(spec.model)))  # 422 above the workers' limit
     planned = plan_job(spec, output_root=settings.output_root, job_id=job_id)
     create_job(redis, keys, job_id, planned.spec, planned.shards, bytes_per_token=planned.bytes_per_token)
     dispatch_pending(redis, keys, job_id, dispatcher.send)

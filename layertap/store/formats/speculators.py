@@ -126,7 +126,8 @@ def _rows(root: Path, records: list[SampleRecord]):
 
 
 def _write_arrow(root: Path, records: list[SampleRecord]) -> None:
-    """Write the Arrow folder (torch format, as speculators indexes it) beside the sample files."""
+    """Write the Arrow folder (torch format, as speculators indexes it) beside the sample files; no records
+    give an Arrow folder of 0 rows with the same columns."""
     from datasets import Dataset, Features, Sequence, Value
 
     features = Features(
@@ -140,11 +141,14 @@ def _write_arrow(root: Path, records: list[SampleRecord]) -> None:
     )
     staging = root / f"{TMP_MARK}arrow"
     shutil.rmtree(staging, ignore_errors=True)
-    ds = Dataset.from_generator(
-        _rows, gen_kwargs={"root": root, "records": records}, features=features, cache_dir=str(staging / "cache")
-    )
+    if records:
+        ds = Dataset.from_generator(
+            _rows, gen_kwargs={"root": root, "records": records}, features=features, cache_dir=str(staging / "cache")
+        )
+    else:  # a generator that yields nothing makes no dataset at all
+        ds = Dataset.from_dict({name: [] for name in features}, features=features)
     ds.set_format("torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
-    ds.save_to_disk(str(staging / "out"))
+    ds.save_to_disk(str(staging / "out"), num_shards=None if records else 1)  # 0 rows would be saved as 0 shards
     for old in root.glob("data-*.arrow"):
         old.unlink()
     for path in sorted((staging / "out").iterdir()):
