@@ -4,7 +4,7 @@
 #   worker-gpu  an SGLang image (the server's own environment) + layertap in a separate venv: the
 #               two pin different torch/transformers versions, and only sglang_patch (stdlib, torch,
 #               sglang, safetensors) has to be importable inside the server, which the launcher
-#               arranges by putting the source folder (/app, hence the editable installs) on PYTHONPATH.
+#               arranges through a folder holding only a link to the installed sglang_patch.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.14
 # A CPU-only torch wheel index keeps the image small (the worker reads dumps on the CPU); empty
