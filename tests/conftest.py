@@ -9,6 +9,24 @@ from layertap.tiny import build_tiny_model
 
 pytest_plugins = ["tests.sglang_fixtures", "tests.service_fixtures"]
 
+# --- What a test starts, read from the fixtures it uses (directly or through other fixtures): its markers. ---
+# The fast lane leaves these out: pytest -m "not sglang and not services and not trainers" (README).
+
+STARTS: dict[str, frozenset[str]] = {
+    "sglang": frozenset({"sglang_python", "cuda_stub_dir"}),
+    "services": frozenset({"redis_server", "redis_factory", "services"}),
+    "trainers": frozenset({"trainers_python"}),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in STARTS.items():
+            if used & fixtures:
+                item.add_marker(marker)
+
+
 # --- Property-based tests: the same examples on every run (a CI failure reproduces), each test sets its budget. ---
 
 settings.register_profile(

@@ -198,16 +198,14 @@ save_file(out, sys.argv[2])
 """
 
 
-def test_compressed_tensors_unpacks_the_folder_as_layertap_dequantizes(tiny_kimi25_int4: Path, tmp_path: Path) -> None:
+def test_compressed_tensors_unpacks_the_folder_as_layertap_dequantizes(
+    tiny_kimi25_int4: Path, tmp_path: Path, sglang_python: Path
+) -> None:
     """compressed-tensors' own unpacking (0.15, in the SGLang venv: what servers load the folder with) reads every
     packed weight of a shard as the values layertap's dequantizer gives."""
-    from tests.sglang_fixtures import SGLANG_PYTHON
-
-    if not SGLANG_PYTHON.exists():
-        pytest.skip("no SGLang venv (scripts/setup_sglang_cpu.sh makes it; CI does)")
     shard = tiny_kimi25_int4 / "model-00002-of-00005.safetensors"
     theirs_path = tmp_path / "theirs.safetensors"
-    run = subprocess.run([str(SGLANG_PYTHON), "-c", CT_UNPACK, str(shard), str(theirs_path)],
+    run = subprocess.run([str(sglang_python), "-c", CT_UNPACK, str(shard), str(theirs_path)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = load_file(theirs_path)

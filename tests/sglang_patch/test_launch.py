@@ -17,7 +17,6 @@ import pytest
 from layertap.engines.sglang_server import PluginFolder
 from sglang_patch.launch import USAGE_ERROR, forced_flags, hook_specs, parse_launch_args, unsafe_settings
 from sglang_patch.settings import CaptureSettings
-from tests.sglang_fixtures import SGLANG_PYTHON
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -186,10 +185,7 @@ def test_hook_specs_refuse_indices_outside_the_model() -> None:
         hook_specs(CaptureSettings(dump_root="/d", layers=(2, 6), finals=("post",)), num_layers=6)
 
 
-needs_sglang = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"no SGLang venv at {SGLANG_PYTHON}")
-
-
-def run_launcher(args: list[str], cuda_stub_dir: Path) -> subprocess.CompletedProcess[str]:
+def run_launcher(args: list[str], python: Path, cuda_stub_dir: Path) -> subprocess.CompletedProcess[str]:
     plugin = PluginFolder()  # the folder a server layertap launches gets; removed when this returns
     env = {
         **os.environ,
@@ -198,17 +194,16 @@ def run_launcher(args: list[str], cuda_stub_dir: Path) -> subprocess.CompletedPr
         "PYTHONPATH": str(plugin.path),
     }
     return subprocess.run(
-        [str(SGLANG_PYTHON), "-m", "sglang_patch.launch", *args], env=env, capture_output=True, text=True, timeout=300
+        [str(python), "-m", "sglang_patch.launch", *args], env=env, capture_output=True, text=True, timeout=300
     )
 
 
-@needs_sglang
 @pytest.mark.sglang
-def test_installed_fields_match_asset() -> None:
+def test_installed_fields_match_asset(sglang_python) -> None:
     code = "import dataclasses; from sglang.srt.server_args import ServerArgs; print(*[f.name for f in dataclasses.fields(ServerArgs)])"
-    out = subprocess.run([str(SGLANG_PYTHON), "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(sglang_python), "-c", code], capture_output=True, text=True, check=True).stdout
     version = subprocess.run(
-        [str(SGLANG_PYTHON), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+        [str(sglang_python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     assert set(out.split()) == fields_of(version)
@@ -218,11 +213,12 @@ CPU_ARGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "
             "--max-total-tokens", "4096", "--dtype", "float32"]  # fmt: skip
 
 
-@needs_sglang
 @pytest.mark.sglang
-def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stub_dir: Path) -> None:
+def test_dry_run_with_installed_sglang(
+    tiny_kimi: Path, tmp_path: Path, cuda_stub_dir: Path, sglang_python: Path
+) -> None:
     capture = ["--dump-root", str(tmp_path), "--capture-layers", "1,4", "--capture-final", "both", "--dry-run"]
-    done = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS], cuda_stub_dir)
+    done = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS], sglang_python, cuda_stub_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     args = json.loads(done.stdout)
     assert args["disable_piecewise_cuda_graph"] is True
@@ -234,25 +230,30 @@ def test_dry_run_with_installed_sglang(tiny_kimi: Path, tmp_path: Path, cuda_stu
     ]  # fmt: skip
 
     refused = run_launcher(
-        [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, "--enforce-piecewise-cuda-graph"], cuda_stub_dir
+        [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, "--enforce-piecewise-cuda-graph"],
+        sglang_python,
+        cuda_stub_dir,
     )
     assert refused.returncode == USAGE_ERROR
     assert "prefill CUDA graphs are on" in refused.stderr
 
     dp_attention = ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"]
-    refused = run_launcher([*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, *dp_attention], cuda_stub_dir)
+    refused = run_launcher(
+        [*capture, "--model-path", str(tiny_kimi), *CPU_ARGS, *dp_attention], sglang_python, cuda_stub_dir
+    )
     assert refused.returncode == USAGE_ERROR
     assert "DP attention (--enable-dp-attention) is not supported" in refused.stderr
 
 
-@needs_sglang
 @pytest.mark.sglang
-def test_a_config_only_folder_gets_random_weights(tmp_path: Path, cuda_stub_dir: Path) -> None:
+def test_a_config_only_folder_gets_random_weights(tmp_path: Path, cuda_stub_dir: Path, sglang_python: Path) -> None:
     from layertap.tiny import build_tiny_model
 
     model = build_tiny_model("kimi-k2.5", tmp_path / "config-only", config_only=True)
     capture = ["--dump-root", str(tmp_path / "dumps"), "--capture-layers", "1", "--capture-final", "post", "--dry-run"]
-    done = run_launcher([*capture, "--model-path", str(model), *CPU_ARGS, "--trust-remote-code"], cuda_stub_dir)
+    done = run_launcher(
+        [*capture, "--model-path", str(model), *CPU_ARGS, "--trust-remote-code"], sglang_python, cuda_stub_dir
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["load_format"] == "dummy" and "random weights" in done.stderr
 

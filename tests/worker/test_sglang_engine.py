@@ -23,7 +23,7 @@ from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from sglang_patch.contract import dump_dir, iter_dump_rids, parse_rid
-from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
+from tests.sglang_fixtures import DEFAULT_LAYERS
 from tests.sglang_patch.test_server import HealthProber, rel
 
 pytestmark = pytest.mark.sglang
@@ -127,15 +127,13 @@ class _KillWhileWritersHoldDumps(SGLangEngine):
 
 
 def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
-    tiny_llama, cuda_stub_dir, tmp_path, hf_reference
+    tiny_llama, cuda_stub_dir, tmp_path, hf_reference, sglang_python
 ):
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
     layers = DEFAULT_LAYERS["llama"]
     # The server writes specforge files itself (loss masks sent with the requests): commits are
     # renames. Several writer threads under a small host-memory cap, so dumps queue up in the server.
     config = ServerConfig(
-        python=SGLANG_PYTHON, model=tiny_llama, dump_root=tmp_path / "dumps", layers=layers, final="post",
+        python=sglang_python, model=tiny_llama, dump_root=tmp_path / "dumps", layers=layers, final="post",
         log_path=tmp_path / "server.log", env=cpu_server_env(cuda_stub_dir), layout="specforge",
         writer_threads=3, pinned_cap="256K",
         sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "64"),
@@ -182,7 +180,9 @@ def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
         assert rel(obj["aux_hidden_state"][0, :, :64], hidden[layers[0]]) < REL_TOL
 
 
-def test_cli_extract_engine_sglang_launches_its_server(tiny_llama, cuda_stub_dir, tmp_path, hf_reference):
+def test_cli_extract_engine_sglang_launches_its_server(
+    tiny_llama, cuda_stub_dir, tmp_path, hf_reference, sglang_python
+):
     import os
     import subprocess
     import sys
@@ -195,7 +195,7 @@ def test_cli_extract_engine_sglang_launches_its_server(tiny_llama, cuda_stub_dir
     cli = subprocess.run(
         [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
          "--layers", "1,3,5", "--out", str(out), "--format", "speculators", "--store-dtype", "float32",
-         "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON), "--sglang-args", sglang_args,
+         "--engine", "sglang", "--sglang-python", str(sglang_python), "--sglang-args", sglang_args,
          "--dump-root", str(tmp_path / "dumps"), "--in-flight", "8"],
         env={**os.environ, **cpu_server_env(cuda_stub_dir)}, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

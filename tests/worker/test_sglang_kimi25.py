@@ -18,7 +18,7 @@ from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 from tests.core.test_kimi_k25_run import LAYERS, check_states_equal_hf, extract
-from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, SGLANG_PYTHON
+from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE
 
 pytestmark = pytest.mark.sglang
 WRAPPED_HOOK = "Registered forward hook 'layertap-aux:1' on language_model.model.layers.0"
@@ -45,13 +45,11 @@ print(json.dumps({"class": type(processor).__name__, "media": {k: cfg[k] for k i
 """
 
 
-def test_sglang_loads_the_folders_processor_with_media_settings(tiny_kimi25, cuda_stub_dir) -> None:
+def test_sglang_loads_the_folders_processor_with_media_settings(tiny_kimi25, cuda_stub_dir, sglang_python) -> None:
     """Without a processor in the folder, AutoProcessor returns the bare tokenizer and SGLang 0.5.14 dies at
     start-up reading `media_processor`; the settings must match the folder's vision tower."""
-    if not SGLANG_PYTHON.exists():
-        pytest.skip(f"no SGLang venv at {SGLANG_PYTHON}")
     run = subprocess.run(
-        [str(SGLANG_PYTHON), "-c", LOAD_LIKE_SGLANG, str(tiny_kimi25), ",".join(MEDIA_KEYS)],
+        [str(sglang_python), "-c", LOAD_LIKE_SGLANG, str(tiny_kimi25), ",".join(MEDIA_KEYS)],
         env={**os.environ, **cpu_server_env(cuda_stub_dir)}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -82,10 +80,8 @@ def test_attached_server_specforge_equal_to_hf(sglang_servers, tiny_kimi25, tmp_
 
 
 def test_launched_server_speculators_computes_in_the_folders_dtype(
-    tiny_kimi25, cuda_stub_dir, tmp_path, hf_reference
+    tiny_kimi25, cuda_stub_dir, tmp_path, hf_reference, sglang_python
 ) -> None:
-    if not SGLANG_PYTHON.exists():
-        pytest.skip(f"no SGLang venv at {SGLANG_PYTHON}")
     out, dumps = tmp_path / "out", tmp_path / "dumps"
     # No --dtype and no --trust-remote-code in the server's flags: layertap adds both (SGLang's own "auto"
     # would run this float32 folder in float16).
@@ -95,7 +91,7 @@ def test_launched_server_speculators_computes_in_the_folders_dtype(
         [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_kimi25),
          "--data", str(Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"),
          "--layers", ",".join(map(str, LAYERS)), "--out", str(out), "--store-dtype", "float32",
-         "--format", "speculators", "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON),
+         "--format", "speculators", "--engine", "sglang", "--sglang-python", str(sglang_python),
          "--sglang-args", sglang_args, "--dump-root", str(dumps), "--in-flight", "4", "--trust-remote-code"],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

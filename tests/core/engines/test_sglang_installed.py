@@ -22,7 +22,7 @@ import pytest
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, cpu_server_env
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, REPO_ROOT, SGLANG_PYTHON
+from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, REPO_ROOT
 
 pytestmark = pytest.mark.sglang
 
@@ -59,10 +59,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_extract_from_a_users_folder_with_a_non_editable_install_stores_verified_samples(
-    installed, tiny_llama, cuda_stub_dir, tmp_path
+    installed, tiny_llama, cuda_stub_dir, tmp_path, sglang_python
 ):
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
     home = tmp_path / "user"
     home.mkdir()
     run = {"cwd": home, "capture_output": True, "text": True, "env": user_env()}
@@ -81,7 +79,7 @@ def test_extract_from_a_users_folder_with_a_non_editable_install_stores_verified
     )
     extract = subprocess.run(
         [str(installed / "layertap"), "extract", "--model", str(tiny_llama), "--data", "chats.jsonl",
-         "--layers", "1,3,5", "--out", "states", "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON),
+         "--layers", "1,3,5", "--out", "states", "--engine", "sglang", "--sglang-python", str(sglang_python),
          "--sglang-args", sglang_args],
         timeout=900, **{**run, "env": {**run["env"], **cpu_server_env(cuda_stub_dir)}},
     )  # fmt: skip

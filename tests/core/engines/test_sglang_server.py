@@ -146,9 +146,9 @@ def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(tiny_llama, 
 
 
 @pytest.mark.sglang
-def test_a_start_that_fails_once_is_retried_and_the_server_then_serves(tiny_llama, cuda_stub_dir, tmp_path):
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
+def test_a_start_that_fails_once_is_retried_and_the_server_then_serves(
+    tiny_llama, cuda_stub_dir, tmp_path, sglang_python
+):
     fake = fake_server_python(tmp_path / "fake", fail_times=1, how="kill -9 $$")
     config = _config(fake, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5,
                      sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32"))  # fmt: skip
@@ -181,11 +181,9 @@ MISSING_HOOK = [{"name": "missing", "target_modules": ["model.layers.0"], "hook_
     ids=["import-error", "rejected-flag", "refused-setting"],
 )  # fmt: skip
 def test_a_start_that_would_fail_again_is_reported_once_with_the_servers_own_line_and_not_retried(
-    flags, says, reason, tiny_llama, cuda_stub_dir, tmp_path, caplog
+    flags, says, reason, tiny_llama, cuda_stub_dir, tmp_path, caplog, sglang_python
 ):
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
-    config = _config(SGLANG_PYTHON, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.05,
+    config = _config(sglang_python, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.05,
                      sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", *flags))  # fmt: skip
     with caplog.at_level(logging.WARNING), pytest.raises(ServerError) as info:
         SGLangServer(config).start()
@@ -209,7 +207,7 @@ def factory(config):
 
 @pytest.mark.sglang
 def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attached_ones_are_not(
-    tiny_llama, cuda_stub_dir, tmp_path, monkeypatch, caplog
+    tiny_llama, cuda_stub_dir, tmp_path, monkeypatch, caplog, sglang_python
 ):
     import torch
 
@@ -217,15 +215,13 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
     from layertap.sample import TokenizedSample
     from layertap.spec import resolve_capture
 
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh")
     (tmp_path / "hooks").mkdir()
     (tmp_path / "hooks" / "crash_hook.py").write_text(CRASH_HOOK)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hooks"))
     hooks = [
         {"name": "crash", "target_modules": ["model.layers.0"], "hook_factory": "crash_hook:factory", "config": {}}
     ]
-    config = _config(SGLANG_PYTHON, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5,
+    config = _config(sglang_python, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5,
                      sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32", "--forward-hooks", json.dumps(hooks)))  # fmt: skip
     capture = resolve_capture(list(DEFAULT_LAYERS["llama"]), convention="capture", num_layers=6, final="post")
     sample = TokenizedSample("s0", 0, torch.arange(4, 40), torch.ones(36, dtype=torch.uint8))
