@@ -28,7 +28,7 @@ the work folder, never into benchmarks/results/.
 The H200 run fits one session (30 minutes of device time; the work folder and /tmp/site live only while the
 machine stays warm, about 30 s after each call, so chain the calls). Prepared here, both folders listed in
 .git/info/exclude: `.whl1/` = the bundle's chunk1 (sglang 0.5.14 and its kernels, ~55 MiB:
-/work/shared/sglang/build_gpu_bundle.sh); `.whl2/` = chunk2 (transformers 5.8.1, tokenizers 0.22.2) + the cp312
+the SGLang GPU bundle script); `.whl2/` = chunk2 (transformers 5.8.1, tokenizers 0.22.2) + the cp312
 wheels of datasets 4.4.1, multiprocess 0.70.18 and ijson 3.3.0 that the layertap CLI needs there +
 specforge-0.2.0-py3-none-any.whl (SpecForge's other imports: accelerate, pyyaml, psutil, pyarrow, pandas, tqdm,
 safetensors, huggingface-hub, xxhash are in the device image; pydantic, loguru, dill in chunk1). Calls (each under

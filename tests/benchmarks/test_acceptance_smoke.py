@@ -6,7 +6,6 @@ SGLang cannot run speculative decoding: the H200 run serves the drafters)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,25 +15,16 @@ import torch
 
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from tests.sglang_fixtures import SGLANG_PYTHON
 
-pytestmark = [pytest.mark.sglang, pytest.mark.trainers]
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "gpu" / "acceptance_bench.py"
-TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 CAPTURE = [1, 2, 3]  # the smoke sizes' capture indices
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def work(tmp_path_factory: pytest.TempPathFactory, sglang_python: Path, trainers_python: Path) -> Path:
     """One smoke run of every stage (only the correct arm trained: the controls' stores are built and checked, and
     training them is the same code on another folder)."""
-    missing = [str(p) for p in (SGLANG_PYTHON, TRAINERS_PYTHON) if not p.exists()]
-    if missing:
-        message = f"missing {missing}: run scripts/setup_sglang_cpu.sh and scripts/setup_trainers.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
     work = tmp_path_factory.mktemp("acceptance")
     run = subprocess.run([sys.executable, str(BENCH), "--cpu-smoke", "--work", str(work), "--arms",
                           "correct,b-ids-off-by-one,e-no-eagle-config", "all"], capture_output=True, text=True, timeout=1500)  # fmt: skip

@@ -36,22 +36,11 @@ from layertap.tiny import build_tiny_model
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import token_freq_file
 
-TRAINERS_PYTHON = Path(os.environ.get("LAYERTAP_TRAINERS_PYTHON", "/opt/trainers-venv/bin/python"))
 HERE = Path(__file__).parent
 EPOCHS = 3
 DRAFT_VOCAB = 64  # smaller than the tiny target's 1536: the draft vocabulary comes from token_freq.pt
 
 pytestmark = pytest.mark.trainers
-
-
-@pytest.fixture(scope="module")
-def trainers_python() -> Path:
-    if not TRAINERS_PYTHON.exists():
-        message = f"no trainers venv at {TRAINERS_PYTHON}: run scripts/setup_trainers.sh"
-        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
-            pytest.fail(message)
-        pytest.skip(message)
-    return TRAINERS_PYTHON
 
 
 @pytest.fixture(scope="module", params=[None, "int4"], ids=["bf16", "int4"])
