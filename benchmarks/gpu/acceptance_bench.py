@@ -73,6 +73,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from acceptance_target import (  # noqa: E402  (beside this script)
     GPU,
+    PROBE,
     SMOKE,
     Sizes,
     build_corpus,
@@ -452,7 +453,16 @@ def stage_report(run: Run) -> None:
     served = {p.stem: json.loads(p.read_text()) for p in sorted(run.path("serve").glob("*.json"))}
     base = served.get(NO_DRAFTER.replace(" ", "-"))
     without = f"{base['tok_s']:,.1f}" if base else "not run"
-    title = "CPU smoke test: tiny sizes, SGLang 0.5.10 on the CPU" if run.smoke else "one H200, SGLang 0.5.14"
+    title = (
+        "CPU smoke test: tiny sizes, SGLang 0.5.10 on the CPU"
+        if run.smoke
+        else "one H200, SGLang 0.5.14"
+        + (
+            ", PROBE sizes (a tenth of the work: the path runs, not the benchmark's result)"
+            if run.sizes == PROBE
+            else ""
+        )
+    )
     lines = [f"# Acceptance of a drafter trained on a layertap store ({title})", "",
              f"Written by `benchmarks/gpu/acceptance_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"commit {commit.stdout.strip()}, seed {run.seed}).", "", "## Target", "",
@@ -517,6 +527,7 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-acceptance"))
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, this machine's CPU SGLang and SpecForge")
+    ap.add_argument("--probe", action="store_true", help="on the GPU at a tenth of the work (one call): not a result")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS), help="comma-separated arms to train / serve")
     ap.add_argument("--responses", choices=["given", "regenerated"], default="given")
     ap.add_argument("--corpus-root", type=Path, default=None, help="default: this Python's site-packages")
@@ -536,7 +547,7 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
     arms = tuple(a for a in args.arms.split(",") if a)
     if unknown := [a for a in arms if a not in ARM_BY_NAME]:
         raise SystemExit(f"unknown arms {unknown}; known: {list(ARM_BY_NAME)}")
-    run = Run(work=work, seed=args.seed, smoke=smoke, sizes=SMOKE if smoke else GPU,
+    run = Run(work=work, seed=args.seed, smoke=smoke, sizes=SMOKE if smoke else PROBE if args.probe else GPU,
               device="cpu" if smoke or not torch.cuda.is_available() else "cuda", arms=arms,
               corpus_root=args.corpus_root or Path(sysconfig.get_paths()["purelib"]),
               sglang_python=args.sglang_python or (SGLANG_CPU_PYTHON if smoke else Path(sys.executable)),
