@@ -83,7 +83,7 @@ def _show(job: dict[str, Any]) -> None:
     table.add_row("shards", ", ".join(f"{n} {state}" for state, n in sorted(job["shards"].items())))
     table.add_row("output", job["out"])
     if audit := job.get("audit"):
-        verdict = audit["state"].upper() if audit["state"] in ("pass", "fail") else audit["state"]
+        verdict = audit["state"].upper() if audit["state"] in ("pass", "fail", "inconclusive") else audit["state"]
         detail = f": {audit['summary']}" if audit["summary"] else f" ({audit['samples']} samples)"
         table.add_row("audit", verdict + detail + (f"; report {audit['report']}" if audit["report"] else ""))
     for w in job["workers"]:

@@ -104,7 +104,7 @@ function jobCard(job, errors) {
 
 // The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state.
 function auditLine(audit) {
-  const verdict = ["pass", "fail"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
+  const verdict = ["pass", "fail", "inconclusive"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
   const line = el("div", { class: `audit ${audit.state}`, "data-audit": audit.state },
     "audit ", el("span", { class: `badge ${audit.state}` }, verdict),
     " " + (audit.summary || `${fmt.int(audit.samples)} samples, once the job has ended`));
