@@ -52,6 +52,11 @@ class Need:
     def on_device(self) -> int:
         return self.weights + self.activations
 
+    @property
+    def on_host(self) -> int:
+        """Host memory in all: on the CPU the device's part is host memory too."""
+        return self.host + (self.on_device if self.device.type == "cpu" else 0)
+
     def summary(self) -> str:
         return (
             f"streamed reference on {self.device}: ~{human_bytes(self.on_device)} there (largest layer "
@@ -141,10 +146,7 @@ def check(need: Need) -> None:
         free, _ = torch.cuda.mem_get_info(need.device)
         if need.on_device > free:
             raise SpecError(f"{need.summary()}; {human_bytes(free)} is free on {need.device}: {_FEWER}")
-        host = need.host
-    else:
-        host = need.host + need.on_device
-    if host > host_free:
+    if need.on_host > host_free:
         raise SpecError(f"{need.summary()}; {human_bytes(host_free)} of host memory is available: {_FEWER}")
 
 

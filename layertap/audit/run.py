@@ -64,6 +64,7 @@ class AuditReport:
     seconds: float
     states: list[StateVerdict] = field(default_factory=list)
     memory: str = ""  # what the reference needed, and where
+    host_estimate: int = 0  # host memory it was estimated to need (Need.on_host)
     reading: str = ""  # what reading the folder cost
     peak_device_bytes: int | None = None  # on a GPU: the most torch held at once
     files: list[str] = field(default_factory=list)  # the report files written
@@ -87,7 +88,7 @@ class AuditReport:
             "verdict": self.verdict, "passed": self.passed, "root": self.root, "model": self.model, "device": self.device, "seed": self.seed,
             "samples": self.samples, "samples_total": self.samples_total, "tokens": self.tokens,
             "tokens_total": self.tokens_total, "share": self.share, "seconds": self.seconds, "memory": self.memory,
-            "reading": self.reading, "peak_device_bytes": self.peak_device_bytes,
+            "host_estimate": self.host_estimate, "reading": self.reading, "peak_device_bytes": self.peak_device_bytes,
             "states": [s.to_dict() for s in self.states],
             "rules": {"tie": TIE, "k_bulk": K_BULK, "k_outlier": K_OUTLIER, "reach": REACH},
             "to_decide": DECIDE if self.verdict == "inconclusive" else None,
@@ -117,9 +118,9 @@ class AuditReport:
             "dequantized as the trainer reads it). A state passes when every "
             f"sample's median e_t <= {K_BULK:g} x its floor's median, and no token is above the threshold "
             f"({K_OUTLIER:g} x the floor's largest error off routing near-ties) unless a router margin before it is "
-            f"below {TIE:g} (MoE states; a few allowed), and both controls are told from noise (their median > "
-            f"{K_BULK:g} x the floor's reach, its {REACH:.0%} quantile). A state whose controls are within that reach "
-            "is INCONCLUSIVE, unless a sample's error is beyond it too (FAIL).",
+            f"below {TIE:g} (MoE states; a few allowed), and both controls fail (their median / floor median > "
+            f"{K_BULK:g}). A state with a passing control is INCONCLUSIVE; so is a sample above {K_BULK:g} x its floor "
+            f"whose error and a control both lie within {K_BULK:g} x its floor's reach (its {REACH:.0%} quantile).",
             "",
             "| state | tokens | median | p99 | max | floor median | floor max | threshold | outliers | at near-ties "
             "| unexplained (allowed) | shift control | layer control | verdict |",
@@ -215,7 +216,7 @@ def audit_store(
         samples_total=len(records), tokens=sum(r.num_tokens for r in chosen),
         tokens_total=sum(r.num_tokens for r in records), seconds=0.0,
         states=[judge(state_name(p), not _near_tie_layers(ref.moe_layers, p), per_state[p]) for p in stored],
-        memory=need.summary(), reading=ref.stats.summary(),
+        memory=need.summary(), host_estimate=need.on_host, reading=ref.stats.summary(),
         peak_device_bytes=torch.cuda.max_memory_allocated(target) if target.type == "cuda" else None,
     )  # fmt: skip
     report.seconds = time.time() - started

@@ -197,11 +197,11 @@ def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(tiny_kimi: Path, tmp_p
 
 def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(tmp_path: Path) -> None:
     """The issue's case, small: an INT4 Kimi-K2.5 folder of 12 random layers stored by the HF engine in bf16 (its
-    experts summed in another order than the audit's). Deep random bf16 is chaotic: the final state's floor reaches
-    past the layer control (its 90% quantile ~6 x its median, the control ~9 x), and a correct sample's median
-    error strays past 2 x its floor's. The audit says INCONCLUSIVE (exit 3), naming the control and the sample and
-    what would decide it, not FAIL with a made-up cause; its captures PASS. A float32 store of the same rows PASSes,
-    and another sample's states still FAIL, in the final state too: far beyond the floor's reach."""
+    experts summed in another order than the audit's). Deep random bf16 is chaotic: in the final state a correct
+    sample's median error strays past 2 x its floor's (2.2 x), where its floor's 90% quantile is ~6 x its median and
+    its layer control within 2 x that. The audit says INCONCLUSIVE (exit 3), naming the sample and what would decide
+    it, not FAIL with a made-up cause; its captures PASS. A float32 store of the same rows PASSes, and another
+    sample's states still FAIL, in the final state too: far beyond the floor's reach."""
     folder = build_tiny_model("kimi-k2.5", tmp_path / "int4-12", quantize="int4", num_hidden_layers=12)
     store = extract(folder, tmp_path / "bf16", KIMI_LAYERS, "--trust-remote-code")
     run = subprocess.run([sys.executable, "-m", "layertap", "audit", str(store), "--samples", "6", "--trust-remote-code"],
@@ -214,7 +214,7 @@ def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(
     *captures, final = report["states"]
     assert [s["verdict"] for s in captures] == ["pass"] * 3, run.stdout
     assert final["verdict"] == "inconclusive" and not final["causes"] and not final["failed_samples"], run.stdout
-    assert any("the layer control" in doubt for doubt in final["doubts"]) and final["undecided_samples"], run.stdout
+    assert final["undecided_samples"] and "noise and a wrong state look alike" in final["doubts"][-1], run.stdout
     assert "## Why it cannot tell" in run.stdout and "What would decide it" in run.stdout
 
     assert_passes(extract(folder, tmp_path / "f32", KIMI_LAYERS, "--trust-remote-code", "--dtype", "float32"),
