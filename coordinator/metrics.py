@@ -11,6 +11,7 @@ import logging
 from collections import Counter as Tally
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 JOB_STATES: tuple[JobState, ...] = ("running", "cancelled", "failed", "finalizing", "done")
 SHARD_STATES: tuple[ShardState, ...] = ("pending", "queued", "running", "done", "failed")
-AUDIT_STATES: tuple[AuditState, ...] = ("pending", "running", "pass", "fail", "error")
+AUDIT_STATES: tuple[AuditState, ...] = get_args(AuditState)
 WORKER_STATES = ("idle", "working", "paused")
 
 SUBMISSIONS = Counter(

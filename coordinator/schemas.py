@@ -59,7 +59,8 @@ class WorkerPublic(BaseModel):
 
 
 class AuditPublic(BaseModel):
-    """The job's audit of its own store: pending, running, pass, fail, or error (it could not run: see summary).
+    """The job's audit of its own store: pending, running, pass, fail, inconclusive (the comparison cannot tell: see
+    its report), or error (it could not run: see summary).
     A FAIL does not change the job's state: its files are complete; the states in them are not the model's.
     Once running: the device it runs on and how far its reference is, ``layers_done`` of ``layers_total`` decoder
     layers run over every audited sample (the samples finish together, at the last layer)."""

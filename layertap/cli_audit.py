@@ -13,6 +13,8 @@ from layertap.device import DEVICE_HELP
 from layertap.errors import LayertapError
 
 console = Console(stderr=True)
+EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}  # 2: the audit could not run (bad input, too little memory)
+COLOUR = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
 
 
 @click.command()
@@ -46,7 +48,11 @@ def audit(
     no_final: bool,
     trust_remote_code: bool,
 ) -> None:
-    """Audit a random subset of OUT's samples against the model run in HF transformers; exit 1 on FAIL.
+    """Audit a random subset of OUT's samples against the model run in HF transformers.
+
+    Exit status: 0 PASS, 1 FAIL, 2 the audit could not run, 3 INCONCLUSIVE (the comparison cannot tell a wrong state
+    from the noise floor there, e.g. the final state of a deep random-weight model in bf16: the report says why
+    and what would decide it, such as a float32 store or --no-final).
 
     The model runs one decoder layer at a time from its shards (routed experts one by one, INT4 ones dequantized on
     the fly), so one GPU, or the CPU, audits any depth: it says what it needs before it starts.
@@ -70,9 +76,8 @@ def audit(
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         sys.exit(2)
     click.echo(report.markdown())
-    colour = "green" if report.passed else "red"
-    console.print(f"[{colour}]{escape(report.summary())}[/]; report: {', '.join(report.files)}")
-    sys.exit(0 if report.passed else 1)
+    console.print(f"[{COLOUR[report.verdict]}]{escape(report.summary())}[/]; report: {', '.join(report.files)}")
+    sys.exit(EXIT[report.verdict])
 
 
 def register_audit_command(group: click.Group) -> None:

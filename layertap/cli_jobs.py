@@ -97,7 +97,7 @@ def _show(job: dict[str, Any]) -> None:
 
 def _audit_state(audit: dict[str, Any]) -> str:
     """The audit's state or verdict, where it runs and how far its reference is (layers run over every sample)."""
-    line = audit["state"].upper() if audit["state"] in ("pass", "fail") else audit["state"]
+    line = audit["state"].upper() if audit["state"] in ("pass", "fail", "inconclusive") else audit["state"]
     if audit["device"]:
         line += f" on {audit['device']}"
     return line + (f", {audit['layers_done']}/{audit['layers_total']} layers" if audit["layers_total"] else "")

@@ -56,7 +56,7 @@ class AuditProgress:
 
 def run_job_audit(ctx: WorkerContext, job_id: str) -> str:
     """Audit the job's store unless its verdict is recorded or a live worker is auditing it; returns the verdict
-    (``pass``, ``fail``, ``error``) or why it did not run (``done``, ``busy``, ``inactive``, ``missing``)."""
+    (``pass``, ``fail``, ``inconclusive``, ``error``) or why it did not run (``done``, ``busy``, ``inactive``, ``missing``)."""
     attempt = AuditAttempt(ctx.redis, ctx.keys, job_id, ctx.name)
     status, spec = attempt.claim(ctx.settings.lease_ms)
     if status != "ok":
@@ -89,7 +89,7 @@ def _audit(ctx: WorkerContext, spec: JobSpec, attempt: AuditAttempt) -> AuditVie
         return AuditView(state="error", samples=spec.audit_samples, summary=f"{type(exc).__name__}: {exc}"[:2000],
                          **_where(progress))  # fmt: skip
     return AuditView(
-        state="pass" if report.passed else "fail",
+        state=report.verdict,
         samples=len(report.samples),
         tokens=report.tokens,
         seconds=round(report.seconds, 3),

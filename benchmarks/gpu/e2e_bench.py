@@ -379,7 +379,7 @@ def main() -> None:
             f"| stored + errors = rows; samples stored twice | {len(records) + len(error_rows) == rows}; {twice} |",
             f"| `layertap verify` | {'clean' if verify.returncode == 0 else 'FAILED: ' + verify.stdout[-300:]} |",
             f"| audit ({len(audit.samples)} samples, {audit.tokens:,} tokens, {audit.share:.0%} of the store, {audit_s:.0f} s) | "
-            f"{'PASS' if audit.passed else 'FAIL'} |",
+            f"{audit.verdict.upper()} |",
             f"| tokens stored | {tokens:,} ({sum(r.nbytes for r in records) / 1e9:.1f} GB) |",
             f"| POST /jobs -> first committed sample (servers start with the first shard) | "
             f"{(t.first_commit or t.ended) - t.posted:.1f} s |",

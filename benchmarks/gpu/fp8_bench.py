@@ -126,7 +126,7 @@ class Results:
 
 def _verdict(report: AuditReport | None, state: str) -> str:
     v = next((v for v in report.states if v.state == state), None) if report else None
-    return "-" if v is None else ("PASS" if v.passed else "FAIL")
+    return "-" if v is None else v.verdict.upper()
 
 
 def rounding_errors(store_root: Path, device: str) -> dict[str, dict[bool, tuple[float, float, float]]]:

@@ -6,8 +6,9 @@ float32 reference with its bf16 floor, and capture against plain prefill of the 
     python3 benchmarks/gpu/int4_bench.py --out benchmarks/results/gpu_int4.md            # on the H200
     python3 benchmarks/gpu/int4_bench.py --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
 
-On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel); the INT4 folder is
-still built and audited through the HF engine's store, so every step of the script runs.
+On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel) in bf16, and its
+store is audited against that folder; the INT4 folder is built only. The smoke PASSes (2026-12-01, SGLang 0.5.10.post1
+CPU, 5 layers): every state's median error 0.86-0.90 x the HF bf16 floor's, no outlier, controls 42-312 x.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def main() -> None:
         log(
             f"job {job['state']}, audit {audit['state']} on {audit['device']}; submit --wait exited {submit.returncode}"
         )
-        if audit["state"] not in ("pass", "fail"):  # said, with what was seen, instead of a table
+        if audit["state"] not in ("pass", "fail", "inconclusive"):  # said, with what was seen, instead of a table
             args.out.write_text(f"# The job's audit did not run\n\n{json.dumps(job, indent=1)}\n\nSeen: {seen}\n")
             raise SystemExit(f"the job's audit did not run: {audit}")
         out = Path(job["out"])
@@ -203,7 +203,7 @@ def main() -> None:
 
     # -- the table ----------------------------------------------------------------------------------------------
     ran = [s for s in seen if s[1] == "running"]
-    ended = next(s for s in seen if s[1] in ("pass", "fail"))
+    ended = next(s for s in seen if s[1] in ("pass", "fail", "inconclusive"))
     progress = ", ".join(f"+{t - ran[0][0]:.1f} s {state}" + (f" on {device}" if device else "")
                          + (f" {done}/{total}" if total else "") for t, state, device, done, total in seen
                          if ran and t >= ran[0][0])  # fmt: skip

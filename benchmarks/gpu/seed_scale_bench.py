@@ -294,7 +294,7 @@ def correctness(settings: list[str], batch: list[list[int]], checks: list[Check]
                                  device="cpu" if args.cpu_smoke else "cuda", trust_remote_code=True)  # fmt: skip
             checks.append(Check(name, report.passed, len(report.samples), report.tokens,
                                 time.strftime("%Y-%m-%d %H:%M"), report.markdown()))  # fmt: skip
-            log(f"{name}: audit {'PASS' if report.passed else 'FAIL'} ({report.tokens:,} tokens)")
+            log(f"{name}: audit {report.verdict.upper()} ({report.tokens:,} tokens)")
             shutil.rmtree(args.tmpfs / f"store-{tag}")
             save()
     finally:

@@ -105,7 +105,7 @@ function jobCard(job, errors) {
 // The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state. While it
 // runs: its device and how far its reference is (layers run over every audited sample), with a bar.
 function auditLine(audit) {
-  const verdict = ["pass", "fail"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
+  const verdict = ["pass", "fail", "inconclusive"].includes(audit.state) ? audit.state.toUpperCase() : audit.state;
   const where = (audit.device ? ` on ${audit.device}` : "")
     + (audit.layers_total ? `, ${fmt.int(audit.layers_done)} / ${fmt.int(audit.layers_total)} layers` : "");
   const text = audit.summary

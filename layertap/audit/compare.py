@@ -12,12 +12,21 @@ tokens: tokens above ``K_OUTLIER`` x the floor's largest error off routing near-
 arithmetic flips an expert choice where the router's k-th and (k+1)-th scores nearly tie; such a token's error
 is O(0.1) and is explained when some MoE layer before the state has a margin below ``TIE`` (measured on the
 float32 reference). A state after dense layers only has no such excuse: it is held to zero outliers.
+
+The comparison tells a wrong state from noise only where a wrong state sits clearly above the floor. Deep
+random-weight bf16 models are chaotic: routing flips and rounding grow until many tokens' bf16 states are as far
+from float32's as the next layer's, and a correct store's sample median strays past ``K_BULK`` x its floor's (its
+tokens in the flipped tail where the floor's are not). So a state is INCONCLUSIVE, not PASS, when a control passes
+the bulk test (at most ``K_BULK`` x the floor's median: a wrong state of that kind would pass), and a sample above
+``K_BULK`` x its floor is undecided, not FAILed, when the error and a control of that sample both lie within
+``K_BULK`` x its floor's reach (its ``REACH`` quantile): neither the error nor a wrong state is told from the
+floor's own spread there. Zeroed rows always fail.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -27,6 +36,22 @@ K_OUTLIER = 2.0  # an outlier token is above this many times the floor's largest
 MIN_FLOOR = 1e-4  # float32 kernels differ by summation order; a floor below this tells nothing more
 UNEXPLAINED_SHARE = 1e-3  # MoE states: outliers off near-ties allowed per token (margins just above TIE)
 CONTROLS = ("shift", "layer")  # negative controls: the stored state one token off; against a neighbouring layer
+REACH = 0.9  # the floor's quantile taken as how far a correct state's error reaches (above it: routing flips, chaos)
+DECIDE = (
+    "a float32 store of the same rows is judged against float32's floor, orders of magnitude lower (`layertap "
+    "extract --dtype float32`, or a server started with `--dtype float32`); a shallower state is nearer its floor "
+    "(`layertap audit --no-final` leaves the final state out)"
+)
+
+
+Verdict = Literal["pass", "fail", "inconclusive"]
+
+
+def overall(verdicts: list[Verdict]) -> Verdict:
+    """The verdict over several: any FAIL fails, else any INCONCLUSIVE is inconclusive (none at all: nothing passed)."""
+    if not verdicts or "fail" in verdicts:
+        return "fail"
+    return "inconclusive" if "inconclusive" in verdicts else "pass"
 
 
 def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -122,14 +147,20 @@ class StateVerdict:
     floor_outliers: int
     controls: dict[str, float]  # control name -> median error over floor median (must be > K_BULK)
     failed_samples: dict[str, str] = field(default_factory=dict)  # sample id -> cause
-    causes: list[str] = field(default_factory=list)
+    undecided_samples: dict[str, float] = field(default_factory=dict)  # sample id -> median over its floor's median
+    causes: list[str] = field(default_factory=list)  # why it FAILs
+    doubts: list[str] = field(default_factory=list)  # why it cannot be told from noise (INCONCLUSIVE unless FAIL)
+
+    @property
+    def verdict(self) -> Verdict:
+        return "fail" if self.causes else "inconclusive" if self.doubts else "pass"
 
     @property
     def passed(self) -> bool:
-        return not self.causes
+        return self.verdict == "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": self.passed, "verdict": self.verdict}
 
 
 def _q(values: torch.Tensor, q: float) -> float:
@@ -158,7 +189,9 @@ def judge(state: str, dense_only: bool, samples: list[SampleState]) -> StateVerd
         max=_q(errors, 1.0), floor_median=_q(floor, 0.5), floor_p99=_q(floor, 0.99), floor_max=_q(floor, 1.0),
         threshold=threshold, outliers=int(out.sum()), routing_explained=int(explained.sum()), unexplained=unexplained,
         allowed_unexplained=allowed, floor_outliers=floor_out, controls=controls,
-        failed_samples={s.sample_id: s.cause for s in samples if s.cause},
+        failed_samples={s.sample_id: s.cause for s in samples if s.cause and decided(s)},
+        undecided_samples={s.sample_id: float(s.errors.median()) / floor_median(s.floor) for s in samples
+                           if s.cause and not decided(s)},
     )  # fmt: skip
     if verdict.failed_samples:
         by_cause: dict[str, list[str]] = {}
@@ -174,10 +207,32 @@ def judge(state: str, dense_only: bool, samples: list[SampleState]) -> StateVerd
             f"{verdict.outliers} outlier tokens, more than {K_BULK:g} x the {floor_out} of the reference at the "
             "store's precision: routing flips beyond what that precision explains"
         )
-    for name, ratio in controls.items():
-        if ratio <= K_BULK and not verdict.causes:  # a corrupted state may well pass a control
-            verdict.causes.append(f"the {name} control passed ({ratio:.2f} x floor): the comparison cannot tell")
+    verdict.doubts += [
+        f"the {name} control passed ({ratio:.2f} x the floor's median): a state {_WRONG[name]} would pass too"
+        for name, ratio in controls.items()
+        if ratio <= K_BULK
+    ]
+    if verdict.undecided_samples:
+        ids = [f"{sid} ({ratio:.2f} x)" for sid, ratio in verdict.undecided_samples.items()]
+        verdict.doubts.append(
+            f"samples {', '.join(_few(ids))}: median error above {K_BULK:g} x their floor's median, but it and a "
+            f"control lie within {K_BULK:g} x their floor's reach (its {REACH:.0%} quantile): noise and a wrong state "
+            "look alike there"
+        )
     return verdict
+
+
+def decided(sample: SampleState) -> bool:
+    """Whether a sample that failed the bulk test is told from noise: zeroed rows, or its error or every control
+    beyond ``K_BULK`` x its floor's reach."""
+    if sample.zeroed.any():
+        return True
+    limit = K_BULK * max(_q(sample.floor.float(), REACH), MIN_FLOOR)
+    controls = [c for c in sample.controls.values() if c.numel()]
+    return float(sample.errors.median()) > limit or all(float(c.median()) > limit for c in controls)
+
+
+_WRONG = {"shift": "one token off", "layer": "one layer off"}
 
 
 def _few(ids: list[str], n: int = 5) -> list[str]:

@@ -3,8 +3,15 @@
 On the device: the largest layer's weights (a MoE layer's shared part plus one routed expert dequantized; or the
 embedding table while the tokens are embedded), the audited tokens' residual streams in every dtype computed, and
 one step's working set (a batch's attention and dense MLP, or a MoE layer's MLP over every token). In host memory:
-two layers as stored (the one computed and the one read ahead) and the audited samples' stored states. Nothing in
-it grows with the depth; it is read from the shards' headers, before any weight is.
+two layers as stored (the one computed and the one read ahead) and the audited samples' stored states. On the
+device nothing grows with the depth; it is read from the shards' headers, before any weight is.
+
+On the CPU the process keeps native memory that no live tensor holds (`benchmarks/results/audit_memory.md`): oneDNN,
+which runs PyTorch's CPU matmuls in bf16, keeps ~9-11 MiB per decoder layer run at hidden 1024, about half of that
+layer's dense weights in bf16 (the growth is gone with ``torch.backends.mkldnn`` off; halved with
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``), and glibc's heap fragments around the per-layer tensors (gone with a fixed
+``MALLOC_MMAP_THRESHOLD_``). Both are counted: each run layer's dense weights in every non-float32 dtype computed,
+and a quarter of the activations as allocator slack.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ class Need:
     device: torch.device
     weights: int  # the largest layer's (or the embeddings') on the device
     activations: int  # residual streams of the audited tokens + the largest step's working set
-    host: int  # two layers as stored + the audited samples' stored states
+    host: int  # two layers as stored + the audited samples' stored states (+ `native` on the CPU)
+    native: int  # CPU only: what oneDNN keeps per layer run, and the heap's fragmentation (see the module docstring)
     read: int  # bytes read from the folder: one read of the layers run
     layers: int
     tokens: int
@@ -44,11 +52,18 @@ class Need:
     def on_device(self) -> int:
         return self.weights + self.activations
 
+    @property
+    def on_host(self) -> int:
+        """Host memory in all: on the CPU the device's part is host memory too."""
+        return self.host + (self.on_device if self.device.type == "cpu" else 0)
+
     def summary(self) -> str:
         return (
             f"streamed reference on {self.device}: ~{human_bytes(self.on_device)} there (largest layer "
             f"{human_bytes(self.weights)} + activations of {self.tokens:,} tokens {human_bytes(self.activations)}), "
-            f"~{human_bytes(self.host)} of host memory; reads {human_bytes(self.read)} ({self.layers} layers)"
+            f"~{human_bytes(self.host)} of host memory"
+            + (f" ({human_bytes(self.native)} of it kept by CPU kernels and the allocator)" if self.native else "")
+            + f"; reads {human_bytes(self.read)} ({self.layers} layers)"
         )
 
 
@@ -66,13 +81,14 @@ def estimate(
     top = top_names(weights)
     peak_weights = sum(weights.numel(n) for n in top) * widest
     peak_stored = sum(weights.stored_bytes(n) for n in top)
-    read = peak_stored
+    read, dense = peak_stored, 0
     for index in range(depth):
         names = weights.layer(index)
         shared = [n for n in names if EXPERTS not in n]
         expert = [n for n in names if f"{EXPERTS}0." in n]
         one = sum(weights.numel(n) for n in expert)
         dequant = 12 * max((weights.numel(n) for n in expert), default=0)  # the unpacking's int64 and float32 steps
+        dense += sum(weights.numel(n) for n in shared)
         peak_weights = max(peak_weights, sum(weights.numel(n) for n in shared) * widest + one * (4 + widest) + dequant)
         stored = sum(weights.stored_bytes(n) for n in names)
         peak_stored, read = max(peak_stored, 2 * stored), read + stored
@@ -103,8 +119,12 @@ def estimate(
         moe += routed * (5 * hidden + 3 * inner)  # its gathered inputs, projections, output and weighted sum
         step = max(step, moe + padded * hidden)  # + the layer's inputs kept while its attention runs
     activations = streams + masks + 4 * step
-    return Need(device=device, weights=peak_weights, activations=activations,
-                host=peak_stored + tokens * stored_bytes_per_token, read=read, layers=depth, tokens=tokens)  # fmt: skip
+    native = 0
+    if device.type == "cpu":
+        native = dense * sum(d.itemsize for d in dtypes if d != torch.float32) + activations // 4
+    return Need(device=device, weights=peak_weights, activations=activations, native=native,
+                host=peak_stored + tokens * stored_bytes_per_token + native, read=read, layers=depth,
+                tokens=tokens)  # fmt: skip
 
 
 def check(need: Need) -> None:
@@ -114,10 +134,7 @@ def check(need: Need) -> None:
         free, _ = torch.cuda.mem_get_info(need.device)
         if need.on_device > free:
             raise SpecError(f"{need.summary()}; {human_bytes(free)} is free on {need.device}: {_FEWER}")
-        host = need.host
-    else:
-        host = need.host + need.on_device
-    if host > host_free:
+    if need.on_host > host_free:
         raise SpecError(f"{need.summary()}; {human_bytes(host_free)} of host memory is available: {_FEWER}")
 
 

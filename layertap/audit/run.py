@@ -19,14 +19,18 @@ from typing import Any
 import torch
 
 from layertap.audit.compare import (
+    DECIDE,
     K_BULK,
     K_OUTLIER,
+    REACH,
     TIE,
     SampleState,
     StateVerdict,
+    Verdict,
     bulk_ok,
     diagnose,
     judge,
+    overall,
     shifted_errors,
     token_errors,
     zero_rows,
@@ -61,13 +65,19 @@ class AuditReport:
     seconds: float
     states: list[StateVerdict] = field(default_factory=list)
     memory: str = ""  # what the reference needed, and where
+    host_estimate: int = 0  # host memory it was estimated to need (Need.on_host)
     reading: str = ""  # what reading the folder cost
     peak_device_bytes: int | None = None  # on a GPU: the most torch held at once
     files: list[str] = field(default_factory=list)  # the report files written
 
     @property
+    def verdict(self) -> Verdict:
+        """FAIL when a state fails, INCONCLUSIVE when a state cannot be told from noise, else PASS."""
+        return overall([s.verdict for s in self.states])
+
+    @property
     def passed(self) -> bool:
-        return bool(self.states) and all(s.passed for s in self.states)
+        return self.verdict == "pass"
 
     @property
     def share(self) -> float:
@@ -76,18 +86,19 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "passed": self.passed, "root": self.root, "model": self.model, "device": self.device, "seed": self.seed,
+            "verdict": self.verdict, "passed": self.passed, "root": self.root, "model": self.model, "device": self.device, "seed": self.seed,
             "samples": self.samples, "samples_total": self.samples_total, "tokens": self.tokens,
             "tokens_total": self.tokens_total, "share": self.share, "seconds": self.seconds, "memory": self.memory,
-            "reading": self.reading, "peak_device_bytes": self.peak_device_bytes,
+            "host_estimate": self.host_estimate, "reading": self.reading, "peak_device_bytes": self.peak_device_bytes,
             "states": [s.to_dict() for s in self.states],
-            "rules": {"tie": TIE, "k_bulk": K_BULK, "k_outlier": K_OUTLIER},
+            "rules": {"tie": TIE, "k_bulk": K_BULK, "k_outlier": K_OUTLIER, "reach": REACH},
+            "to_decide": DECIDE if self.verdict == "inconclusive" else None,
         }  # fmt: skip
 
     def summary(self) -> str:
         """One line: verdict, coverage, time."""
         return (
-            f"audit {'PASS' if self.passed else 'FAIL'}: {len(self.samples)} of {self.samples_total} samples, "
+            f"audit {self.verdict.upper()}: {len(self.samples)} of {self.samples_total} samples, "
             f"{self.tokens:,} of {self.tokens_total:,} tokens ({self.share:.1%} of the store) in {self.seconds:.1f}s "
             f"({1000 * self.seconds / max(self.tokens, 1):.3f}s per 1,000 tokens)"
         )
@@ -95,7 +106,7 @@ class AuditReport:
     def markdown(self) -> str:
         """The per-state table and each failure's cause, readable as is."""
         lines = [
-            f"# Audit of `{self.root}`: {'PASS' if self.passed else 'FAIL'}",
+            f"# Audit of `{self.root}`: {self.verdict.upper()}",
             "",
             f"Model `{self.model}`, device {self.device}, seed {self.seed}. {self.summary()}.",
             "",
@@ -109,7 +120,8 @@ class AuditReport:
             f"sample's median e_t <= {K_BULK:g} x its floor's median, and no token is above the threshold "
             f"({K_OUTLIER:g} x the floor's largest error off routing near-ties) unless a router margin before it is "
             f"below {TIE:g} (MoE states; a few allowed), and both controls fail (their median / floor median > "
-            f"{K_BULK:g}).",
+            f"{K_BULK:g}). A state with a passing control is INCONCLUSIVE; so is a sample above {K_BULK:g} x its floor "
+            f"whose error and a control both lie within {K_BULK:g} x its floor's reach (its {REACH:.0%} quantile).",
             "",
             "| state | tokens | median | p99 | max | floor median | floor max | threshold | outliers | at near-ties "
             "| unexplained (allowed) | shift control | layer control | verdict |",
@@ -121,11 +133,14 @@ class AuditReport:
             lines.append(
                 f"| {s.state} | {s.tokens:,} | {s.median:.2e} | {s.p99:.2e} | {s.max:.2e} | {s.floor_median:.2e} "
                 f"| {s.floor_max:.2e} | {s.threshold:.2e} | {s.outliers} | {explained} | {s.unexplained} "
-                f"({s.allowed_unexplained}) | {controls[0]} | {controls[1]} | {'PASS' if s.passed else 'FAIL'} |"
+                f"({s.allowed_unexplained}) | {controls[0]} | {controls[1]} | {s.verdict.upper()} |"
             )
         failures = [f"- **{s.state}**: {cause}" for s in self.states for cause in s.causes]
         if failures:
             lines += ["", "## Why it failed", "", *failures]
+        doubts = [f"- **{s.state}**: {doubt}" for s in self.states if s.verdict == "inconclusive" for doubt in s.doubts]
+        if doubts:
+            lines += ["", "## Why it cannot tell", "", *doubts, "", f"What would decide it: {DECIDE}."]
         return "\n".join(lines) + "\n"
 
     def write(self, root: Path) -> list[Path]:
@@ -204,7 +219,7 @@ def audit_store(
         samples_total=len(records), tokens=sum(r.num_tokens for r in chosen),
         tokens_total=sum(r.num_tokens for r in records), seconds=0.0,
         states=[judge(state_name(p), not _near_tie_layers(ref.moe_layers, p), per_state[p]) for p in stored],
-        memory=need.summary(), reading=ref.stats.summary(),
+        memory=need.summary(), host_estimate=need.on_host, reading=ref.stats.summary(),
         peak_device_bytes=torch.cuda.max_memory_allocated(target) if target.type == "cuda" else None,
     )  # fmt: skip
     report.seconds = time.time() - started

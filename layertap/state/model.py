@@ -12,7 +12,8 @@ from layertap.spec import ExtractionSpec
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
 ShardState = Literal["pending", "queued", "running", "done", "failed"]
-AuditState = Literal["pending", "running", "pass", "fail", "error"]
+# the verdicts are layertap.audit.compare.Verdict (not imported: the coordinator runs without torch)
+AuditState = Literal["pending", "running", "pass", "fail", "inconclusive", "error"]
 JOB_FILE = "job.json"  # written beside the manifest at submit time; `rebuild-state` reads it back
 
 
@@ -88,11 +89,12 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class AuditView:
-    """A job's audit of its own store: ``pending`` until the job has ended, ``running``, then its verdict (``error``:
-    it could not run, ``summary`` says why). ``samples`` is the number asked until the verdict, then the number
-    audited; ``report`` is the markdown report under the store's ``reports/``. Once its reference starts: the
-    ``device`` it runs on and its progress, ``layers_done`` of ``layers_total`` decoder layers run over every
-    audited sample (layer by layer, so samples finish together at the last layer)."""
+    """A job's audit of its own store: ``pending`` until the job has ended, ``running``, then its verdict (``pass``,
+    ``fail``, ``inconclusive``: the comparison cannot tell, see its report) or ``error`` (it could not run,
+    ``summary`` says why). ``samples`` is the number asked until the verdict, then the number audited; ``report`` is
+    the markdown report under the store's ``reports/``. Once its reference starts: the ``device`` it runs on and its
+    progress, ``layers_done`` of ``layers_total`` decoder layers run over every audited sample (layer by layer, so
+    samples finish together at the last layer)."""
 
     state: AuditState
     samples: int

@@ -216,7 +216,7 @@ CLAIM_AUDIT = _script("""
 local job = redis.call('HMGET', KEYS[1], 'state', 'spec')
 local audit = redis.call('HGET', KEYS[2], 'state')
 if not job[1] or not audit then return {'missing'} end
-if audit == 'pass' or audit == 'fail' or audit == 'error' then return {'done'} end
+if audit ~= 'pending' and audit ~= 'running' then return {'done'} end  -- a verdict, or error
 if job[1] ~= 'done' and job[1] ~= 'failed' then return {'inactive'} end
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 local token = tostring(redis.call('INCR', KEYS[4]))

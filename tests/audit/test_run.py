@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save
 from layertap.audit import audit_store
 from layertap.store.atomic import sha256_file
 from layertap.store.store import OutputStore
+from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 from tests.sglang_fixtures import DEFAULT_LAYERS
 
@@ -203,3 +204,35 @@ def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(tiny_kimi: Path, tmp_p
     report = audit_store(store, samples=6, seed=1, write=False)
     failed = [s for s in report.states if not s.passed]
     assert len(failed) == 4 and all("shifted one token" in s.failed_samples[victim.sample_id] for s in failed)
+
+
+def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(tmp_path: Path) -> None:
+    """The issue's case, small: an INT4 Kimi-K2.5 folder of 12 random layers stored by the HF engine in bf16 (its
+    experts summed in another order than the audit's). Deep random bf16 is chaotic: in the final state a correct
+    sample's median error strays past 2 x its floor's (2.2 x), where its floor's 90% quantile is ~6 x its median and
+    its layer control within 2 x that. The audit says INCONCLUSIVE (exit 3), naming the sample and what would decide
+    it, not FAIL with a made-up cause; its captures PASS. A float32 store of the same rows PASSes, and another
+    sample's states still FAIL, in the final state too: far beyond the floor's reach."""
+    folder = build_tiny_model("kimi-k2.5", tmp_path / "int4-12", quantize="int4", num_hidden_layers=12)
+    store = extract(folder, tmp_path / "bf16", KIMI_LAYERS, "--trust-remote-code")
+    run = subprocess.run([sys.executable, "-m", "layertap", "audit", str(store), "--samples", "6", "--trust-remote-code"],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 3 and "# Audit of" in run.stdout and ": INCONCLUSIVE" in run.stdout, (
+        run.stdout + run.stderr
+    )
+    report = json.loads(next((store / "reports").glob("audit-*.json")).read_text())
+    assert report["verdict"] == "inconclusive" and not report["passed"] and "--dtype float32" in report["to_decide"]
+    *captures, final = report["states"]
+    assert [s["verdict"] for s in captures] == ["pass"] * 3, run.stdout
+    assert final["verdict"] == "inconclusive" and not final["causes"] and not final["failed_samples"], run.stdout
+    assert final["undecided_samples"] and "noise and a wrong state look alike" in final["doubts"][-1], run.stdout
+    assert "## Why it cannot tell" in run.stdout and "What would decide it" in run.stdout
+
+    assert_passes(extract(folder, tmp_path / "f32", KIMI_LAYERS, "--trust-remote-code", "--dtype", "float32"),
+                  trust_remote_code=True)  # fmt: skip
+
+    victim = min(OutputStore.open_existing(store).records().values(), key=lambda r: r.num_tokens)
+    rewrite(store, victim.sample_id, other_samples_states(store, torch.load(store / victim.file, weights_only=True)))
+    report = audit_store(store, samples=6, write=False, trust_remote_code=True)
+    assert report.verdict == "fail" and [s.verdict for s in report.states] == ["fail"] * 4, report.markdown()
+    assert "another sample's states" in report.states[-1].failed_samples[victim.sample_id], report.markdown()

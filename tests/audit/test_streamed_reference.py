@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layertap.audit.layers import Decoder
+from layertap.audit.layers import EXPERTS, Decoder
 from layertap.audit.memory import BatchShape, check, estimate
 from layertap.audit.reference import Reference
 from layertap.audit.run import padded_ids
@@ -135,6 +135,21 @@ def test_the_need_is_said_before_it_starts_and_does_not_grow_with_depth(tiny_kim
     assert shallow.on_device <= deep.on_device <= shallow.on_device + one_layer
     assert f"reads {human_bytes(deep.read)} ({folder.num_layers} layers)" in deep.summary()
     check(shallow)  # a tiny model fits here
+
+
+def test_the_cpu_host_estimate_counts_what_onednn_keeps_per_layer_and_the_heap_slack(tiny_kimi: Path) -> None:
+    """On the CPU the host term grows by each run layer's dense weights in bf16 (what oneDNN keeps after a bf16
+    layer, measured in audit_memory.md), plus a quarter of the activations (heap fragmentation); not on a GPU."""
+    weights = FolderWeights(ModelFolder.read(tiny_kimi))
+    batches = [BatchShape(rows=4, longest=100, tokens=300)]
+    mixed = [torch.float32, torch.bfloat16]
+    need = lambda depth, dtypes, device="cpu": estimate(weights, depth, dtypes, batches, 1024, torch.device(device))  # noqa: E731
+    dense_bf16 = sum(weights.numel(n) for n in weights.layer(3) if EXPERTS not in n) * 2
+    assert need(4, mixed).native - need(3, mixed).native == dense_bf16 > 0
+    assert need(4, [torch.float32]).native == need(4, [torch.float32]).activations // 4 > 0
+    gpu = need(4, mixed, "cuda")
+    assert gpu.native == 0 and need(4, mixed).host == gpu.host + need(4, mixed).native
+    assert "kept by CPU kernels and the allocator" in need(4, mixed).summary()
 
 
 def test_what_cannot_fit_is_refused_naming_both_sides(tiny_kimi: Path) -> None:

@@ -114,6 +114,21 @@ def test_a_failed_audit_leaves_the_job_done_and_says_fail(context, redis_client,
     assert "shifted one token" in Path(view.audit.report).read_text()
 
 
+def test_an_inconclusive_verdict_is_recorded_once(context, redis_client, sent, tiny_llama, tmp_path) -> None:
+    """INCONCLUSIVE (`layertap audit` exit 3: the comparison cannot tell there) is a verdict like PASS and FAIL: a
+    redelivered message finds it recorded and does not audit again."""
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(6, seed=9))
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=6, audit_samples=2)
+    start_job(redis_client, sent, "ji", spec, tmp_path / "outputs")
+    run_the_shard(context, sent, "ji")
+    attempt = AuditAttempt(redis_client, Keys(), "ji", "other")
+    assert attempt.claim(30_000)[0] == "ok"
+    verdict = AuditView(state="inconclusive", samples=2, tokens=9, summary="audit INCONCLUSIVE: 2 of 6 samples")
+    assert attempt.finish(verdict)
+    assert run_job_audit(context, "ji") == "done"
+    assert job_view(redis_client, Keys(), "ji").audit == verdict
+
+
 def test_a_job_with_audit_samples_ends_with_its_verdict_in_the_api_status_and_metrics(
     start_cluster, tiny_llama, tmp_path
 ) -> None:
@@ -144,7 +159,7 @@ def test_a_job_with_audit_samples_ends_with_its_verdict_in_the_api_status_and_me
         for s in family.samples
         if s.name == "layertap_job_audit" and s.labels["job_id"] == job_id
     }
-    assert verdicts == {"pending": 0, "running": 0, "pass": 1, "fail": 0, "error": 0}
+    assert verdicts == {"pending": 0, "running": 0, "pass": 1, "fail": 0, "inconclusive": 0, "error": 0}
 
 
 def test_a_worker_with_no_device_setting_audits_where_auto_points(redis_server) -> None:
