@@ -1,6 +1,8 @@
 """Shared pytest fixtures. Keep each group together under its heading."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +14,13 @@ from tests.sglang_fixtures import SGLANG_PYTHON
 pytest_plugins = ["tests.sglang_fixtures", "tests.service_fixtures"]
 
 # --- What a test starts, read from the fixtures it uses (directly or through other fixtures): its markers. ---
-# The fast lane leaves these out: pytest -m "not sglang and not services and not trainers" (README).
+# The fast lane leaves these out: pytest -m "not sglang and not services and not trainers and not cli" (README).
 
 STARTS: dict[str, frozenset[str]] = {
     "sglang": frozenset({"sglang_python", "cuda_stub_dir"}),
     "services": frozenset({"redis_server", "redis_factory", "services"}),
     "trainers": frozenset({"trainers_python"}),
+    "cli": frozenset({"layertap_cli"}),
 }
 
 
@@ -65,6 +68,24 @@ def sglang_python() -> Path:
 def trainers_python() -> Path:
     """The python of the trainers' venv (SpecForge 0.2.0, speculators 0.9.0)."""
     return _venv_python(TRAINERS_PYTHON, "scripts/setup_trainers.sh")
+
+
+# --- The `layertap` command, as a user runs it: in a process of its own (tests that ask for it are marked `cli`). ---
+
+
+class LayertapCLI:
+    """``cli(*args, timeout=600, **run_kwargs)`` runs ``python -m layertap ARGS`` and returns the completed process
+    (text, output captured); ``cli.argv`` is the command's prefix, for a test that starts it with ``Popen``."""
+
+    argv = (sys.executable, "-m", "layertap")
+
+    def __call__(self, *args: object, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.argv, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def layertap_cli() -> LayertapCLI:
+    return LayertapCLI()
 
 
 # --- Tiny models (layertap.tiny): built once per session, treat the folders as read-only. ---

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,13 +28,11 @@ DATA = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats
 KIMI_LAYERS = DEFAULT_LAYERS["kimi-k2"]  # 1 (after the dense layer only), 2 and 4 (after MoE layers)
 
 
-def extract(model: Path, out: Path, layers: tuple[int, ...], *args: str) -> Path:
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(DATA),
-         "--layers", ",".join(map(str, layers)), "--out", str(out), *args],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert cli.returncode == 0, cli.stderr[-3000:]
+def extract(cli, model: Path, out: Path, layers: tuple[int, ...], *args: str) -> Path:
+    """``layertap extract`` of the Kimi chats into ``out`` through ``cli`` (the ``layertap_cli`` fixture)."""
+    run = cli("extract", "--model", model, "--data", DATA, "--layers", ",".join(map(str, layers)), "--out", out, *args,
+              timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
     return out
 
 
@@ -50,15 +46,19 @@ def assert_passes(out: Path, controls_above: float = 50, **kw) -> None:
 
 
 @pytest.fixture(scope="module")
-def kimi_store(tiny_kimi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kimi_store(layertap_cli, tiny_kimi: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The HF engine's specforge store of the tiny Kimi-K2 (bf16 on disk): the base the corruptions copy."""
-    return extract(tiny_kimi, tmp_path_factory.mktemp("audit") / "kimi", KIMI_LAYERS)
+    return extract(layertap_cli, tiny_kimi, tmp_path_factory.mktemp("audit") / "kimi", KIMI_LAYERS)
 
 
-def test_hf_engine_stores_pass(kimi_store: Path, tiny_llama: Path, tiny_kimi25: Path, tmp_path: Path) -> None:
+def test_hf_engine_stores_pass(
+    layertap_cli, kimi_store: Path, tiny_llama: Path, tiny_kimi25: Path, tmp_path: Path
+) -> None:
     assert_passes(kimi_store)
-    assert_passes(extract(tiny_llama, tmp_path / "llama", DEFAULT_LAYERS["llama"]))
-    wrapper = extract(tiny_kimi25, tmp_path / "kimi25", KIMI_LAYERS, "--format", "speculators", "--trust-remote-code")
+    assert_passes(extract(layertap_cli, tiny_llama, tmp_path / "llama", DEFAULT_LAYERS["llama"]))
+    wrapper = extract(
+        layertap_cli, tiny_kimi25, tmp_path / "kimi25", KIMI_LAYERS, "--format", "speculators", "--trust-remote-code"
+    )
     assert_passes(wrapper, trust_remote_code=True)
 
 
@@ -73,24 +73,26 @@ def test_progress_is_reported_per_layer_run_over_every_sample(kimi_store: Path) 
     assert heard == [(n, 4) for n in range(5)]  # up to capture 4 (= layer 3's output)
 
 
-def test_the_int4_folders_store_passes(tiny_kimi25_int4: Path, tmp_path: Path) -> None:
+def test_the_int4_folders_store_passes(layertap_cli, tiny_kimi25_int4: Path, tmp_path: Path) -> None:
     """The released layout (INT4 routed experts, bf16 elsewhere) computed in its own bf16: the audit loads the folder
     (experts dequantized exactly) and PASSes against the float32 reference with its bf16 floor."""
-    store = extract(tiny_kimi25_int4, tmp_path / "int4", KIMI_LAYERS, "--format", "speculators", "--trust-remote-code")
+    store = extract(
+        layertap_cli, tiny_kimi25_int4, tmp_path / "int4", KIMI_LAYERS, "--format", "speculators", "--trust-remote-code"
+    )
     assert OutputStore.open_existing(store).manifest.compute_dtype == "bfloat16"
     assert_passes(store, controls_above=10, trust_remote_code=True)  # a bf16 floor is wider than float32's
 
 
-def test_cli_writes_the_report_and_exits_by_verdict(kimi_store: Path, tmp_path: Path) -> None:
+def test_cli_writes_the_report_and_exits_by_verdict(layertap_cli, kimi_store: Path, tmp_path: Path) -> None:
     store = shutil.copytree(kimi_store, tmp_path / "store")
-    audit = [sys.executable, "-m", "layertap", "audit", str(store), "--fraction", "0.5", "--seed", "3"]
-    run = subprocess.run(audit, capture_output=True, text=True, timeout=600)
+    audit = ["audit", store, "--fraction", "0.5", "--seed", "3"]
+    run = layertap_cli(*audit)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "| capture 1 |" in run.stdout and "3 of 6 samples" in run.stderr
     report = json.loads(next((store / "reports").glob("audit-*.json")).read_text())
     assert report["passed"] and len(report["samples"]) == 3
     rewrite(store, report["samples"][0], lambda t: {**t, "aux_hidden_state": t["aux_hidden_state"].roll(1, dims=1)})
-    run = subprocess.run(audit, capture_output=True, text=True, timeout=600)
+    run = layertap_cli(*audit)
     assert run.returncode == 1 and "shifted one token" in run.stdout, run.stdout + run.stderr
 
 
@@ -183,12 +185,14 @@ def test_corrupted_store_fails_naming_state_and_cause(
     assert cause in report.markdown()
 
 
-def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(tiny_kimi: Path, tmp_path: Path) -> None:
+def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(layertap_cli, tiny_kimi: Path, tmp_path: Path) -> None:
     """The same run stored as bf16 and as FP8: each PASSes against its own floor (FP8's: the reference quantized and
     dequantized as speculators reads it, ~10x bf16's), and the FP8 store shifted one token FAILs, named so."""
     reports = {}
     for dtype in ("bfloat16", "fp8"):
-        out = extract(tiny_kimi, tmp_path / dtype, KIMI_LAYERS, "--format", "speculators", "--store-dtype", dtype)
+        out = extract(
+            layertap_cli, tiny_kimi, tmp_path / dtype, KIMI_LAYERS, "--format", "speculators", "--store-dtype", dtype
+        )
         reports[dtype] = audit_store(out, samples=6, seed=1, write=False)
         assert reports[dtype].passed, reports[dtype].markdown()
         assert all(s.unexplained == 0 and min(s.controls.values()) > 10 for s in reports[dtype].states)
@@ -206,7 +210,7 @@ def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(tiny_kimi: Path, tmp_p
     assert len(failed) == 4 and all("shifted one token" in s.failed_samples[victim.sample_id] for s in failed)
 
 
-def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(tmp_path: Path) -> None:
+def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(layertap_cli, tmp_path: Path) -> None:
     """The issue's case, small: an INT4 Kimi-K2.5 folder of 12 random layers stored by the HF engine in bf16 (its
     experts summed in another order than the audit's). Deep random bf16 is chaotic: in the final state a correct
     sample's median error strays past 2 x its floor's (2.2 x), where its floor's 90% quantile is ~6 x its median and
@@ -214,9 +218,8 @@ def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(
     it, not FAIL with a made-up cause; its captures PASS. A float32 store of the same rows PASSes, and another
     sample's states still FAIL, in the final state too: far beyond the floor's reach."""
     folder = build_tiny_model("kimi-k2.5", tmp_path / "int4-12", quantize="int4", num_hidden_layers=12)
-    store = extract(folder, tmp_path / "bf16", KIMI_LAYERS, "--trust-remote-code")
-    run = subprocess.run([sys.executable, "-m", "layertap", "audit", str(store), "--samples", "6", "--trust-remote-code"],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    store = extract(layertap_cli, folder, tmp_path / "bf16", KIMI_LAYERS, "--trust-remote-code")
+    run = layertap_cli("audit", store, "--samples", "6", "--trust-remote-code", timeout=900)
     assert run.returncode == 3 and "# Audit of" in run.stdout and ": INCONCLUSIVE" in run.stdout, (
         run.stdout + run.stderr
     )
@@ -228,7 +231,7 @@ def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(
     assert final["undecided_samples"] and "noise and a wrong state look alike" in final["doubts"][-1], run.stdout
     assert "## Why it cannot tell" in run.stdout and "What would decide it" in run.stdout
 
-    assert_passes(extract(folder, tmp_path / "f32", KIMI_LAYERS, "--trust-remote-code", "--dtype", "float32"),
+    assert_passes(extract(layertap_cli, folder, tmp_path / "f32", KIMI_LAYERS, "--trust-remote-code", "--dtype", "float32"),
                   trust_remote_code=True)  # fmt: skip
 
     victim = min(OutputStore.open_existing(store).records().values(), key=lambda r: r.num_tokens)

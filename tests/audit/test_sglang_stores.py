@@ -14,17 +14,21 @@ from tests.sglang_fixtures import DEFAULT_LAYERS, SGLangServer
 pytestmark = pytest.mark.sglang
 
 
-def attached(model: Path, out: Path, server: SGLangServer, layers: tuple[int, ...], *args: str) -> Path:
-    return extract(model, out, layers, "--engine", "sglang", "--server-url", server.url,
+def attached(cli, model: Path, out: Path, server: SGLangServer, layers: tuple[int, ...], *args: str) -> Path:
+    return extract(cli, model, out, layers, "--engine", "sglang", "--server-url", server.url,
                    "--dump-root", str(server.dump_root), "--in-flight", "4", *args)  # fmt: skip
 
 
-def test_sglang_llama_and_kimi_stores_pass(sglang_llama, sglang_kimi, tiny_llama, tiny_kimi, tmp_path) -> None:
-    assert_passes(attached(tiny_llama, tmp_path / "llama", sglang_llama, DEFAULT_LAYERS["llama"]))
-    assert_passes(attached(tiny_kimi, tmp_path / "kimi", sglang_kimi, KIMI_LAYERS, "--format", "speculators"))
+def test_sglang_llama_and_kimi_stores_pass(
+    layertap_cli, sglang_llama, sglang_kimi, tiny_llama, tiny_kimi, tmp_path
+) -> None:
+    assert_passes(attached(layertap_cli, tiny_llama, tmp_path / "llama", sglang_llama, DEFAULT_LAYERS["llama"]))
+    assert_passes(
+        attached(layertap_cli, tiny_kimi, tmp_path / "kimi", sglang_kimi, KIMI_LAYERS, "--format", "speculators")
+    )
 
 
-def test_sglang_kimi25_store_passes(sglang_servers, tiny_kimi25, tmp_path) -> None:
+def test_sglang_kimi25_store_passes(layertap_cli, sglang_servers, tiny_kimi25, tmp_path) -> None:
     server = sglang_servers(tiny_kimi25, layers=KIMI_LAYERS, extra_args=("--trust-remote-code",))
-    assert_passes(attached(tiny_kimi25, tmp_path / "kimi25", server, KIMI_LAYERS, "--trust-remote-code"),
+    assert_passes(attached(layertap_cli, tiny_kimi25, tmp_path / "kimi25", server, KIMI_LAYERS, "--trust-remote-code"),
                   trust_remote_code=True)  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -94,10 +93,10 @@ def test_the_folder_reads_its_quantization(tiny_kimi25_int4: Path, tiny_kimi25: 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_hf_engine_stores_the_int4_folder_equal_to_hf_float32_of_its_dequantized_experts(
-    tiny_kimi25_int4: Path, tmp_path: Path, hf_reference, fmt: str
+    layertap_cli, tiny_kimi25_int4: Path, tmp_path: Path, hf_reference, fmt: str
 ) -> None:
     out = tmp_path / "out"
-    cli = extract(tiny_kimi25_int4, out, "--format", fmt, "--trust-remote-code", "--dtype", "float32")
+    cli = extract(layertap_cli, tiny_kimi25_int4, out, "--format", fmt, "--trust-remote-code", "--dtype", "float32")
     assert cli.returncode == 0, cli.stderr[-3000:]
     check = verify_store(out)
     assert check.ok, check.problems
@@ -140,11 +139,11 @@ def _copy_with_config(folder: Path, dest: Path, change) -> Path:
     ],
 )
 def test_an_unknown_scheme_is_refused_in_one_line_before_any_work(
-    tiny_kimi25_int4: Path, tmp_path: Path, change, named: str
+    layertap_cli, tiny_kimi25_int4: Path, tmp_path: Path, change, named: str
 ) -> None:
     model = _copy_with_config(tiny_kimi25_int4, tmp_path / "model", change)
     out = tmp_path / "out"
-    cli = extract(model, out, "--trust-remote-code")
+    cli = extract(layertap_cli, model, out, "--trust-remote-code")
     assert cli.returncode == 2
     message = cli.stderr.strip()
     assert message.startswith("error:") and message.count("error") == 1 and "Traceback" not in message, message
@@ -167,10 +166,9 @@ def test_a_missing_packed_tensor_is_refused_not_loaded_at_random(tiny_kimi25_int
         load_language_model(ModelFolder.read(model), torch.float32)
 
 
-def test_the_text_view_of_the_int4_folder(tiny_kimi25_int4: Path, tmp_path: Path) -> None:
+def test_the_text_view_of_the_int4_folder(layertap_cli, tiny_kimi25_int4: Path, tmp_path: Path) -> None:
     view = tmp_path / "view"
-    cli = subprocess.run([sys.executable, "-m", "layertap", "text-view", str(tiny_kimi25_int4), str(view)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    cli = layertap_cli("text-view", tiny_kimi25_int4, view, timeout=300)
     assert cli.returncode == 0, cli.stderr
     config = json.loads((view / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3"

@@ -2,7 +2,6 @@
 without --trust-remote-code the run stops before writing anything, naming the flag and the file."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,10 @@ LAYERS = (1, 2, 4)  # first and last legal index; 2 is the output of the first M
 REL_TOL = 1e-4
 
 
-def extract(model: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(DATA),
-         "--layers", ",".join(map(str, LAYERS)), "--out", str(out), "--store-dtype", "float32", *args],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+def extract(cli, model: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``layertap extract`` of the Kimi chats into ``out`` through ``cli`` (the ``layertap_cli`` fixture)."""
+    return cli("extract", "--model", model, "--data", DATA, "--layers", ",".join(map(str, LAYERS)), "--out", out,
+               "--store-dtype", "float32", *args, timeout=900)  # fmt: skip
 
 
 def check_states_equal_hf(out: Path, model: Path, hf_reference) -> int:
@@ -48,9 +45,9 @@ def check_states_equal_hf(out: Path, model: Path, hf_reference) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
-def test_hf_engine_extracts_the_wrapper_equal_to_hf(tiny_kimi25, tmp_path, hf_reference, fmt) -> None:
+def test_hf_engine_extracts_the_wrapper_equal_to_hf(layertap_cli, tiny_kimi25, tmp_path, hf_reference, fmt) -> None:
     out = tmp_path / "out"
-    cli = extract(tiny_kimi25, out, "--format", fmt, "--trust-remote-code")
+    cli = extract(layertap_cli, tiny_kimi25, out, "--format", fmt, "--trust-remote-code")
     assert cli.returncode == 0, cli.stderr[-3000:]
     check = verify_store(out)
     assert check.ok, check.problems
@@ -59,9 +56,9 @@ def test_hf_engine_extracts_the_wrapper_equal_to_hf(tiny_kimi25, tmp_path, hf_re
     assert (manifest.num_layers, manifest.hidden_size, manifest.compute_dtype) == (5, 64, "float32")
 
 
-def test_without_trust_remote_code_the_run_stops_and_writes_nothing(tiny_kimi25, tmp_path) -> None:
+def test_without_trust_remote_code_the_run_stops_and_writes_nothing(layertap_cli, tiny_kimi25, tmp_path) -> None:
     out = tmp_path / "out"
-    cli = extract(tiny_kimi25, out)
+    cli = extract(layertap_cli, tiny_kimi25, out)
     assert cli.returncode == 2
     message = " ".join(cli.stderr.split())
     assert "--trust-remote-code" in message and "tokenization_tiny_kimi.py" in message

@@ -3,7 +3,6 @@
 import logging
 import re
 import subprocess
-import sys
 
 from layertap.logs import level_for
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -13,17 +12,16 @@ LINE = re.compile(
 )
 
 
-def _extract(tiny_llama, tmp_path, *verbose: str) -> subprocess.CompletedProcess[str]:
+def _extract(cli, tiny_llama, tmp_path, *verbose: str) -> subprocess.CompletedProcess[str]:
     data = write_jsonl(tmp_path / "chats.jsonl", conversation_rows(6, seed=3))
-    return subprocess.run(
-        [sys.executable, "-m", "layertap", *verbose, "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "1,3,5", "--out", str(tmp_path / f"out{len(verbose)}")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return cli(*verbose, "extract", "--model", tiny_llama, "--data", data, "--layers", "1,3,5",
+               "--out", tmp_path / f"out{len(verbose)}")  # fmt: skip
 
 
-def test_verbose_shows_the_runs_info_lines_in_the_one_format_and_quiet_hides_them(tiny_llama, tmp_path) -> None:
-    quiet, verbose = _extract(tiny_llama, tmp_path), _extract(tiny_llama, tmp_path, "-v")
+def test_verbose_shows_the_runs_info_lines_in_the_one_format_and_quiet_hides_them(
+    layertap_cli, tiny_llama, tmp_path
+) -> None:
+    quiet, verbose = _extract(layertap_cli, tiny_llama, tmp_path), _extract(layertap_cli, tiny_llama, tmp_path, "-v")
     assert quiet.returncode == verbose.returncode == 0, (quiet.stderr[-2000:], verbose.stderr[-2000:])
     assert not any(LINE.match(line) for line in quiet.stderr.splitlines()), quiet.stderr[-2000:]
     assert any(LINE.match(line) for line in verbose.stderr.splitlines()), verbose.stderr[-2000:]

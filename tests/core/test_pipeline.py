@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -18,7 +17,7 @@ from tests.core.datasets import conversation_rows, malformed_dataset, strict_tem
 from tests.core.trainer_reads import masked_token_counts
 
 
-def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path) -> None:
+def test_bad_rows_get_per_row_errors_and_the_rest_completes(layertap_cli, tiny_llama, tmp_path) -> None:
     rows = conversation_rows(10, seed=5)
     rows[2] = {"id": "no-assistant", "messages": [{"role": "user", "content": "anyone?"}]}
     rows[5] = {"id": "empty-text", "text": ""}
@@ -29,11 +28,8 @@ def test_bad_rows_get_per_row_errors_and_the_rest_completes(tiny_llama, tmp_path
     # Line 4 of the file (row 4) is not JSON at all; the file then has 11 rows.
     data = write_jsonl(tmp_path / "data.jsonl", rows, raw_lines={4: '{"id": "broken", "messages": [ '})
     out = tmp_path / "out"
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "2,3,4", "--out", str(out), "--max-bad-rows", "4"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", data, "--layers", "2,3,4", "--out", out,
+                       "--max-bad-rows", "4")  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
     stderr = " ".join(cli.stderr.split())
     assert "4 bad rows" in stderr and "warning: 4 bad rows of 11 (36.36%), within max_bad_rows=4 (4 rows)" in stderr
@@ -87,13 +83,15 @@ def test_broken_template_stops_the_run(tiny_llama, tmp_path) -> None:
         )
 
 
-def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_each_bad_one(tiny_llama, tmp_path) -> None:
+def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_each_bad_one(
+    layertap_cli, tiny_llama, tmp_path
+) -> None:
     model = strict_template_model(tiny_llama, tmp_path / "model")
     bad = malformed_dataset(tmp_path / "data.jsonl")
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--data", str(bad.data), "--layers", "1,2,4", "--out", str(out),
             "--max-length", str(bad.max_length), "--overlong", "skip"]  # fmt: skip
-    cli = subprocess.run([sys.executable, "-m", "layertap", *args], capture_output=True, text=True, timeout=600)
+    cli = layertap_cli(*args)
     # Far more bad rows than the default 1%: the run ends 1, saying so with the most frequent causes; every
     # good row is stored all the same.
     assert cli.returncode == 1, cli.stderr[-3000:]
@@ -119,14 +117,13 @@ def test_a_file_with_every_kind_of_bad_row_stores_every_good_row_and_reports_eac
 
 
 def test_a_run_that_stores_nothing_ends_1_naming_the_cause_and_a_max_length_above_the_context_is_refused(
-    tiny_llama, tmp_path
+    layertap_cli, tiny_llama, tmp_path
 ) -> None:
     # Token ids beyond the tokenizer's vocabulary on every row (as the 300 refused rows were).
     rows = [{"id": f"r{i}", "input_ids": [1, 99_000 + i], "loss_mask": [0, 1]} for i in range(5)]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
-    base = [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-            "--layers", "1,2,3", "--max-bad-rows", "100%"]  # fmt: skip
-    cli = subprocess.run([*base, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    base = ["extract", "--model", tiny_llama, "--data", data, "--layers", "1,2,3", "--max-bad-rows", "100%"]
+    cli = layertap_cli(*base, "--out", tmp_path / "out")
     assert cli.returncode == 1, cli.stderr[-3000:]
     stderr = " ".join(cli.stderr.split())
     assert (
@@ -135,8 +132,7 @@ def test_a_run_that_stores_nothing_ends_1_naming_the_cause_and_a_max_length_abov
     )
     assert "99000" in stderr  # the first example, as it was
     # The model's context is 4096 tokens (max_position_embeddings): 4097 is refused before any work.
-    cli = subprocess.run([*base, "--out", str(tmp_path / "long"), "--max-length", "4097"], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    cli = layertap_cli(*base, "--out", tmp_path / "long", "--max-length", "4097")
     assert cli.returncode == 2 and not (tmp_path / "long").exists(), cli.stderr[-3000:]
     assert "max_length 4097 is above the context length of " in " ".join(cli.stderr.split())
     assert "(4096, max_position_embeddings in config.json): give at most 4096" in " ".join(cli.stderr.split())
@@ -144,16 +140,13 @@ def test_a_run_that_stores_nothing_ends_1_naming_the_cause_and_a_max_length_abov
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_a_run_where_every_row_is_refused_finalizes_an_empty_store_the_trainers_read_as_0_rows(
-    tiny_llama, tmp_path, fmt
+    layertap_cli, tiny_llama, tmp_path, fmt
 ) -> None:
     rows = [{"id": f"r{i}", "input_ids": [1, 99_000 + i], "loss_mask": [0, 1]} for i in range(3)]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "out"
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "1,2,3", "--format", fmt, "--max-bad-rows", "100%", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", data, "--layers", "1,2,3", "--format", fmt,
+                       "--max-bad-rows", "100%", "--out", out)  # fmt: skip
     assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-3000:]
     assert "nothing was stored: none of the 3 rows gave a sample" in " ".join(cli.stderr.split())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -170,11 +163,8 @@ def test_a_run_where_every_row_is_refused_finalizes_an_empty_store_the_trainers_
     assert len(OutputStore.open_existing(out).errors()) == 3
 
 
-def test_demo_command_runs_end_to_end(tmp_path) -> None:
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "demo", "--out", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_demo_command_runs_end_to_end(layertap_cli, tmp_path) -> None:
+    cli = layertap_cli("demo", "--out", tmp_path / "demo")
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "clean" in cli.stdout and "rows_0-2000/data_0.ckpt" in cli.stdout
     assert verify_store(tmp_path / "demo" / "states-specforge").samples == 24

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import masked_token_counts
 
 
-def _cmd(model: Path, data: Path, out: Path) -> list[str]:
+def _cmd(cli, model: Path, data: Path, out: Path) -> list[str]:
     # --batch-tokens 1: one sample per forward, so states do not depend on batch composition and an
     # interrupted run can be compared byte for byte with an uninterrupted one.
-    return [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(data),
+    return [*cli.argv, "extract", "--model", str(model), "--data", str(data),
             "--layers", "1,3,5", "--out", str(out), "--batch-tokens", "1"]  # fmt: skip
 
 
@@ -55,11 +54,11 @@ def _kill_when(proc: subprocess.Popen, out: Path, committed: int, timeout: float
     proc.wait()
 
 
-def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_path) -> None:
+def test_sigkill_halfway_then_resume_gives_every_sample_once(layertap_cli, tiny_llama, tmp_path) -> None:
     rows = conversation_rows(150, seed=7)
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "out"
-    proc = subprocess.Popen(_cmd(tiny_llama, data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(layertap_cli, tiny_llama, data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     _kill_when(proc, out, committed=60)
 
@@ -67,7 +66,7 @@ def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_pat
     assert 0 < len(before) < len(rows), "the kill must land mid-run"
     stamps = {sid: (out / r.file).stat() for sid, r in before.items()}
 
-    _run(_cmd(tiny_llama, data, out))
+    _run(_cmd(layertap_cli, tiny_llama, data, out))
 
     report = _last_report(out)
     all_ids = {r["id"] for r in rows}
@@ -85,21 +84,21 @@ def test_sigkill_halfway_then_resume_gives_every_sample_once(tiny_llama, tmp_pat
 
     # Byte for byte the same as a run that was never interrupted.
     clean = tmp_path / "clean"
-    _run(_cmd(tiny_llama, data, clean))
+    _run(_cmd(layertap_cli, tiny_llama, data, clean))
     reference = OutputStore.open_existing(clean).records()
     assert {sid: r.sha256 for sid, r in after.items()} == {sid: r.sha256 for sid, r in reference.items()}
 
 
 @pytest.fixture
-def finished_run(tiny_llama, tmp_path):
+def finished_run(layertap_cli, tiny_llama, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(30, seed=11))
     out = tmp_path / "out"
-    cmd = _cmd(tiny_llama, data, out)
+    cmd = _cmd(layertap_cli, tiny_llama, data, out)
     _run(cmd)
     return cmd, out
 
 
-def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run) -> None:
+def test_truncated_corrupted_and_missing_files_are_found_and_redone(layertap_cli, finished_run) -> None:
     cmd, out = finished_run
     index = OutputStore.open_existing(out).records()
     truncated, flipped, deleted = (index[f"conv-{i}"] for i in (3, 14, 27))
@@ -118,7 +117,7 @@ def test_truncated_corrupted_and_missing_files_are_found_and_redone(finished_run
     assert any(truncated.file in p and "size" in p for p in found.problems)
     assert any(flipped.file in p and "sha256" in p for p in found.problems)
     assert any(deleted.file in p and "missing" in p for p in found.problems)
-    cli = subprocess.run([sys.executable, "-m", "layertap", "verify", str(out)], capture_output=True, text=True)
+    cli = layertap_cli("verify", out)
     assert cli.returncode == 1 and "3 problems" in cli.stderr
 
     _run(cmd)
@@ -136,12 +135,11 @@ def _edit_assistant_turn(data: Path, row: int) -> None:
     write_jsonl(data, rows)
 
 
-def _verify_data(out: Path, data: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "layertap", "verify", str(out), "--data", str(data)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def _verify_data(cli, out: Path, data: Path) -> subprocess.CompletedProcess:
+    return cli("verify", out, "--data", data)
 
 
-def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(finished_run) -> None:
+def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(layertap_cli, finished_run) -> None:
     cmd, out = finished_run
     data = Path(cmd[cmd.index("--data") + 1])
     before = OutputStore.open_existing(out).records()
@@ -150,7 +148,7 @@ def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(fi
 
     # The files are what their records say, so plain verify passes; against the dataset, the edited row does not.
     assert verify_store(out).ok
-    checked = _verify_data(out, data)
+    checked = _verify_data(layertap_cli, out, data)
     assert checked.returncode == 1 and "1 problems" in checked.stderr, checked.stderr[-3000:]
     assert "(conv-4): row 4 of" in checked.stderr and "other tokens or another loss mask" in checked.stderr
 
@@ -168,7 +166,7 @@ def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(fi
         s: r.sha256 for s, r in before.items() if s != "conv-4"
     }
     assert json.loads((out / "manifest.json").read_text())["dataset_sha256"] not in (None, hash_before)
-    assert verify_store(out).ok and _verify_data(out, data).returncode == 0
+    assert verify_store(out).ok and _verify_data(layertap_cli, out, data).returncode == 0
 
 
 def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path) -> None:
@@ -188,12 +186,12 @@ def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path)
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_a_row_that_no_longer_tokenizes_on_resume_becomes_its_error_and_its_old_sample_leaves_the_store(
-    tiny_llama, tmp_path, fmt
+    layertap_cli, tiny_llama, tmp_path, fmt
 ) -> None:
     rows = conversation_rows(12, seed=13, max_words=20)
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "out"
-    cmd = [*_cmd(tiny_llama, data, out), "--format", fmt, "--max-length", "300", "--overlong", "skip",
+    cmd = [*_cmd(layertap_cli, tiny_llama, data, out), "--format", fmt, "--max-length", "300", "--overlong", "skip",
            "--max-bad-rows", "1"]  # fmt: skip
     _run(cmd)
     before = OutputStore.open_existing(out).records()
@@ -203,7 +201,7 @@ def test_a_row_that_no_longer_tokenizes_on_resume_becomes_its_error_and_its_old_
     write_jsonl(data, rows[:3] + rows[4:], raw_lines={3: '{"id": "conv-3", "messages": [ '})
     stale = {"conv-3": before["conv-3"], "conv-7": before["conv-7"]}
 
-    checked = _verify_data(out, data)  # what the resume will retire, in verify's words
+    checked = _verify_data(layertap_cli, out, data)  # what the resume will retire, in verify's words
     assert checked.returncode == 1 and "2 problems" in checked.stderr, checked.stderr[-3000:]
     said = " ".join(checked.stderr.split())
     assert f"{stale['conv-3'].file} (conv-3): row 3 of" in said and f"{stale['conv-7'].file} (conv-7): row 7 of" in said
@@ -230,7 +228,7 @@ def test_a_row_that_no_longer_tokenizes_on_resume_becomes_its_error_and_its_old_
         assert sorted(load_from_disk(str(out))["sample_id"]) == sorted(after)
     check = verify_store(out)
     assert check.ok and check.samples == len(rows) - 2, check.problems
-    assert _verify_data(out, data).returncode == 0
+    assert _verify_data(layertap_cli, out, data).returncode == 0
 
     # The row restored: the next resume stores it again (the same bytes), and the retirement no longer counts.
     write_jsonl(data, conversation_rows(12, seed=13, max_words=20))
@@ -238,4 +236,4 @@ def test_a_row_that_no_longer_tokenizes_on_resume_becomes_its_error_and_its_old_
     assert sorted(_last_report(out)["computed"]) == ["conv-3", "conv-7"]
     again = OutputStore.open_existing(out).records()
     assert {s: r.sha256 for s, r in again.items()} == {s: r.sha256 for s, r in before.items()}
-    assert verify_store(out).ok and _verify_data(out, data).returncode == 0
+    assert verify_store(out).ok and _verify_data(layertap_cli, out, data).returncode == 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +14,12 @@ from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 
 
-def extract(model: Path, data: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(data), "--out", str(out),
-         *args],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+@pytest.fixture
+def extract(layertap_cli):
+    """``extract(model, data, out, *args)``: ``layertap extract`` as a user runs it."""
+    return lambda model, data, out, *args: layertap_cli(
+        "extract", "--model", model, "--data", data, "--out", out, *args
+    )
 
 
 @pytest.fixture
@@ -29,7 +27,9 @@ def data(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=9))
 
 
-def test_a_2_aux_specforge_extraction_is_refused_before_any_work_unless_overridden(tiny_llama, data, tmp_path) -> None:
+def test_a_2_aux_specforge_extraction_is_refused_before_any_work_unless_overridden(
+    extract, tiny_llama, data, tmp_path
+) -> None:
     out = tmp_path / "out"
     refused = extract(tiny_llama, data, out, "--format", "specforge", "--layers", "1,3")
     assert refused.returncode == 2, refused.stderr[-2000:]
@@ -60,7 +60,7 @@ def _printed_ids(text: str) -> list[int]:
     ("convention", "given"), [("capture", "1,3,5"), ("sglang-eagle3", "0,2,4"), ("vllm", "1,3,5,6")]
 )
 def test_speculators_layer_ids_printed_equal_the_manifest_under_each_convention(
-    tiny_llama, data, tmp_path, convention, given
+    extract, layertap_cli, tiny_llama, data, tmp_path, convention, given
 ) -> None:
     out = tmp_path / "out"
     run = extract(tiny_llama, data, out, "--format", "speculators", "--layer-convention", convention, "--layers", given)
@@ -73,13 +73,15 @@ def test_speculators_layer_ids_printed_equal_the_manifest_under_each_convention(
         f"--verifier-name-or-path {tiny_llama.resolve()}" in run.stdout and f"--data-path {out.resolve()}" in run.stdout
     )
 
-    verified = subprocess.run([sys.executable, "-m", "layertap", "verify", str(out)], capture_output=True, text=True)
+    verified = layertap_cli("verify", out)
     assert verified.returncode == 0, verified.stderr[-2000:]
     assert _printed_ids(verified.stdout) == manifest["capture_indices"]
     assert (out / "TRAIN.md").read_text() in verified.stdout
 
 
-def test_train_md_gives_specforge_a_draft_config_that_names_the_served_aux_layers(tiny_llama, data, tmp_path) -> None:
+def test_train_md_gives_specforge_a_draft_config_that_names_the_served_aux_layers(
+    extract, tiny_llama, data, tmp_path
+) -> None:
     """SpecForge 0.2.0 writes no draft config and SGLang serves the drafter's aux layers from its draft config's
     eagle_config alone (its default otherwise): TRAIN.md's draft config, which training and the export both take,
     carries the SGLang ids (capture index - 1) and caps the draft vocabulary at the target's."""

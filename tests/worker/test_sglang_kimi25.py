@@ -65,11 +65,13 @@ def test_sglang_loads_the_folders_processor_with_media_settings(tiny_kimi25, cud
     assert len(media["image_mean"]) == len(media["image_std"]) == 3 and got["fixed_output_tokens"] is None
 
 
-def test_attached_server_specforge_equal_to_hf(sglang_servers, tiny_kimi25, tmp_path, hf_reference) -> None:
+def test_attached_server_specforge_equal_to_hf(
+    layertap_cli, sglang_servers, tiny_kimi25, tmp_path, hf_reference
+) -> None:
     server = sglang_servers(tiny_kimi25, layers=LAYERS, extra_args=("--trust-remote-code",))
     assert WRAPPED_HOOK in server.log_path.read_text()
     out = tmp_path / "out"
-    cli = extract(tiny_kimi25, out, "--format", "specforge", "--engine", "sglang", "--server-url", server.url,
+    cli = extract(layertap_cli, tiny_kimi25, out, "--format", "specforge", "--engine", "sglang", "--server-url", server.url,
                   "--dump-root", str(server.dump_root), "--in-flight", "4", "--trust-remote-code")  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
     check = verify_store(out)
@@ -104,12 +106,14 @@ def test_launched_server_speculators_computes_in_the_folders_dtype(
     assert manifest.compute_dtype == "float32" and manifest.engine["server"]["dtype"] == "float32"
 
 
-def test_gpu_kernel_shape_runs_on_the_cpu_server_too(sglang_servers, tmp_path_factory, tmp_path, hf_reference) -> None:
+def test_gpu_kernel_shape_runs_on_the_cpu_server_too(
+    layertap_cli, sglang_servers, tmp_path_factory, tmp_path, hf_reference
+) -> None:
     """The `mla-gpu` shape (Kimi's own MLA head sizes, which SGLang's GPU MLA kernels need) equals HF here too."""
     model = build_tiny_model("kimi-k2.5", tmp_path_factory.mktemp("mla-gpu"), shape="mla-gpu", num_hidden_layers=5)
     server = sglang_servers(model, layers=LAYERS, extra_args=("--trust-remote-code",))
     out = tmp_path / "out"
-    cli = extract(model, out, "--engine", "sglang", "--server-url", server.url, "--dump-root", str(server.dump_root),
+    cli = extract(layertap_cli, model, out, "--engine", "sglang", "--server-url", server.url, "--dump-root", str(server.dump_root),
                   "--in-flight", "4", "--trust-remote-code")  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert check_states_equal_hf(out, model, hf_reference) == 6

@@ -13,8 +13,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -127,15 +125,12 @@ def test_a_start_that_never_becomes_healthy_is_not_retried(tiny_llama, tmp_path)
     assert (tmp_path / "fake" / "runs").read_text().strip() == "1"
 
 
-def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(tiny_llama, tmp_path):
+def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(layertap_cli, tiny_llama, tmp_path):
     fake = fake_server_python(tmp_path / "fake", fail_times=99)
     data = write_jsonl(tmp_path / "chats.jsonl", conversation_rows(3))
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "1,2,3", "--out", str(tmp_path / "out"), "--engine", "sglang", "--sglang-python", str(fake),
-         "--dump-root", str(tmp_path / "dumps")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"},
-    )  # fmt: skip
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", data, "--layers", "1,2,3", "--out", tmp_path / "out",
+                       "--engine", "sglang", "--sglang-python", fake, "--dump-root", tmp_path / "dumps", timeout=300,
+                       env={**os.environ, "COLUMNS": "400"})  # fmt: skip
     assert cli.returncode == 2, cli.stderr[-3000:]
     assert "Traceback" not in cli.stderr and 'File "' not in cli.stderr
     *retries, error, log = [line for line in cli.stderr.splitlines() if line.strip()]

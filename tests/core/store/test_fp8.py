@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -141,16 +139,13 @@ def test_fp8_captures_are_checked_before_commit(stores: dict[str, Path]) -> None
     assert all_finite(states) and not all_finite(nan)
 
 
-def test_fp8_is_refused_for_specforge_before_any_work(tiny_llama: Path, tmp_path: Path) -> None:
+def test_fp8_is_refused_for_specforge_before_any_work(layertap_cli, tiny_llama: Path, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(2, seed=1))
     with pytest.raises(ValidationError, match=r"SpecForge 0\.2\.0 reads no FP8"):
         ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="specforge", store_dtype="fp8")
     out = tmp_path / "out"
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_llama), "--data", str(data),
-         "--layers", "1,3,5", "--out", str(out), "--store-dtype", "fp8"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"},
-    )  # fmt: skip
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", data, "--layers", "1,3,5", "--out", out,
+                       "--store-dtype", "fp8", timeout=120, env={**os.environ, "COLUMNS": "1000"})  # fmt: skip
     assert cli.returncode == 2 and not out.exists(), cli.stderr
     [line] = cli.stderr.strip().splitlines()
     assert line.startswith("error: store_dtype 'fp8' is for format 'speculators'") and "SpecForge 0.2.0" in line

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import masked_token_counts, token_freq_file
 
 
-def _cmd(model: Path, data: Path, out: Path, fmt: str) -> list[str]:
-    return [sys.executable, "-m", "layertap", "extract", "--model", str(model), "--data", str(data), "--layers",
+def _cmd(cli, model: Path, data: Path, out: Path, fmt: str) -> list[str]:
+    return [*cli.argv, "extract", "--model", str(model), "--data", str(data), "--layers",
             "1,3,5", "--out", str(out), "--format", fmt, "--batch-tokens", "1"]  # fmt: skip
 
 
@@ -38,19 +37,19 @@ def _log_lines(out: Path, folder: str) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
-def test_a_fresh_run_writes_the_counts_of_its_loss_masked_tokens(tiny_llama, tmp_path, fmt) -> None:
+def test_a_fresh_run_writes_the_counts_of_its_loss_masked_tokens(layertap_cli, tiny_llama, tmp_path, fmt) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=12))
     out = tmp_path / "out"
-    _run(_cmd(tiny_llama, data, out, fmt))
+    _run(_cmd(layertap_cli, tiny_llama, data, out, fmt))
     counts = masked_token_counts(out)
     assert sum(counts.values()) > 100 and token_freq_file(out) == dict(counts)
     assert _log_lines(out, TOKEN_FREQ_DIR) == 20  # one line per committed sample, written as it was committed
 
 
-def test_a_resumed_run_counts_each_sample_once(tiny_llama, tmp_path) -> None:
+def test_a_resumed_run_counts_each_sample_once(layertap_cli, tiny_llama, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(60, seed=13))
     out = tmp_path / "out"
-    cmd = _cmd(tiny_llama, data, out, "speculators")
+    cmd = _cmd(layertap_cli, tiny_llama, data, out, "speculators")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while _log_lines(out, "index") < 20:
@@ -73,10 +72,10 @@ def test_a_resumed_run_counts_each_sample_once(tiny_llama, tmp_path) -> None:
     assert verify_store(out).ok
 
 
-def test_verify_recounts_and_can_rewrite_the_file(tiny_llama, tmp_path) -> None:
+def test_verify_recounts_and_can_rewrite_the_file(layertap_cli, tiny_llama, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(10, seed=14))
     out = tmp_path / "out"
-    _run(_cmd(tiny_llama, data, out, "specforge"))
+    _run(_cmd(layertap_cli, tiny_llama, data, out, "specforge"))
     right = token_freq_file(out)
     (out / "token_freq.pt").unlink()
     assert any("token_freq.pt is missing" in p for p in verify_store(out).problems)
@@ -90,7 +89,6 @@ def test_verify_recounts_and_can_rewrite_the_file(tiny_llama, tmp_path) -> None:
     [problem] = verify_store(out).problems
     assert f"differs from the stored samples' loss-masked tokens at 1 token ids (first: [{token}])" in problem
 
-    cli = subprocess.run([sys.executable, "-m", "layertap", "verify", "--rewrite-token-freq", str(out)],
-                         capture_output=True, text=True)  # fmt: skip
+    cli = layertap_cli("verify", "--rewrite-token-freq", out)
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert token_freq_file(out) == right == dict(masked_token_counts(out))

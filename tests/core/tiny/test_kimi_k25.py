@@ -119,23 +119,15 @@ def test_loss_mask_is_exactly_the_assistant_turns(tiny_kimi25) -> None:
         assert torch.equal(sample.loss_mask, sample.loss_mask.bool().to(torch.uint8))
 
 
-def test_tiny_model_command_builds_the_wrapper_in_a_named_shape(tmp_path) -> None:
-    import subprocess
-    import sys
-
+def test_tiny_model_command_builds_the_wrapper_in_a_named_shape(layertap_cli, tmp_path) -> None:
     out = tmp_path / "k25"
-    cli = subprocess.run(
-        [sys.executable, "-m", "layertap", "tiny-model", "--arch", "kimi-k2.5", "--shape", "mla-gpu",
-         "--dtype", "bfloat16", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    cli = layertap_cli(
+        "tiny-model", "--arch", "kimi-k2.5", "--shape", "mla-gpu", "--dtype", "bfloat16", out, timeout=300
+    )
     assert cli.returncode == 0, cli.stderr
     folder = ModelFolder.read(out)
     assert (folder.hidden_size, folder.text_config["kv_lora_rank"], folder.dtype) == (1024, 512, "bfloat16")
-    bad = subprocess.run(
-        [sys.executable, "-m", "layertap", "tiny-model", "--arch", "llama", "--shape", "mla-gpu", str(tmp_path / "x")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    bad = layertap_cli("tiny-model", "--arch", "llama", "--shape", "mla-gpu", tmp_path / "x", timeout=300)
     assert bad.returncode == 2 and "DeepseekV3" in bad.stderr
 
 
