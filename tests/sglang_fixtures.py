@@ -16,7 +16,6 @@ Fixtures:
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -27,9 +26,9 @@ import pytest
 
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
 from layertap.engines.sglang_server import SGLangServer as ServerProcess
+from tests.venvs import SGLANG_PYTHON
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SGLANG_PYTHON = Path(os.environ.get("LAYERTAP_SGLANG_PYTHON", "/opt/sglang-venv/bin/python"))
 CUDA_STUB_SOURCE = REPO_ROOT / "scripts" / "libcuda_stub.c"
 
 # Capture indices per tiny model (llama: 6 layers, kimi-k2: 5 layers, first dense): the first and last
