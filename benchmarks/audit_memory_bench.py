@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from layertap.diskspace import human_bytes  # noqa: E402
-from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
+from benchmarks.harness import REPO, chat_rows, git_commit, write_jsonl
+from layertap.diskspace import human_bytes
 
 
 def child(kind: str, path: Path, device: str) -> None:
@@ -45,7 +43,7 @@ def child(kind: str, path: Path, device: str) -> None:
 
 
 def measure(kind: str, path: Path, device: str) -> dict:
-    run = subprocess.run([sys.executable, __file__, "--child", kind, str(path), "--device", device],
+    run = subprocess.run([sys.executable, "-m", __spec__.name, "--child", kind, str(path), "--device", device],
                          capture_output=True, text=True, cwd=REPO, timeout=3600)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{kind} {path} failed:\n{run.stderr[-3000:]}")
@@ -79,7 +77,7 @@ def main() -> None:
     from layertap.tiny import build_tiny_model
 
     args.work.mkdir(parents=True, exist_ok=True)
-    data = write_jsonl(args.work / "chats.jsonl", conversation_rows(args.chats, seed=23, max_words=80))
+    data = write_jsonl(args.work / "chats.jsonl", chat_rows(args.chats, random.Random(23), max_words=80))
     baseline = measure("baseline", args.work, args.device)
     rows = []
     for depth in map(int, args.depths.split(",")):
@@ -101,8 +99,7 @@ def main() -> None:
     peak = "gpu_peak" if gpu else "maxrss"
     shallow, deep = rows[0], rows[-1]
     growth = deep["audit"][peak] - shallow["audit"][peak]
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip()  # fmt: skip
+    commit = args.commit or git_commit()
     lines = [
         f"# Peak memory of `layertap audit` at two depths ({'one GPU' if gpu else 'CPU'})", "",
         f"Written by `benchmarks/audit_memory_bench.py --device {args.device} --shape {args.shape}` at commit {commit} "
