@@ -8,7 +8,7 @@ resident memory (``ru_maxrss``) is read at its end. The same is done for a proce
 streamed reference (what it would need). The deeper audit's peak may exceed the shallower one's by at most one
 layer's weights (the largest layer dequantized to float32): the table says whether it does.
 
-    .venv/bin/python benchmarks/audit_memory_bench.py --out benchmarks/results/audit_memory.md
+    .venv/bin/python -m benchmarks.audit_memory_bench --out benchmarks/results/audit_memory.md
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ and the shards are read once more, raw, for the disk's own rate. The notes proje
 554 GB) from what was measured: its work per token is this folder's (top-8 routing at the same widths).
 
     call 1 (carry .whl2): bash benchmarks/gpu/on_device.sh install .whl2 -- \\
-        benchmarks/gpu/audit_seed_depth_bench.py --stage build,extract --commit C
+        -m benchmarks.gpu.audit_seed_depth_bench --stage build,extract --commit C
     call 2 (within 30 s, carry .whl2): ... --stage audit --out "$OUT/gpu_audit_seed_depth.md" --commit C
-    CPU first: .venv/bin/python benchmarks/gpu/audit_seed_depth_bench.py --cpu-smoke --out /tmp/seed.md
+    CPU first: .venv/bin/python -m benchmarks.gpu.audit_seed_depth_bench --cpu-smoke --out /tmp/seed.md
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ time; one server serves both volumes: its dump root is a symlink re-pointed betw
 results file is rewritten after every measurement, so a run killed at its time limit leaves a
 partial table. Run on the device (sglang 0.5.14 in /tmp/site), from the repository root:
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/gpu/capture_bench.py --out $OUT/gpu_capture_h200.md
+    PYTHONPATH=/tmp/site python3 -m benchmarks.gpu.capture_bench --out $OUT/gpu_capture_h200.md
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
 """

@@ -17,7 +17,7 @@ token-id rows of the seed corpus's lengths (mean ~2,350 tokens). It then measure
 
 Run on the device (sglang 0.5.14 in /tmp/site) through ``benchmarks/gpu/on_device.sh``:
 
-    python3 benchmarks/gpu/e2e_bench.py --out $OUT/gpu_e2e_h200.md
+    python3 -m benchmarks.gpu.e2e_bench --out $OUT/gpu_e2e_h200.md
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny kimi-k2.5 folder.
 """

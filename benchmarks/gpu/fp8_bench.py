@@ -17,7 +17,7 @@ the GPU: one writing bf16 dumps, one quantizing them to FP8 on the device before
 A shape's servers stop once its captures are done, before its audit (the reference needs the GPU's memory).
 The results file is rewritten after every measurement. On the device (see `on_device.sh`), from the repository root:
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/fp8_bench.py --out $OUT/gpu_fp8.md
+    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.fp8_bench --out $OUT/gpu_fp8.md
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
 """

@@ -3,8 +3,8 @@ node (kernel builds under the launcher's first-start allowance, into a kernel ca
 finds the cache, >= 100 chats captured and committed, `layertap verify`, `layertap audit` against the dequantized
 float32 reference with its bf16 floor, and capture against plain prefill of the same server on the same ids.
 
-    python3 benchmarks/gpu/int4_bench.py --out benchmarks/results/gpu_int4.md            # on the H200
-    python3 benchmarks/gpu/int4_bench.py --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
+    python3 -m benchmarks.gpu.int4_bench --out benchmarks/results/gpu_int4.md            # on the H200
+    python3 -m benchmarks.gpu.int4_bench --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
 
 On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel); the INT4 folder is
 still built and audited through the HF engine's store, so every step of the script runs.

@@ -13,7 +13,7 @@ worker stopped, ``layertap audit OUT --samples 40`` (seed 0, ``--device auto``) 
 
 On the device (sglang 0.5.14 in /tmp/site, after ``on_device.sh install .whl1``; the tarball copied into .whl2/):
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/job_audit_bench.py \\
+    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.job_audit_bench \\
         --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT/gpu_job_audit.md"
 
 ``--cpu-smoke`` runs the same path on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.

@@ -13,7 +13,7 @@ Each invocation adds its rows to ``--results`` (JSON, committed beside the table
 the projection of the seed's job (87.8M tokens) from every row so far. Run on the device through
 ``benchmarks/gpu/on_device.sh``:
 
-    python3 benchmarks/gpu/seed_scale_bench.py --settings triton-4096,flashinfer-8192 --out $OUT
+    python3 -m benchmarks.gpu.seed_scale_bench --settings triton-4096,flashinfer-8192 --out $OUT
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with a 4-layer tiny folder.
 """

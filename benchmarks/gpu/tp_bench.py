@@ -3,7 +3,7 @@ fusion on/off, throughput. Writes ``benchmarks/results/gpu_tp2.md``-style markdo
 
 Run on ``nvidia-h200-x2`` (sglang 0.5.14 in /tmp/site from the two wheel chunks), one command::
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/gpu/tp_bench.py --out $OUT --work /tmp/tpbench
+    PYTHONPATH=/tmp/site python3 -m benchmarks.gpu.tp_bench --out $OUT --work /tmp/tpbench
 
 Stages (``--stages``, default all); each one's results land in ``<work>/results/<stage>.json`` and a
 later call skips stages already done:
