@@ -29,8 +29,6 @@ import httpx
 from layertap.demo import demo_rows
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, cpu_server_env, free_port
 
-__all__ = ["free_port"]  # the product's own: one definition of a port SGLang can use
-
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.monotonic()
 
@@ -75,7 +73,7 @@ def git_commit() -> str:
 def command_line() -> str:
     """How this benchmark was invoked, as a results table records it."""
     module = sys.modules["__main__"].__spec__
-    return shlex.join(["python3", "-m", module.name if module else sys.argv[0], *sys.argv[1:]])
+    return shlex.join(["python3", *(["-m", module.name] if module else sys.argv[:1]), *sys.argv[1:]])
 
 
 def folder_bytes(path: Path) -> int:
