@@ -15,6 +15,7 @@ from layertap.cli_jobs import register_job_commands
 from layertap.device import DEVICE_HELP
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.errors import LayertapError
+from layertap.logs import configure_logging, level_for
 from layertap.spec import (
     ANY_AUX_HELP,
     DEFAULT_MAX_BAD_ROWS,
@@ -35,8 +36,12 @@ def _fail(message: str) -> None:
 
 
 @click.group()
-def main() -> None:
+@click.option("-v", "--verbose", count=True, help="Log more: -v info (what a run decides), -vv debug.")
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
     """Extract intermediate hidden states for speculative-decoding drafter training."""
+    ctx.obj = verbose
+    configure_logging(level_for(verbose))
 
 
 def _quiet_libraries() -> None:

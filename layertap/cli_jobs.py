@@ -8,6 +8,7 @@ to Redis directly: it is what you run when Redis lost the job, whether or not a 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from layertap.logs import configure_logging, level_for
 from layertap.spec import (
     ANY_AUX_HELP,
     DEFAULT_MAX_BAD_ROWS,
@@ -126,12 +128,14 @@ def _settled(job: dict[str, Any]) -> bool:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-def coordinator(host: str, port: int) -> None:
+@click.pass_obj
+def coordinator(verbose: int, host: str, port: int) -> None:
     """Run the coordinator API (settings from LAYERTAP_* variables; same as `uvicorn coordinator.app:app`). It needs
     LAYERTAP_API_TOKEN, or LAYERTAP_API_OPEN=true to serve anyone who can reach it."""
     import uvicorn
 
-    uvicorn.run("coordinator.app:app", host=host, port=port)
+    configure_logging(level_for(verbose, default=logging.INFO))
+    uvicorn.run("coordinator.app:app", host=host, port=port, log_config=None)  # uvicorn's lines in our format too
 
 
 @click.command()

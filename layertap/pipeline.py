@@ -489,6 +489,8 @@ def run_shard(
         del done[rec.sample_id]
     report.changed = [rec.sample_id for rec, _ in stale]
     report.already_done = len(done)
+    log.info("rows %d-%d: %d samples already done and checked (%s), %d retired", start, end, len(done), check_level,
+             len(stale))  # fmt: skip
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
     samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates,
                                 server_limit=server_limit)  # fmt: skip
@@ -511,6 +513,7 @@ def run_extraction(
     folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)  # before any work
     capture = spec.resolve(folder.num_layers)
     scan = scan_dataset(spec.data)
+    log.info("dataset %s: %d rows, sha256 %s", spec.data, scan.num_rows, scan.sha256)
     engine = engine_factory(capture)
     try:
         within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store

@@ -8,7 +8,14 @@ Facts read from the trainers' own source (the versions the interop tests pin):
   at the first step after its reader accepted every file. Its ``model.aux_hidden_state_layer_ids`` are
   SGLang draft-config ids (SpecForge hands them to SGLang's ``set_eagle3_layers_to_capture``, which adds
   1): capture index - 1. Offline, it reads ``data.hidden_states_path`` recursively for ``*.ckpt`` and
-  truncates every sample to ``data.max_length`` (default 2048).
+  truncates every sample to ``data.max_length`` (default 2048). It saves no draft config: ``training_state.pt``
+  holds the weights, and ``specforge export --to sglang --draft-config FILE`` writes FILE's config beside them
+  as it is (``export/to_sglang.py``). SpecForge only ever reads ``eagle_config.eagle_aux_hidden_state_layer_ids``
+  (``algorithms/model_providers.py`` ``resolve_eagle_capture_layers``), and SGLang (0.5.10 and 0.5.14,
+  ``model_runner.py``) takes the aux layers to serve with from that key of the draft config alone; without it
+  SGLang captures its default ``[2, L // 2, L - 3]`` (``models/llama.py`` ``set_eagle3_layers_to_capture``) and
+  a drafter trained on other layers is served the wrong states, silently. So the draft config layertap writes
+  for SpecForge carries the ids, and training and the export both take it.
 - speculators 0.9.0: ``--target-layer-ids`` are vLLM's ``eagle_aux_hidden_state_layer_ids`` (vLLM
   keeps ``hidden_states + residual`` on entry to layer ``i``: the input of decoder layer ``i`` = HF
   ``output_hidden_states[i]`` = our capture index), written into the draft config for serving and
@@ -63,6 +70,29 @@ def check_trainer_takes(fmt: str, layers: Sequence[int]) -> None:
             "--format speculators (any number), or pass --allow-any-aux-layers if your trainer is modified to take "
             f"{len(layers)}."
         )
+
+
+# The fields SpecForge 0.2.0 copies from the target's (language model's) config when it generates an EAGLE-3
+# draft config itself (``training/model_loading.py`` ``_TARGET_ARCHITECTURE_FIELDS``).
+_DRAFT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
+                 "attention_dropout", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id", "eos_token_id",
+                 "pad_token_id")  # fmt: skip
+
+
+def specforge_draft_config(target_config: dict, capture: Sequence[int]) -> dict:
+    """The EAGLE-3 draft config SpecForge 0.2.0 would generate for the target (one Llama layer, a draft
+    vocabulary of at most ``DRAFT_VOCAB``), plus the SGLang aux-layer ids of ``capture`` under
+    ``eagle_config``: the one key SGLang serves the drafter's layers from, which SpecForge never writes."""
+    text = target_config.get("text_config") or target_config
+    draft = {k: text[k] for k in _DRAFT_FIELDS if text.get(k) is not None}
+    vocab = int(text["vocab_size"])
+    return draft | {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "tie_word_embeddings": False, "use_cache": True, "pad_token_id": draft.get("pad_token_id", 0),
+        "vocab_size": vocab, "draft_vocab_size": min(DRAFT_VOCAB, vocab),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": specforge_layer_ids(capture)},
+    }  # fmt: skip
 
 
 def specforge_layer_ids(capture: Sequence[int]) -> list[int]:

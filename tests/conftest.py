@@ -1,11 +1,13 @@
 """Shared pytest fixtures. Keep each group together under its heading."""
 
+import os
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from layertap.tiny import build_tiny_model
+from tests.sglang_fixtures import SGLANG_PYTHON
 
 pytest_plugins = ["tests.sglang_fixtures", "tests.service_fixtures"]
 
@@ -38,6 +40,32 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("layertap")
+
+# --- The other venvs (the SGLang server's, the trainers'): tests that run them ask for these, which marks them. ---
+
+TRAINERS_PYTHON = Path(os.environ.get("LAYERTAP_TRAINERS_PYTHON", "/opt/trainers-venv/bin/python"))
+
+
+def _venv_python(python: Path, setup: str) -> Path:
+    if not python.exists():
+        message = f"no venv at {python.parent.parent}: run {setup}"
+        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The python of the SGLang server's own venv."""
+    return _venv_python(SGLANG_PYTHON, "scripts/setup_sglang_cpu.sh")
+
+
+@pytest.fixture(scope="session")
+def trainers_python() -> Path:
+    """The python of the trainers' venv (SpecForge 0.2.0, speculators 0.9.0)."""
+    return _venv_python(TRAINERS_PYTHON, "scripts/setup_trainers.sh")
+
 
 # --- Tiny models (layertap.tiny): built once per session, treat the folders as read-only. ---
 

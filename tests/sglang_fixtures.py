@@ -136,17 +136,6 @@ def cuda_stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sglang_python() -> Path:
-    """The python of the SGLang server's own venv; every test that runs it asks for this (which marks it `sglang`)."""
-    if not SGLANG_PYTHON.exists():
-        message = f"no SGLang venv at {SGLANG_PYTHON}: run scripts/setup_sglang_cpu.sh"
-        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
-            pytest.fail(message)
-        pytest.skip(message)
-    return SGLANG_PYTHON
-
-
-@pytest.fixture(scope="session")
 def sglang_servers(
     tmp_path_factory: pytest.TempPathFactory, cuda_stub_dir: Path, sglang_python: Path
 ) -> Iterator[Callable[..., SGLangServer]]:

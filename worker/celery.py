@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from layertap.logs import LOG_FORMAT
 from layertap.state.keys import SHARD_QUEUE
 from worker.config import WorkerSettings
 
@@ -21,6 +22,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_concurrency=1,
     task_default_queue=SHARD_QUEUE,
+    worker_log_format=LOG_FORMAT,  # the CLI's and the coordinator's format; the level is celery's --loglevel
+    worker_task_log_format=LOG_FORMAT,
     task_serializer="json",
     accept_content=["json"],
     task_ignore_result=True,

@@ -3,6 +3,7 @@ index with the trainers' facts (``layertap.trainers``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from layertap.trainers import (
     SPECULATORS_SEQ_LEN,
     TEXT_VIEW_SUFFIX,
     TOKEN_FREQ_FILE,
+    specforge_draft_config,
     specforge_layer_ids,
     speculators_layer_ids,
     target_vocab_size,
@@ -103,18 +105,40 @@ def _specforge_section(
     root: Path, manifest: Manifest, capture: list[int], longest: int, target: ModelFolder | None
 ) -> list[str]:
     keys, why = _specforge_wrapper_keys(target)
-    vocab = target_vocab_size(Path(manifest.model_path))
+    ids = specforge_layer_ids(capture)
     out = [
         "## SpecForge 0.2.0 (offline EAGLE-3)",
         "",
-        "`model.aux_hidden_state_layer_ids` are SGLang draft-config ids (capture index - 1); SpecForge writes them "
-        "into the draft config that SGLang later serves with. `data.max_length` covers the longest sample "
-        "(SpecForge cuts every sample to it, 2048 by default).",
+        "`model.aux_hidden_state_layer_ids` are SGLang draft-config ids (capture index - 1). SGLang serves the "
+        "drafter with the aux layers its draft config names under `eagle_config.eagle_aux_hidden_state_layer_ids` "
+        "(without them it takes its default `[2, L // 2, L - 3]`), and SpecForge never writes that key: the draft "
+        "config below carries it, and both training and the export take that file. `data.max_length` covers the "
+        "longest sample (SpecForge cuts every sample to it, 2048 by default).",
+        "",
+    ]
+    if target is None:
+        out += [
+            f"The target folder `{manifest.model_path}` is not here to write the draft config from: write one as "
+            f'SpecForge generates it, with `"eagle_config": {{"eagle_aux_hidden_state_layer_ids": {ids}}}` '
+            "added, and save it as `draft.json`.",
+        ]
+    else:
+        out += [
+            f"Save this draft config (SpecForge's own for this target, a draft vocabulary of at most {DRAFT_VOCAB:,} "
+            "tokens: the most frequent loss-masked tokens of the `.ckpt` files, the counts of "
+            f"`{TOKEN_FREQ_FILE}`) as `draft.json`:",
+            "",
+            "```json",
+            json.dumps(specforge_draft_config(target.config, capture), indent=1),
+            "```",
+        ]
+    out += [
         "",
         "```yaml",
         "model:",
         f"  target_model_path: {manifest.model_path}",
-        f"  aux_hidden_state_layer_ids: {specforge_layer_ids(capture)}",
+        f"  aux_hidden_state_layer_ids: {ids}",
+        "  draft_model_config: draft.json",
         *keys,
         "data:",
         f"  hidden_states_path: {root}",
@@ -123,20 +147,16 @@ def _specforge_section(
         "  strategy: eagle3",
         "```",
         "",
-        "Save it as `run.yaml` and run `specforge train --config run.yaml`. SpecForge's target head reads the "
-        "LM head through the model folder's `*.index.json`; a folder holding a single `model.safetensors` needs one.",
-        *(f"\n{line}" for line in why),
+        "Save it as `run.yaml` beside `draft.json` and run `specforge train --config run.yaml` there. SpecForge's "
+        "target head reads the LM head through the model folder's `*.index.json`; a folder holding a single "
+        "`model.safetensors` needs one. Then write the drafter SGLang serves (`--speculative-algorithm EAGLE3 "
+        "--speculative-draft-model-path drafter`) from the run's `output_dir`:",
         "",
-        f"SpecForge generates the draft config from the target's language model, with a {DRAFT_VOCAB}-token draft "
-        "vocabulary: the most frequent loss-masked tokens of the `.ckpt` files, the counts of "
-        f"`{TOKEN_FREQ_FILE}`.",
+        "```bash",
+        "specforge export --to sglang --checkpoint OUTPUT_DIR --draft-config draft.json --output-dir drafter",
+        "```",
+        *(f"\n{line}" for line in why),
     ]
-    if vocab is not None and vocab < DRAFT_VOCAB:
-        out += [
-            "",
-            f"**Warning**: the target's vocabulary ({vocab:,}) is smaller than that draft vocabulary: give "
-            f"`model.draft_model_config` a draft config whose `draft_vocab_size` is at most {vocab:,}.",
-        ]
     if len(capture) != SPECFORGE_AUX_LAYERS:
         out += [
             "",

@@ -6,6 +6,7 @@ builds give byte-identical `tokenizer.json` files (and so identical tokenizer ha
 """
 
 import json
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -69,20 +70,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_bpe() -> Tokenizer:
-    """The byte-level BPE trained on the corpus (also the source of the tiny Kimi folder's tiktoken ranks)."""
+def train_bpe(lines: Iterable[str] | None = None, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """The byte-level BPE trained on `lines` (default: the tiny corpus, also the source of the tiny Kimi folder's
+    tiktoken ranks), with the special tokens first."""
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: a leading space would be text the user never wrote and would shift offsets.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([line for text in CORPUS for line in text.splitlines(keepends=True)], trainer)
+    if lines is None:
+        lines = (line for text in CORPUS for line in text.splitlines(keepends=True))
+    tokenizer.train_from_iterator(lines, trainer)
     return tokenizer
 
 
@@ -96,7 +100,12 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """
     bpe = train_bpe()
     if vocab_size is not None:
-        bpe = _reserve_ids(bpe, vocab_size)
+        bpe = reserve_ids(bpe, vocab_size)
+    return chat_tokenizer(bpe)
+
+
+def chat_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
+    """`bpe` (trained by `train_bpe`) as a HF fast tokenizer with the special tokens' roles and the chat template."""
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=BOS,
@@ -109,7 +118,7 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     )
 
 
-def _reserve_ids(bpe: Tokenizer, vocab_size: int) -> Tokenizer:
+def reserve_ids(bpe: Tokenizer, vocab_size: int) -> Tokenizer:
     """`bpe` with ids [its size, vocab_size) added to its model's vocabulary as unmerged reserved tokens."""
     state = json.loads(bpe.to_str())
     vocab = state["model"]["vocab"]

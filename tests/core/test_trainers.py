@@ -77,3 +77,22 @@ def test_speculators_layer_ids_printed_equal_the_manifest_under_each_convention(
     assert verified.returncode == 0, verified.stderr[-2000:]
     assert _printed_ids(verified.stdout) == manifest["capture_indices"]
     assert (out / "TRAIN.md").read_text() in verified.stdout
+
+
+def test_train_md_gives_specforge_a_draft_config_that_names_the_served_aux_layers(tiny_llama, data, tmp_path) -> None:
+    """SpecForge 0.2.0 writes no draft config and SGLang serves the drafter's aux layers from its draft config's
+    eagle_config alone (its default otherwise): TRAIN.md's draft config, which training and the export both take,
+    carries the SGLang ids (capture index - 1) and caps the draft vocabulary at the target's."""
+    out = tmp_path / "out"
+    done = extract(tiny_llama, data, out, "--format", "specforge", "--layers", "1,3,4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    guide = (out / "TRAIN.md").read_text()
+    [draft] = re.findall(r"```json\n(.*?)```", guide, flags=re.S)
+    draft = json.loads(draft)
+    target = json.loads((tiny_llama / "config.json").read_text())
+    assert draft["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["num_hidden_layers"] == 1
+    assert draft["vocab_size"] == target["vocab_size"] == draft["draft_vocab_size"]  # 1536 < 32000
+    assert draft["hidden_size"] == target["hidden_size"]
+    assert "  draft_model_config: draft.json" in guide
+    assert "specforge export --to sglang --checkpoint OUTPUT_DIR --draft-config draft.json" in guide

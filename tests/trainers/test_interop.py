@@ -36,22 +36,11 @@ from layertap.tiny import build_tiny_model
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import token_freq_file
 
-TRAINERS_PYTHON = Path(os.environ.get("LAYERTAP_TRAINERS_PYTHON", "/opt/trainers-venv/bin/python"))
 HERE = Path(__file__).parent
 EPOCHS = 3
 DRAFT_VOCAB = 64  # smaller than the tiny target's 1536: the draft vocabulary comes from token_freq.pt
 
 pytestmark = pytest.mark.trainers
-
-
-@pytest.fixture(scope="module")
-def trainers_python() -> Path:
-    if not TRAINERS_PYTHON.exists():
-        message = f"no trainers venv at {TRAINERS_PYTHON}: run scripts/setup_trainers.sh"
-        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
-            pytest.fail(message)
-        pytest.skip(message)
-    return TRAINERS_PYTHON
 
 
 @pytest.fixture(scope="module", params=[None, "int4"], ids=["bf16", "int4"])
@@ -96,11 +85,14 @@ def _falls(losses: list[float], per_epoch: int) -> None:
     assert sum(last) / len(last) < sum(first) / len(first), losses
 
 
-def _specforge_run(out: Path, tmp_path: Path, draft_vocab: int | None = DRAFT_VOCAB) -> tuple[dict, Path]:
-    """TRAIN.md's SpecForge config with the test-only settings added, saved; returns (config, its path).
-    `draft_vocab`: a draft config with that draft vocabulary (None: the one SpecForge generates)."""
-    config = yaml.safe_load(_block((out / "TRAIN.md").read_text(), "yaml"))
+def _specforge_run(out: Path, tmp_path: Path) -> tuple[dict, Path]:
+    """TRAIN.md's SpecForge config with the test-only settings added, saved beside TRAIN.md's draft config (as
+    draft.json); returns (config, its path)."""
+    guide = (out / "TRAIN.md").read_text()
+    config = yaml.safe_load(_block(guide, "yaml"))
     assert config["data"]["hidden_states_path"] == str(out.resolve())
+    assert config["model"]["draft_model_config"] == "draft.json"
+    (tmp_path / "draft.json").write_text(_block(guide, "json"))
     # SpecForge's target head finds the LM head through `*.index.json` (TRAIN.md says so); a tiny model of one
     # model.safetensors gets an index in a copy (a sharded one, as the INT4 folder, has its own).
     target = tmp_path / "target"
@@ -110,16 +102,6 @@ def _specforge_run(out: Path, tmp_path: Path, draft_vocab: int | None = DRAFT_VO
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
         (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config["model"]["target_model_path"] = str(target)
-    if draft_vocab is not None:
-        # Its generated draft config has a 32000-token draft vocabulary, more than the tiny target's 1536.
-        target_config = json.loads((target / "config.json").read_text())
-        draft = {k: target_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
-                 "head_dim", "bos_token_id", "eos_token_id", "pad_token_id")}  # fmt: skip
-        draft |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-                  "tie_word_embeddings": False, "draft_vocab_size": draft_vocab}  # fmt: skip
-        (tmp_path / "draft.json").write_text(json.dumps(draft))
-        config["model"]["draft_model_config"] = str(tmp_path / "draft.json")
     config["training"] |= {"num_epochs": EPOCHS, "log_interval": 1, "learning_rate": 3e-3,
                            "fsdp_sharding": "NO_SHARD",  # DDP: FSDP refuses to run without an accelerator
                            "attention_backend": "sdpa"}  # fmt: skip
@@ -193,7 +175,7 @@ def test_specforge_trains_on_a_kimi25_store_as_train_md_says(trainers_python, ki
     from `text_config` (32000-token draft vocabulary) and maps it from the same loss-masked tokens as token_freq.pt."""
     samples = 6
     out = _extract(kimi25, tmp_path, "specforge", samples, layers=(1, 2, 4))
-    config, path = _specforge_run(out, tmp_path, draft_vocab=None)
+    config, path = _specforge_run(out, tmp_path)
     assert config["model"]["embedding_key"] == "language_model.model.embed_tokens.weight"
     assert config["model"]["lm_head_key"] == "language_model.lm_head.weight" and config["model"]["trust_remote_code"]
 

@@ -1,0 +1,96 @@
+"""The acceptance benchmark's CPU stages keep working: `acceptance_bench.py --cpu-smoke` makes its corpus,
+tokenizer and target, extracts with `layertap extract --engine sglang`, builds the control stores, trains and
+exports the correct drafter with SpecForge as TRAIN.md says, and serves the target without a drafter (the CPU
+SGLang cannot run speculative decoding: the H200 run serves the drafters)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks" / "gpu" / "acceptance_bench.py"
+CAPTURE = [1, 2, 3]  # the smoke sizes' capture indices
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory, sglang_python: Path, trainers_python: Path) -> Path:
+    """One smoke run of every stage (only the correct arm trained: the controls' stores are built and checked, and
+    training them is the same code on another folder)."""
+    work = tmp_path_factory.mktemp("acceptance")
+    run = subprocess.run([sys.executable, str(BENCH), "--cpu-smoke", "--work", str(work), "--arms",
+                          "correct,b-ids-off-by-one,e-no-eagle-config", "all"], capture_output=True, text=True, timeout=1500)  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return work
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_held_out_prompts_never_reach_the_training_data(work: Path) -> None:
+    train_files = {f["path"] for f in _rows(work / "corpus" / "train.jsonl")}
+    held = {f["path"]: f["text"] for f in _rows(work / "corpus" / "held_out.jsonl")}
+    prompts = _rows(work / "data" / "prompts.jsonl")
+    given = (work / "data" / "given.jsonl").read_text()
+    assert prompts and all(p["messages"][-1]["role"] == "user" for p in prompts)
+    for prompt in prompts:
+        path = prompt["id"].rsplit("#", 1)[0]
+        assert path in held and path not in train_files
+        assert held[path].startswith(prompt["messages"][0]["content"])  # the head of the held-out file
+        assert json.dumps(prompt["messages"][0]["content"])[1:-1] not in given
+
+
+def test_the_store_and_the_controls_differ_by_one_mistake_each(work: Path) -> None:
+    stores = work / "stores"
+    assert verify_store(stores / "correct").ok
+    correct = OutputStore.open_existing(stores / "correct")
+    records = list(correct.records().values())
+    assert len(records) == json.loads((work / "data.json").read_text())["conversations"]
+    for rec in records:
+        own = correct.format.load(stores / "correct" / rec.file)
+        permuted = torch.load(stores / "permuted" / rec.file, weights_only=True)
+        prenorm = torch.load(stores / "prenorm" / rec.file, weights_only=True)
+        n = permuted["input_ids"].shape[0]
+        assert torch.equal(permuted["input_ids"], own["input_ids"][:n])  # its own tokens...
+        assert not torch.equal(permuted["aux_hidden_state"], own["aux_hidden_state"][:, :n])  # ...another's states
+        assert torch.equal(prenorm["aux_hidden_state"], own["aux_hidden_state"])
+        assert not torch.equal(prenorm["hidden_state"], own["hidden_state"])
+        # post-norm = pre-norm / rms * weight: the same direction per token, another scale
+        cos = torch.nn.functional.cosine_similarity(prenorm["hidden_state"].float(), own["hidden_state"].float(), -1)
+        assert float(cos.min()) > 0.0
+
+
+def test_the_drafter_was_trained_and_exported_as_train_md_says(work: Path) -> None:
+    guide = (work / "stores" / "correct" / "TRAIN.md").read_text()
+    assert "draft_model_config: draft.json" in guide
+    arm = work / "arms" / "correct"
+    assert json.loads((arm / "draft.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        i - 1 for i in CAPTURE
+    ]
+    served = json.loads((arm / "drafter" / "config.json").read_text())
+    assert served["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in CAPTURE]
+    assert (arm / "drafter" / "model.safetensors").stat().st_size > 0
+    off = json.loads((work / "arms" / "b-ids-off-by-one" / "drafter" / "config.json").read_text())
+    assert off["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == CAPTURE
+    assert "eagle_config" not in json.loads(
+        (work / "arms" / "e-no-eagle-config" / "drafter" / "config.json").read_text()
+    )
+    trained = json.loads((work / "train.json").read_text())["correct"]
+    assert trained["steps"] > 0 and trained["loss_last"] < trained["loss_first"]
+
+
+def test_the_report_lands_in_the_work_folder(work: Path) -> None:
+    report = (work / "acceptance.md").read_text()
+    served = json.loads((work / "serve" / "no-drafter.json").read_text())
+    assert served["completion_tokens"] > 0 and served["tok_s"] > 0
+    assert f"Without a drafter: {served['tok_s']:,.1f} decode tok/s" in report
+    assert "| correct | TRAIN.md as written | not served on the CPU" in report
