@@ -8,24 +8,22 @@ resident memory (``ru_maxrss``) is read at its end. The same is done for a proce
 streamed reference (what it would need). The deeper audit's peak may exceed the shallower one's by at most one
 layer's weights (the largest layer dequantized to float32): the table says whether it does.
 
-    .venv/bin/python benchmarks/audit_memory_bench.py --out benchmarks/results/audit_memory.md
+    .venv/bin/python -m benchmarks.audit_memory_bench --out benchmarks/results/audit_memory.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from layertap.diskspace import human_bytes  # noqa: E402
-from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
+from benchmarks.harness import REPO, chat_rows, git_commit, write_jsonl
+from layertap.diskspace import human_bytes
 
 
 def child(kind: str, path: Path, device: str) -> None:
@@ -46,7 +44,7 @@ def child(kind: str, path: Path, device: str) -> None:
 
 
 def measure(kind: str, path: Path, device: str) -> dict:
-    run = subprocess.run([sys.executable, __file__, "--child", kind, str(path), "--device", device],
+    run = subprocess.run([sys.executable, "-m", __spec__.name, "--child", kind, str(path), "--device", device],
                          capture_output=True, text=True, cwd=REPO, timeout=3600)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{kind} {path} failed:\n{run.stderr[-3000:]}")
@@ -80,7 +78,7 @@ def main() -> None:
     from layertap.tiny import build_tiny_model
 
     args.work.mkdir(parents=True, exist_ok=True)
-    data = write_jsonl(args.work / "chats.jsonl", conversation_rows(args.chats, seed=23, max_words=80))
+    data = write_jsonl(args.work / "chats.jsonl", chat_rows(args.chats, random.Random(23), max_words=80))
     baseline = measure("baseline", args.work, args.device)
     rows = []
     for depth in map(int, args.depths.split(",")):
@@ -102,8 +100,7 @@ def main() -> None:
     peak = "gpu_peak" if gpu else "maxrss"
     shallow, deep = rows[0], rows[-1]
     growth = deep["audit"][peak] - shallow["audit"][peak]
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip()  # fmt: skip
+    commit = args.commit or git_commit()
     lines = [
         f"# Peak memory of `layertap audit` at two depths ({'one GPU' if gpu else 'CPU'})", "",
         f"Written by `benchmarks/audit_memory_bench.py --device {args.device} --shape {args.shape}` at commit {commit} "

@@ -3,7 +3,7 @@ planner's id scan (`scan_dataset` without it), on a JSONL of the seed's shape: 3
 characters (~2,400 tokens each, ~88M tokens in all). Also what a resume's re-tokenization of done rows
 (`pipeline.stale_samples` tokenizes each with `tokenize_row`) costs per row, on the tiny Llama's tokenizer. Prints a markdown table.
 
-    .venv/bin/python benchmarks/dataset_hash_bench.py --out /tmp/hash-bench [--rows 37000 --tokenize-rows 500]
+    .venv/bin/python -m benchmarks.dataset_hash_bench --out /tmp/hash-bench [--rows 37000 --tokenize-rows 500]
 """
 
 from __future__ import annotations

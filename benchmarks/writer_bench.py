@@ -17,7 +17,7 @@ Five tables, every figure measured in this run on this machine:
    stacked by the writer on the host (how it wrote before: one more full copy of each sample) against
    staged already stacked by the hook on the device (how it writes now).
 
-    .venv/bin/python benchmarks/writer_bench.py [--tokens 2000 --hidden 4096 --samples 16]
+    .venv/bin/python -m benchmarks.writer_bench [--tokens 2000 --hidden 4096 --samples 16]
 """
 
 from __future__ import annotations

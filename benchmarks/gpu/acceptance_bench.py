@@ -35,11 +35,11 @@ safetensors, huggingface-hub, xxhash are in the device image; pydantic, loguru, 
 10 minutes; estimates, not measurements):
 
     1. carry .whl1:  bash benchmarks/gpu/on_device.sh install .whl1                                  (~1-2 min cold)
-    2. carry .whl2:  bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/acceptance_bench.py \
+    2. carry .whl2:  bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.acceptance_bench \
                          --work /dev/shm/acc corpus tokenizer target data                             (~5 min)
-    3. carry .whl2:  ... -- benchmarks/gpu/acceptance_bench.py --work /dev/shm/acc extract controls  (~7 min)
-    4. carry .whl2:  ... -- benchmarks/gpu/acceptance_bench.py --work /dev/shm/acc train             (~6 min)
-    5. carry .whl2:  ... -- benchmarks/gpu/acceptance_bench.py --work /dev/shm/acc serve report \
+    3. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc extract controls  (~7 min)
+    4. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc train             (~6 min)
+    5. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc serve report \
                          --out $OUT/gpu_acceptance.md                                                 (~6 min)
 
 then commit the returned table as benchmarks/results/gpu_acceptance.md. Besides those wheels, `.whl2/` needs what the
@@ -76,11 +76,7 @@ import httpx
 import torch
 import yaml
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path[:0] = [str(REPO), str(HERE)]
-
-from acceptance_target import (  # noqa: E402  (beside this script)
+from benchmarks.gpu.acceptance_target import (
     GPU,
     PROBE,
     SMOKE,
@@ -92,11 +88,10 @@ from acceptance_target import (  # noqa: E402  (beside this script)
     train_conversations,
     train_target,
 )
-from capture_bench import CPU_STUB, GPU_COMMON, log  # noqa: E402
-
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env  # noqa: E402
-from layertap.store.store import OutputStore  # noqa: E402
-from layertap.trainers import GUIDE  # noqa: E402
+from benchmarks.harness import GPU_COMMON, REPO, git_commit, log, sglang_python, smoke_env
+from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer
+from layertap.store.store import OutputStore
+from layertap.trainers import GUIDE
 
 STAGES = ("corpus", "tokenizer", "target", "data", "extract", "controls", "train", "serve", "report")
 SPEC_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -106,7 +101,6 @@ GPU_EXTRACT_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--mem-fractio
 GPU_SERVE_ARGS = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                   "--attention-backend", "triton", "--dtype", "bfloat16")  # fmt: skip
 CPU_ARGS = (*CPU_SERVER_ARGS, "--chunked-prefill-size", "128")
-SGLANG_CPU_PYTHON = Path("/opt/sglang-venv/bin/python")
 TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 # SpecForge's EAGLE-3 loss is a Triton kernel: on a CPU it runs through the interop tests' shim (its docstring says
 # what it bypasses); on the GPU SpecForge runs as shipped.
@@ -178,7 +172,7 @@ class Run:
         log(f"{stage}: done")
 
     def server_env(self) -> dict[str, str]:
-        return {**os.environ, **cpu_server_env(CPU_STUB)} if self.smoke else dict(os.environ)
+        return {**os.environ, **smoke_env()} if self.smoke else dict(os.environ)
 
 
 def stage_corpus(run: Run) -> None:
@@ -381,7 +375,7 @@ def launch_server(run: Run, name: str, memory_share: float) -> SGLangServer:
         args = (*args, *SPEC_FLAGS, "--speculative-draft-model-path", str(run.path("arms", name, "drafter")))
     config = PlainServer(python=run.sglang_python, model=run.path("target"), dump_root=run.path("serve"), layers=(),
                          final="post", log_path=run.path("serve", f"{name.replace(' ', '-')}.log"), sglang_args=args,
-                         env=dict(cpu_server_env(CPU_STUB)) if run.smoke else {})  # fmt: skip
+                         env=smoke_env() if run.smoke else {})  # fmt: skip
     server = SGLangServer(config)
     server.launch()
     return server
@@ -462,7 +456,6 @@ def stage_serve(run: Run) -> None:
 def stage_report(run: Run) -> None:
     """The results table: the target's facts, then per arm acceptance length and decode tok/s."""
     corpus, target, data, extract, trained = (run.facts(s) for s in ("corpus", "target", "data", "extract", "train"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     served = {p.stem: json.loads(p.read_text()) for p in sorted(run.path("serve").glob("*.json"))}
     base = served.get(NO_DRAFTER.replace(" ", "-"))
     without = f"{base['tok_s']:,.1f}" if base else "not run"
@@ -478,7 +471,7 @@ def stage_report(run: Run) -> None:
     )
     lines = [f"# Acceptance of a drafter trained on a layertap store ({title})", "",
              f"Written by `benchmarks/gpu/acceptance_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"commit {commit.stdout.strip()}, seed {run.seed}).", "", "## Target", "",
+             f"commit {git_commit()}, seed {run.seed}).", "", "## Target", "",
              f"- Llama, {target['params'] / 1e6:.1f}M parameters ({target['config']}), {target['dtype']}; trained "
              f"from scratch for {target['train_seconds']:.0f} s on {target['tokens_seen'] / 1e6:.1f}M tokens "
              f"({target['epochs']:.1f} epochs of {target['train_blocks']} packed blocks), loss "
@@ -563,7 +556,7 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
     run = Run(work=work, seed=args.seed, smoke=smoke, sizes=SMOKE if smoke else PROBE if args.probe else GPU,
               device="cpu" if smoke or not torch.cuda.is_available() else "cuda", arms=arms,
               corpus_root=args.corpus_root or Path(sysconfig.get_paths()["purelib"]),
-              sglang_python=args.sglang_python or (SGLANG_CPU_PYTHON if smoke else Path(sys.executable)),
+              sglang_python=args.sglang_python or sglang_python(smoke),
               trainers_python=args.trainers_python or (TRAINERS_PYTHON if smoke else Path(sys.executable)),
               in_flight=args.in_flight or (2 if smoke else 16), out=out)  # fmt: skip
     stages = list(STAGES) if "all" in args.stages else [s for s in STAGES if s in args.stages]

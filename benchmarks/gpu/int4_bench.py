@@ -3,8 +3,8 @@ node (kernel builds under the launcher's first-start allowance, into a kernel ca
 finds the cache, >= 100 chats captured and committed, `layertap verify`, `layertap audit` against the dequantized
 float32 reference with its bf16 floor, and capture against plain prefill of the same server on the same ids.
 
-    python3 benchmarks/gpu/int4_bench.py --out benchmarks/results/gpu_int4.md            # on the H200
-    python3 benchmarks/gpu/int4_bench.py --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
+    python3 -m benchmarks.gpu.int4_bench --out benchmarks/results/gpu_int4.md            # on the H200
+    python3 -m benchmarks.gpu.int4_bench --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
 
 On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel) in bf16, and its
 store is audited against that folder; the INT4 folder is built only. The smoke PASSes (2026-12-01, SGLang 0.5.10.post1
@@ -15,44 +15,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from capture_bench import CPU_ARGS, CPU_STUB, GPU_COMMON, log, plain_rate  # noqa: E402
-
-from layertap.audit import audit_store  # noqa: E402
-from layertap.data.scan import dataset_sha256  # noqa: E402
-from layertap.engines.sglang import SGLangEngine  # noqa: E402
-from layertap.engines.sglang_server import ServerConfig, SGLangServer  # noqa: E402
-from layertap.models.folder import ModelFolder  # noqa: E402
-from layertap.pipeline import run_shard  # noqa: E402
-from layertap.spec import ExtractionSpec  # noqa: E402
-from layertap.store.manifest import build_manifest  # noqa: E402
-from layertap.store.store import OutputStore  # noqa: E402
-from layertap.tiny import build_tiny_model  # noqa: E402
-from layertap.verify import verify_store  # noqa: E402
-from tests.core.datasets import conversation_rows, write_jsonl  # noqa: E402
+from benchmarks.harness import (
+    GPU_COMMON,
+    KIMI_K2_WIDTH,
+    chat_rows,
+    folder_bytes,
+    git_commit,
+    log,
+    plain_rate,
+    sglang_python,
+    smoke_args,
+    smoke_env,
+    table,
+    write_jsonl,
+)
+from layertap.audit import audit_store
+from layertap.data.scan import dataset_sha256
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.models.folder import ModelFolder
+from layertap.pipeline import run_shard
+from layertap.spec import ExtractionSpec
+from layertap.store.manifest import build_manifest
+from layertap.store.store import OutputStore
+from layertap.tiny import build_tiny_model
+from layertap.verify import verify_store
 
 LAYERS = (1, 2, 3)  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
-SHAPES = {"mla-gpu": {"shape": "mla-gpu"},
-          "kimi-k2-width": {"shape": "kimi-k2-width", "num_hidden_layers": 4}}  # fmt: skip
+SHAPES = {"mla-gpu": {"shape": "mla-gpu"}, "kimi-k2-width": KIMI_K2_WIDTH}
 # No --skip-server-warmup: SGLang's warm-up runs the first pass (and its kernel builds) before /health answers.
 GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
     "--mem-fraction-static", "0.5", "--max-total-tokens", "200000", "--trust-remote-code"]  # fmt: skip
 IN_FLIGHT = 16
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def start(server: SGLangServer) -> float:
@@ -96,22 +98,21 @@ def main() -> None:
     for stale in ("store", "dumps"):
         shutil.rmtree(args.work / stale, ignore_errors=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     overrides = {} if smoke else SHAPES[args.shape]
     int4 = build_tiny_model("kimi-k2.5", args.work / "int4", quantize="int4", **overrides)
     log(f"INT4 folder built: {folder_bytes(int4) / 1e6:,.0f} MB")
     served = build_tiny_model("kimi-k2.5", args.work / "bf16", dtype=torch.bfloat16) if smoke else int4
     data = args.work / "chats.jsonl"
     rows = args.chats if not smoke else 8
-    write_jsonl(data, conversation_rows(rows, seed=20261201, max_words=200))
+    write_jsonl(data, chat_rows(rows, random.Random(20261201), max_words=200))
     cache = args.work / "kernel-cache"
     dumps = args.work / "dumps"
     config = ServerConfig(
-        python=Path("/opt/sglang-venv/bin/python") if smoke else Path(sys.executable), model=served,
+        python=sglang_python(smoke), model=served,
         dump_root=dumps, layers=LAYERS, final="post", layout="specforge", log_path=args.out.with_suffix(".server.log"),
-        sglang_args=(*CPU_ARGS, "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
+        sglang_args=(*smoke_args("bfloat16", 128), "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
         env={"LAYERTAP_KERNEL_CACHE": str(cache),
-             **({"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {})},
+             **(smoke_env() if smoke else {})},
         start_attempts=1,
     )  # fmt: skip
     server = SGLangServer(config)
@@ -133,22 +134,23 @@ def main() -> None:
     log(audit.summary())
     lines = [
         f"# INT4 Kimi-K2.5 folder through a launched SGLang server ({'CPU smoke' if smoke else 'one H200'})", "",
-        f"Written by `benchmarks/gpu/int4_bench.py --shape {args.shape}` at commit {commit.strip()} "
+        f"Written by `benchmarks/gpu/int4_bench.py --shape {args.shape}` at commit {git_commit()} "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Folder: `layertap tiny-model --arch kimi-k2.5 "
         f"--quantize int4 --shape {args.shape}` ({folder_bytes(int4) / 1e6:,.0f} MB: routed experts compressed-tensors "
         f"pack-quantized INT4, group 32, the rest bf16). Server flags: `{' '.join(config.sglang_args)}` (the launcher "
         f"adds its forced flags, `--watchdog-timeout 1800` and the capture plugin); {IN_FLIGHT} in flight.", "",
-        "| measure | value |", "|---|---|",
-        f"| first start on a fresh machine (empty kernel cache; launch to /health) | {cold:.0f} s |",
-        f"| second start (kernel cache kept) | {warm:.0f} s |",
-        f"| kernel cache | {folder_bytes(cache) / 1e6:,.0f} MB |",
-        f"| rows captured (chats) | {len(ids)} of {rows} |",
-        f"| tokens | {tokens:,} |",
-        f"| capture + commit | {tokens / seconds:,.0f} tok/s |",
-        f"| plain prefill, same server, same ids | {plain:,.0f} tok/s |",
-        f"| capture / plain | {tokens / seconds / plain:.2f} |",
-        f"| layertap verify | {'clean' if check.ok else 'PROBLEMS: ' + '; '.join(check.problems[:3])} |",
-        f"| layertap audit | {audit.summary()} |", "",
+        *table(("measure", "value"), [
+            ("first start on a fresh machine (empty kernel cache; launch to /health)", f"{cold:.0f} s"),
+            ("second start (kernel cache kept)", f"{warm:.0f} s"),
+            ("kernel cache", f"{folder_bytes(cache) / 1e6:,.0f} MB"),
+            ("rows captured (chats)", f"{len(ids)} of {rows}"),
+            ("tokens", f"{tokens:,}"),
+            ("capture + commit", f"{tokens / seconds:,.0f} tok/s"),
+            ("plain prefill, same server, same ids", f"{plain:,.0f} tok/s"),
+            ("capture / plain", f"{tokens / seconds / plain:.2f}"),
+            ("layertap verify", "clean" if check.ok else "PROBLEMS: " + "; ".join(check.problems[:3])),
+            ("layertap audit", audit.summary()),
+        ]), "",
         audit.markdown(), "",
     ]  # fmt: skip
     args.out.write_text("\n".join(lines))

@@ -13,7 +13,7 @@ worker stopped, ``layertap audit OUT --samples 40`` (seed 0, ``--device auto``) 
 
 On the device (sglang 0.5.14 in /tmp/site, after ``on_device.sh install .whl1``; the tarball copied into .whl2/):
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- benchmarks/gpu/job_audit_bench.py \\
+    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.job_audit_bench \\
         --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT/gpu_job_audit.md"
 
 ``--cpu-smoke`` runs the same path on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
@@ -32,40 +32,33 @@ import tarfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from capture_bench import CPU_STUB, log  # noqa: E402  (beside this script)
-from e2e_bench import Proc, redis_binary, wait_http, write_dataset  # noqa: E402
-from int4_bench import SHAPES, folder_bytes  # noqa: E402
-
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, free_port  # noqa: E402
-from layertap.models.folder import ModelFolder  # noqa: E402
-from layertap.tiny import build_tiny_model  # noqa: E402
+from benchmarks import harness
+from layertap.engines.sglang_server import free_port
+from layertap.models.folder import ModelFolder
+from layertap.tiny import build_tiny_model
 
 LAYERS = "1,2,3"  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
 # docker-compose.yml's worker-gpu flags on one GPU (TP 1); no decode graphs (a capture server only prefills).
 GPU_SERVER_ARGS = ["--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192", "--max-running-requests", "64",
                    "--disable-cuda-graph"]  # fmt: skip
-SMOKE_SERVER_ARGS = [*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", "256"]
 
 
 def layertap(*args: str, env: dict[str, str], **kw) -> subprocess.Popen:
     """The ``layertap`` command line, as a user runs it."""
-    return subprocess.Popen([sys.executable, "-m", "layertap", *args], env=env, cwd=REPO, text=True, **kw)
+    return subprocess.Popen([sys.executable, "-m", "layertap", *args], env=env, cwd=harness.REPO, text=True, **kw)
 
 
-def follow(api: str, job_id: str, submit: subprocess.Popen, deadline: float) -> tuple[dict, list[tuple]]:
+def follow(coordinator: harness.Coordinator, job_id: str, submit: subprocess.Popen, deadline: float
+           ) -> tuple[dict, list[tuple]]:  # fmt: skip
     """Poll the job until ``submit --wait`` exits: its last JSON, and each change of its audit seen
     (seconds since the first poll, state, device, layers done, layers total)."""
     seen: list[tuple] = []
     t0 = time.monotonic()
-    with httpx.Client(timeout=30) as client:
+    with coordinator.client() as client:
         while True:
-            job = client.get(f"{api}/jobs/{job_id}").json()
+            job = client.get(f"/jobs/{job_id}").json()
             audit = job.get("audit") or {}
             now = (audit.get("state"), audit.get("device"), audit.get("layers_done"), audit.get("layers_total"))
             if not seen or seen[-1][1:] != now:
@@ -108,53 +101,44 @@ def main() -> None:
     (args.work / "logs").mkdir(parents=True)
     args.root.mkdir(parents=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     cache = args.work / "kernel-cache"
     if args.kernel_cache_tgz:
         with tarfile.open(args.kernel_cache_tgz) as tgz:
             tgz.extractall(cache, filter="data")
-        log(f"kernel cache unpacked: {folder_bytes(cache) / 1e6:,.0f} MB")
-    procs: list[Proc] = []
+        harness.log(f"kernel cache unpacked: {harness.folder_bytes(cache) / 1e6:,.0f} MB")
+    procs: list[harness.Proc] = []
     try:
         # -- the model and the data --------------------------------------------------------------------------
         model = args.work / "kimi-k25"
         if smoke:
             build_tiny_model("kimi-k2.5", model, dtype=torch.float32)
         else:
-            build_tiny_model("kimi-k2.5", model, quantize="int4", **SHAPES["kimi-k2-width"])
+            build_tiny_model("kimi-k2.5", model, quantize="int4", **harness.KIMI_K2_WIDTH)
         folder = ModelFolder.read(model)
         vocab = len(folder.load_tokenizer(trust_remote_code=True))
         context = int(folder.text_config.get("max_position_embeddings", 4096))
         low, high = (64, 400) if smoke else (300, min(4000, context - 1))
         data = args.work / "data.jsonl"
-        rows = write_dataset(data, 0, args.token_rows, vocab, low, high)
-        log(f"model built ({folder.num_layers} layers, hidden {folder.hidden_size}, {folder_bytes(model) / 1e9:.1f} GB); "
+        rows = harness.write_dataset(data, 0, args.token_rows, vocab, low, high)
+        harness.log(f"model built ({folder.num_layers} layers, hidden {folder.hidden_size}, {harness.folder_bytes(model) / 1e9:.1f} GB); "
             f"{rows} rows")  # fmt: skip
 
         # -- redis, the coordinator, one worker with no device setting -----------------------------------------
-        redis_port, api_port, metrics_port = free_port(), free_port(), free_port()
         logs = args.work / "logs"
-        procs.append(Proc("redis", [redis_binary(), "--port", str(redis_port), "--save", "", "--appendonly", "no",
-                                    "--dir", str(args.work)], dict(os.environ), logs / "redis.log").start())  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_DEVICE"}  # the default is what is measured
-        env |= {"PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)])),
-                "LAYERTAP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "LAYERTAP_ALLOW_REMOTE_CODE": "1"}  # fmt: skip
-        coordinator = Proc("coordinator", [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host",
-                                           "127.0.0.1", "--port", str(api_port), "--log-level", "warning"],
-                           {**env, "LAYERTAP_OUTPUT_ROOT": str(args.root)}, logs / "coordinator.log").start()  # fmt: skip
-        procs.append(coordinator)
-        api = f"http://127.0.0.1:{api_port}"
-        wait_http(api + "/health", coordinator, 60)
-        server_args = SMOKE_SERVER_ARGS if smoke else GPU_SERVER_ARGS
+        redis, redis_url = harness.start_redis(args.work, logs)
+        procs.append(redis)
+        env = harness.service_env(
+            redis_url, {k: v for k, v in os.environ.items() if k != "LAYERTAP_DEVICE"}
+        )  # the default
+        coordinator = harness.start_coordinator({**env, "LAYERTAP_OUTPUT_ROOT": str(args.root)}, logs)
+        procs.append(coordinator.proc)
+        server_args = harness.smoke_args("float32", 256) if smoke else GPU_SERVER_ARGS
         worker_env = {**env, "LAYERTAP_WORKER_NAME": "gpu-worker", "LAYERTAP_ENGINE": "sglang",
                       "LAYERTAP_DUMP_ROOT": str(args.root / ".dumps"), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": "/opt/sglang-venv/bin/python" if smoke else sys.executable,
-                      "LAYERTAP_IN_FLIGHT": "16", "LAYERTAP_METRICS_PORT": str(metrics_port),
-                      **({"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {}),
+                      "LAYERTAP_SGLANG_PYTHON": str(harness.sglang_python(smoke)), "LAYERTAP_IN_FLIGHT": "16",
+                      "LAYERTAP_METRICS_PORT": str(free_port()), **(harness.smoke_env() if smoke else {}),
                       **({"LAYERTAP_KERNEL_CACHE": str(cache)} if args.kernel_cache_tgz else {})}  # fmt: skip
-        worker = Proc("worker", [sys.executable, "-m", "celery", "-A", "worker", "worker", "--pool", "solo", "-n",
-                                 "gpu-worker@%h", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-                      worker_env, logs / "worker.log").start()  # fmt: skip
+        worker = harness.start_worker("gpu-worker", worker_env, logs)
         procs.append(worker)
 
         # -- the job, followed while it runs ------------------------------------------------------------------
@@ -163,16 +147,17 @@ def main() -> None:
         with said_out.open("w") as stdout, said_err.open("w") as stderr:
             submit = layertap("submit", "--model", str(model), "--data", str(data), "--layers", LAYERS, "--shard-size",
                               str(args.shard_size), "--trust-remote-code", "--audit-samples", str(args.audit_samples),
-                              "--wait", env={**env, "LAYERTAP_API_URL": api, "COLUMNS": "200"}, stdout=stdout,
+                              "--wait", env={**env, "LAYERTAP_API_URL": coordinator.url,
+                              "LAYERTAP_API_TOKEN": coordinator.token, "COLUMNS": "200"}, stdout=stdout,
                               stderr=stderr)  # fmt: skip
         while not (job_id := said_out.read_text().partition("\n")[0].strip()):
             assert submit.poll() is None, said_err.read_text()[-2000:]
             time.sleep(0.1)
-        log(f"job {job_id} submitted")
-        job, seen = follow(api, job_id, submit, posted + args.deadline_s)
+        harness.log(f"job {job_id} submitted")
+        job, seen = follow(coordinator, job_id, submit, posted + args.deadline_s)
         said = said_err.read_text().splitlines()
         audit = job["audit"]
-        log(
+        harness.log(
             f"job {job['state']}, audit {audit['state']} on {audit['device']}; submit --wait exited {submit.returncode}"
         )
         if audit["state"] not in ("pass", "fail", "inconclusive"):  # said, with what was seen, instead of a table
@@ -190,11 +175,9 @@ def main() -> None:
         hand_wall = time.monotonic() - t0
         assert by_hand.returncode in (0, 1), hand_said[-2000:]
         hand = newest_report(out, audit["report"])
-        log(f"layertap audit: {'PASS' if hand['passed'] else 'FAIL'} on {hand['device']} in {hand_wall:.1f} s")
+        harness.log(f"layertap audit: {'PASS' if hand['passed'] else 'FAIL'} on {hand['device']} in {hand_wall:.1f} s")
     finally:
-        for proc in reversed(procs):
-            if proc.popen and proc.popen.poll() is None:
-                proc.killpg(signal.SIGKILL)
+        harness.stop_all(procs)
         kept = args.out.with_suffix(".logs")  # beside the table: what each process said
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(args.work / "logs", kept)
@@ -215,7 +198,7 @@ def main() -> None:
     lines = [
         f"# A GPU worker's job audit with no device setting ({'CPU smoke' if smoke else 'one H200'})",
         "",
-        f"Written by `benchmarks/gpu/job_audit_bench.py{' --cpu-smoke' if smoke else ''}` at commit {commit.strip()} "
+        f"Written by `benchmarks/gpu/job_audit_bench.py{' --cpu-smoke' if smoke else ''}` at commit {harness.git_commit()} "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Model: "
         + (
             "the tiny Kimi-K2.5 wrapper, float32"
@@ -223,7 +206,7 @@ def main() -> None:
             else "`layertap tiny-model --arch kimi-k2.5 --quantize int4 --shape kimi-k2-width` (4 layers; routed experts "
             "INT4 group 32, the rest bf16)"
         )
-        + f", {folder_bytes(model) / 1e9:.1f} GB, {folder.num_layers} layers, hidden {folder.hidden_size}. Job: "
+        + f", {harness.folder_bytes(model) / 1e9:.1f} GB, {folder.num_layers} layers, hidden {folder.hidden_size}. Job: "
         f"`layertap submit --layers {LAYERS} --shard-size {args.shard_size} --audit-samples {args.audit_samples} "
         f"--trust-remote-code --wait` of {rows} rows (the demo's 24 chats + {args.token_rows} token-id rows of "
         f"{low}-{high} tokens). One `celery -A worker worker --pool solo`, `LAYERTAP_ENGINE=sglang`, no "

@@ -13,7 +13,7 @@ Each invocation adds its rows to ``--results`` (JSON, committed beside the table
 the projection of the seed's job (87.8M tokens) from every row so far. Run on the device through
 ``benchmarks/gpu/on_device.sh``:
 
-    python3 benchmarks/gpu/seed_scale_bench.py --settings triton-4096,flashinfer-8192 --out $OUT
+    python3 -m benchmarks.gpu.seed_scale_bench --settings triton-4096,flashinfer-8192 --out $OUT
 
 ``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with a 4-layer tiny folder.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -35,20 +34,17 @@ from typing import Any
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from capture_bench import CPU_STUB, GPU_COMMON, log, prompts, repoint, volume_rate  # noqa: E402
-
-from layertap.data.scan import dataset_sha256  # noqa: E402
-from layertap.engines.sglang import SGLangEngine  # noqa: E402
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer  # noqa: E402
-from layertap.models.folder import model_dims  # noqa: E402
-from layertap.pipeline import run_shard  # noqa: E402
-from layertap.spec import ExtractionSpec  # noqa: E402
-from layertap.store.manifest import build_manifest  # noqa: E402
-from layertap.store.store import OutputStore  # noqa: E402
-from layertap.tiny import build_tiny_model  # noqa: E402
+from benchmarks.gpu.capture import repoint, volume_rate
+from benchmarks.harness import GPU_COMMON, log, prompts, sglang_python, smoke_args, smoke_env
+from layertap.data.scan import dataset_sha256
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.models.folder import model_dims
+from layertap.pipeline import run_shard
+from layertap.spec import ExtractionSpec
+from layertap.store.manifest import build_manifest
+from layertap.store.store import OutputStore
+from layertap.tiny import build_tiny_model
 
 LAYERS = (3, 31, 59)
 SHALLOW = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -217,8 +213,7 @@ def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict
     for name in settings:
         link = args.work / f"dumps-{name}-{model.name}"
         repoint(link, args.tmpfs / "dumps")
-        config = ServerConfig(python=Path("/opt/sglang-venv/bin/python" if smoke else sys.executable),
-                              env={"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(CPU_STUB)} if smoke else {},
+        config = ServerConfig(python=sglang_python(smoke), env=smoke_env() if smoke else {},
                               model=model, dump_root=link, layers=layers, final="post", layout="specforge",
                               log_path=args.out / f"server-{name}-{model.name}.log",
                               sglang_args=tuple(flags[name]))  # fmt: skip
@@ -239,8 +234,7 @@ def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict
 def server_flags(settings: list[str], smoke: bool, memory: list[str]) -> dict[str, list[str]]:
     """Each setting's server flags; the Kimi-K2.5 wrapper's config class is code in the folder."""
     if smoke:
-        return {n: [*CPU_SERVER_ARGS, "--dtype", "bfloat16", "--chunked-prefill-size", n.rsplit("-", 1)[1],
-                    "--trust-remote-code"] for n in settings}  # fmt: skip
+        return {n: [*smoke_args("bfloat16", int(n.rsplit("-", 1)[1])), "--trust-remote-code"] for n in settings}
     return {n: [*BASE, *memory, *SETTINGS[n], "--trust-remote-code"] for n in settings}
 
 

@@ -3,7 +3,7 @@ fusion on/off, throughput. Writes ``benchmarks/results/gpu_tp2.md``-style markdo
 
 Run on ``nvidia-h200-x2`` (sglang 0.5.14 in /tmp/site from the two wheel chunks), one command::
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/gpu/tp_bench.py --out $OUT --work /tmp/tpbench
+    PYTHONPATH=/tmp/site python3 -m benchmarks.gpu.tp_bench --out $OUT --work /tmp/tpbench
 
 Stages (``--stages``, default all); each one's results land in ``<work>/results/<stage>.json`` and a
 later call skips stages already done:
@@ -47,16 +47,12 @@ from pathlib import Path
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from capture_bench import plain_rate  # noqa: E402  (beside this script: the same plain-prefill measure)
-
-from layertap.audit import audit_store  # noqa: E402  (the audit's reference and judging, one implementation)
-from layertap.audit.compare import token_errors  # noqa: E402
-from layertap.audit.run import read_states, state_name  # noqa: E402
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env  # noqa: E402
-from layertap.store.store import OutputStore  # noqa: E402
+from benchmarks.harness import plain_rate, sglang_python, smoke_args, smoke_env
+from layertap.audit import audit_store  # the audit's reference and judging, one implementation
+from layertap.audit.compare import token_errors
+from layertap.audit.run import read_states, state_name
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.store.store import OutputStore
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--chunked-prefill-size", "4096",
@@ -145,10 +141,10 @@ class Bench:
         tp, extras, gpus = CONFIGS[stage]
         shutil.rmtree(self.work / stage, ignore_errors=True)
         if self.cpu:
-            env, sglang_args, python = cpu_server_env(Path("/opt/sglang-venv/layertap-cuda-stub"), tp), (
-                *CPU_SERVER_ARGS, "--dtype", "bfloat16", "--chunked-prefill-size", "256"), Path("/opt/sglang-venv/bin/python")  # fmt: skip
+            env, sglang_args = smoke_env(tp), smoke_args("bfloat16", 256)
         else:
-            env, sglang_args, python = {**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS, Path(sys.executable)
+            env, sglang_args = {**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS
+        python = sglang_python(self.cpu)
         sglang_args = (*sglang_args, "--tp-size", str(tp), *self.args.server_flags.split(), *extras)
         cfg = ServerConfig(python=python, env=env, model=self.model, dump_root=self.work / stage / "dumps",
                            layers=LAYERS, final="post", layout="specforge", log_path=self.out / f"server-{stage}.log",

@@ -17,7 +17,6 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "gpu" / "acceptance_bench.py"
 CAPTURE = [1, 2, 3]  # the smoke sizes' capture indices
 
 
@@ -26,8 +25,8 @@ def work(tmp_path_factory: pytest.TempPathFactory, sglang_python: Path, trainers
     """One smoke run of every stage (only the correct arm trained: the controls' stores are built and checked, and
     training them is the same code on another folder)."""
     work = tmp_path_factory.mktemp("acceptance")
-    run = subprocess.run([sys.executable, str(BENCH), "--cpu-smoke", "--work", str(work), "--arms",
-                          "correct,b-ids-off-by-one,e-no-eagle-config", "all"], capture_output=True, text=True, timeout=1500)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu.acceptance_bench", "--cpu-smoke", "--work", str(work), "--arms",
+                          "correct,b-ids-off-by-one,e-no-eagle-config", "all"], capture_output=True, text=True, timeout=1500, cwd=REPO)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return work
 

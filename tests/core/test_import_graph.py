@@ -1,12 +1,15 @@
 """``layertap/`` has no import cycle, neither between its files nor between its subpackages and top-level
 modules taken as units (``data/``, ``engines/``, ``models/``, ``state/``, ``store/``, ``tiny/``, ``spec.py``...).
 Every import counts, those inside functions and under ``TYPE_CHECKING`` too: a lazy import still ties two
-modules together for a reader."""
+modules together for a reader. Each module of ``benchmarks/`` imports (they import one another and the harness)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "layertap"
@@ -118,3 +121,12 @@ def test_the_check_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+BENCHMARKS = sorted((ROOT / "benchmarks").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_benchmark_module_imports(path: Path) -> None:
+    """What ``python -m benchmarks...`` imports before it parses its options (the harness's names included)."""
+    importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))

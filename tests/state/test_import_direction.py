@@ -1,5 +1,6 @@
 """Dependencies point one way: coordinator/ and worker/ import layertap/, never each other, and
-layertap/ imports neither FastAPI nor Celery (so the state model can be used anywhere)."""
+layertap/ imports neither FastAPI nor Celery (so the state model can be used anywhere); benchmarks/ never imports
+tests/ (what a benchmark stands up is its harness's)."""
 
 import ast
 from pathlib import Path
@@ -11,6 +12,7 @@ FORBIDDEN = {
     "layertap": {"fastapi", "starlette", "celery", "kombu", "coordinator", "worker"},
     "coordinator": {"worker"},
     "worker": {"coordinator", "fastapi", "starlette"},
+    "benchmarks": {"tests"},
 }
 
 

@@ -1,0 +1,230 @@
+"""The SGLang capture measurements that capture_bench, fp8_bench and seed_scale_bench share: the model shapes,
+their servers (launched together, one per dump quantization), capture + commit runs into a store, and a volume's
+own write rate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.harness import GPU_COMMON, log, plain_rate, prompts, sglang_python, smoke_args, smoke_env
+from layertap.data.scan import dataset_sha256
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.models.folder import model_dims
+from layertap.pipeline import run_shard
+from layertap.spec import ExtractionSpec
+from layertap.store.manifest import build_manifest
+from layertap.store.store import OutputStore
+from layertap.tiny.build import build_tiny_model
+from sglang_patch.contract import FORMAT_FINAL
+
+GPU_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size", "4096",
+            # Two servers share the GPU: each sizes its static memory from what it sees free, and
+            # max-total-tokens keeps the KV pool to what 64 prompts of 4000 tokens need.
+            "--mem-fraction-static", "0.45", "--max-total-tokens", "300000")  # fmt: skip
+CPU_ARGS = smoke_args("bfloat16", 128)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    arch: str
+    overrides: dict[str, Any]
+    layers: tuple[int, ...]
+
+
+SHAPES = (
+    Shape("Llama-8B width", "llama", dict(hidden_size=4096, num_hidden_layers=8, intermediate_size=14336,
+          num_attention_heads=32, num_key_value_heads=8), (2, 4, 6)),
+    Shape("Kimi-K2 width", "kimi-k2", dict(hidden_size=7168, num_hidden_layers=4, first_k_dense_replace=1,
+          intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=16, num_experts_per_tok=8,
+          n_group=1, topk_group=1, n_shared_experts=1, num_attention_heads=64, num_key_value_heads=64,
+          q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+          (1, 2, 3)),
+)  # fmt: skip
+TINY_SHAPES = (Shape("tiny Llama", "llama", {}, (1, 3, 5)), Shape("tiny Kimi-K2", "kimi-k2", {}, (1, 2, 4)))
+
+
+@dataclass(frozen=True)
+class CaptureRun:
+    """One capture + commit run: rates, and where its time went. A `*_busy` is the share of that
+    side's thread-time spent working (1.0: every thread busy the whole run, the side is the bound)."""
+
+    tok_s: float
+    bytes_s: float
+    waited_s: float  # the forward pass, on the writers' host-memory cap
+    writers_busy: float  # the plugin's writers serialising + writing + fsyncing (meta "write_s")
+    copy_wait: float  # the plugin's writers waiting for the device-to-host copies (meta "ready_s")
+    commit_busy: float  # the worker's checks + rename + hash + index append
+    pinned_held: float  # torch's pinned allocator, cache included: the most it held (bytes)
+    pinned_alloc_s: float  # seconds the forward pass's thread spent growing it (cudaHostAlloc) in this run
+    store: Path | None = None  # the store, when the caller keeps it
+
+
+class TimedStore(OutputStore):
+    """An OutputStore that adds up its commits' seconds (commit threads append; list.append is atomic)."""
+
+    commit_s: list[float]
+
+    def commit(self, captured: Any) -> Any:
+        t0 = time.perf_counter()
+        record = super().commit(captured)
+        self.commit_s.append(time.perf_counter() - t0)
+        return record
+
+
+def volume_rate(folder: Path, file_bytes: int, threads: int, total_bytes: int) -> float:
+    """Bytes/s of `threads` threads each writing whole files of `file_bytes` and fsyncing them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunk = os.urandom(min(file_bytes, 16 << 20))
+    files = max(2 * threads, total_bytes // max(file_bytes, 1))
+
+    def write(i: int) -> None:
+        with open(folder / f"f{i}", "wb") as f:
+            left = file_bytes
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(files)))
+    rate = files * file_bytes / (time.perf_counter() - t0)
+    shutil.rmtree(folder)
+    return rate
+
+
+@dataclass
+class Bench:
+    """One shape's model and server; `link` is the server's dump root, a symlink re-pointed per volume;
+    `quantize`: what the server's plugin quantizes its dumps to ("none" or "fp8")."""
+
+    shape: Shape
+    model: Path
+    link: Path
+    server: SGLangServer
+    quantize: str = "none"
+
+
+def repoint(link: Path, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(link.name + ".new")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], in_flight: int, commit_threads: int,
+                 *, fmt: str = "specforge", store_dtype: str = "bfloat16", keep: bool = False) -> CaptureRun:  # fmt: skip
+    """Prefill + capture + checks + commit into a `fmt` store in `store_dtype` under `root`, the server's dumps
+    under `root` too (a commit is a rename); the store is removed unless `keep` (then `CaptureRun.store`)."""
+    tag = f"{bench.shape.arch}-{bench.quantize}-{in_flight}-{uuid.uuid4().hex[:6]}"
+    repoint(bench.link, root / f"dumps-{bench.shape.arch}-{bench.quantize}")
+    data = work / f"data-{tag}.jsonl"
+    data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
+    spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
+                          store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
+    num_layers, hidden = model_dims(bench.model)
+    cap = spec.resolve(num_layers)
+    writer: list[dict[str, float]] = []
+    engine = SGLangEngine(bench.server, cap, model=bench.model, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
+                          on_writer=writer.append)  # fmt: skip
+    manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+                              dataset_sha256=dataset_sha256(data),
+                              engine=engine.describe())  # fmt: skip
+    store_root = root / f"store-{tag}"
+    store = TimedStore.create_or_resume(store_root, manifest)
+    store.commit_s = []
+    t0 = time.perf_counter()
+    report = run_shard(spec, store, engine, check_level="quick", commit_threads=commit_threads)
+    dt = time.perf_counter() - t0
+    assert len(report.computed) == len(batch) and report.failed == 0, report
+    nbytes = sum(r.nbytes for r in store.records().values())
+    store.close()
+    if not keep:
+        shutil.rmtree(store_root)
+    data.unlink()
+    writer_time = dt * (writer[0]["threads"] if writer else 1)
+
+    def total(key: str) -> float:
+        return sum(float(stats.get(key, 0.0)) for stats in writer)
+
+    def spread(key: str) -> float:
+        values = [float(stats.get(key, 0.0)) for stats in writer] or [0.0]
+        return max(values) - min(values)
+
+    return CaptureRun(tok_s=report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
+                      writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
+                      commit_busy=sum(store.commit_s) / (dt * commit_threads),
+                      pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
+                      pinned_alloc_s=spread("pinned_alloc_s"), store=store_root if keep else None)  # fmt: skip
+
+
+def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool, *, layout: str = "specforge",
+                  quantize: tuple[str, ...] = ("none",), sglang_args: tuple[str, ...] | None = None) -> list[Bench]:  # fmt: skip
+    """Build each model and launch its servers (one per `quantize` setting, writing `layout` dumps) without
+    waiting; the next model builds meanwhile. The processes are launched from this (main) thread: a server
+    dies with the thread that launched it."""
+    python, env = sglang_python(smoke), smoke_env() if smoke else {}
+    benches, starting = [], ThreadPoolExecutor(len(shapes) * len(quantize))
+    futures = []
+    for shape in shapes:
+        model = build_tiny_model(shape.arch, args.work / f"model-{shape.arch}", dtype=torch.bfloat16, **shape.overrides)
+        log(f"{shape.name}: model built ({sum(p.stat().st_size for p in model.glob('*.safetensors')) / 1e9:.1f} GB)")
+        for q in quantize:
+            link = args.work / f"dumproot-{shape.arch}-{q}"
+            repoint(link, Path(args.tmpfs) / f"dumps-{shape.arch}-{q}")
+            config = ServerConfig(python=python, env=env, model=model, dump_root=link, layers=shape.layers,
+                                  final=FORMAT_FINAL[layout], layout=layout, quantize=q,
+                                  log_path=args.out.with_name(f"server-{shape.arch}-{q}.log"),
+                                  sglang_args=sglang_args or (CPU_ARGS if smoke else GPU_ARGS),
+                                  writer_threads=args.writer_threads, pinned_cap=args.pinned_cap)  # fmt: skip
+            bench = Bench(shape, model, link, SGLangServer(config), quantize=q)
+            benches.append(bench)
+            bench.server.launch()
+            futures.append(starting.submit(bench.server.wait_ready))
+    for bench, future in zip(benches, futures, strict=True):
+        try:
+            future.result()
+        except Exception as exc:  # two servers sizing GPU memory at once can collide: retry alone
+            log(
+                f"{bench.shape.name} ({bench.quantize}): server failed to start ({type(exc).__name__}); starting it again alone"
+            )
+            bench.server.stop()
+            bench.server.start()
+        log(f"{bench.shape.name} ({bench.quantize}): server up at {bench.server.url}")
+    starting.shutdown()
+    return benches
+
+
+def run_warm(benches: list[Bench], lengths: tuple[int, int], results: Any, out: Path,
+             measure_all: Callable[[httpx.Client], None]) -> None:  # fmt: skip
+    """Warm every server (first requests build kernels: all at once), run `measure_all`, then stop the servers,
+    write `results` (whatever was measured) and print them."""
+    client = httpx.Client(timeout=600)
+    try:
+        with ThreadPoolExecutor(len(benches)) as pool:
+            list(pool.map(lambda b: plain_rate(client, b.server.url, prompts(4, 99, *lengths), 4), benches))
+        log("kernels warm")
+        measure_all(client)
+    finally:
+        for bench in benches:
+            bench.server.stop()
+        client.close()
+        results.write()
+        log(f"results in {out}")
+    print(out.read_text())
