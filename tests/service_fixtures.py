@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import pytest
 import torch
 from redis import Redis
 
+from layertap.engines.sglang_server import free_port  # one definition: the product's
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Torch threads of every worker and coordinator process a test starts, and of the test process itself, so that
 # the stores they make compute alike, byte for byte: float32 sums split over another number of threads differ in
@@ -34,12 +35,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCH_THREADS = 1
 torch.set_num_threads(TORCH_THREADS)
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check: Callable[[], object], *, timeout: float, what: str, every: float = 0.05) -> object:

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from layertap.device import DEVICE_HELP, parse_device
 from layertap.errors import SpecError
+from sglang_patch.contract import DEFAULT_RID_PREFIX
 
 
 class WorkerSettings(BaseSettings):
@@ -48,7 +49,9 @@ class WorkerSettings(BaseSettings):
     dump_root: Path | None = Field(default=None, description="SGLang engine: where the capture plugin dumps.")
     sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
     sglang_args: str = Field(default="", description="SGLang engine: extra server flags (shell-quoted).")
-    rid_prefix: str = Field(default="hscap", description="SGLang engine: request-id prefix the plugin captures.")
+    rid_prefix: str = Field(
+        default=DEFAULT_RID_PREFIX, description="SGLang engine: request-id prefix the plugin captures."
+    )
     allow_dummy_weights: bool = Field(
         default=False,
         description="SGLang engine: accept a server making random weights (--load-format dummy), for benchmarks.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layertap.spec import CaptureSpec
+from sglang_patch.contract import DEFAULT_RID_PREFIX
 
 
 def hf_engine_factory(model: Path, device: str, batch_tokens: int, dtype: str | None = None):
@@ -34,7 +35,7 @@ def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url:
 
         dumps = dump_root or out.parent / f".{out.name}-dumps"
         server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
-                              sglang_args=sglang_args, rid_prefix="hscap", log_path=dumps.parent / "sglang-server.log",
+                              sglang_args=sglang_args, rid_prefix=DEFAULT_RID_PREFIX, log_path=dumps.parent / "sglang-server.log",
                               store_format=store_format, store_dtype=store_dtype,
                               trust_remote_code=trust_remote_code)  # fmt: skip
         return SGLangEngine(server, capture, model=model, dump_root=dumps, job=out.name, in_flight=in_flight,

@@ -40,6 +40,7 @@ from layertap.sample import CapturedSample, FailedCapture, SampleFile, Tokenized
 from layertap.spec import CaptureSpec
 from sglang_patch.contract import (
     AUX,
+    DEFAULT_RID_PREFIX,
     FINAL_TENSORS,
     FORMAT_FINAL,
     LOSS_MASK_PARAM,
@@ -73,7 +74,7 @@ class SGLangEngine(Engine):
         dump_root: Path,
         job: str,
         allow_dummy_weights: bool = False,
-        rid_prefix: str = "hscap",
+        rid_prefix: str = DEFAULT_RID_PREFIX,
         in_flight: int = 16,
         dump_timeout_s: float = 120.0,
         request_timeout_s: float = 3600.0,

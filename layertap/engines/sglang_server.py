@@ -33,6 +33,7 @@ import httpx
 
 import sglang_patch
 from layertap.errors import ServerError
+from sglang_patch.contract import DEFAULT_RID_PREFIX
 from sglang_patch.launch import USAGE_ERROR
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ServerConfig:
     layers: tuple[int, ...]
     final: str
     log_path: Path
-    rid_prefix: str = "hscap"
+    rid_prefix: str = DEFAULT_RID_PREFIX
     layout: str = "states"
     quantize: str = "none"  # "fp8": the plugin quantizes speculators dumps on the device
     writer_threads: int | None = None  # None: the plugin's default (sglang_patch.settings)
