@@ -134,7 +134,10 @@ def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(layertap_cli
     assert cli.returncode == 2, cli.stderr[-3000:]
     assert "Traceback" not in cli.stderr and 'File "' not in cli.stderr
     *retries, error, log = [line for line in cli.stderr.splitlines() if line.strip()]
-    assert [r.split(" failed")[0] for r in retries] == ["SGLang server start 1/3", "SGLang server start 2/3"]
+    assert [r.split(" failed")[0] for r in retries] == [
+        f"{stamp} WARNING layertap.engines.sglang_server: SGLang server start {n}/3"
+        for stamp, n in zip([r[:23] for r in retries], (1, 2), strict=True)
+    ]  # the log's one format: time, level, logger, message
     assert error.startswith("error: SGLang server failed to start (3 tries); the last exited with code 3: ")
     assert error.endswith('Read timed out. (read timeout=5)"')
     assert log == f"server log: {tmp_path / 'sglang-server.log'}"
