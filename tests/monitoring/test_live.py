@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from layertap.diskspace import free_bytes
@@ -189,7 +190,11 @@ def test_prometheus_scrapes_the_coordinator_and_the_worker_during_a_job(
     for name in {n for expr in dashboard_queries() for n in METRIC.findall(expr)}:
         assert stack.query(f"count(count_over_time({name}[10m]))"), f"no series of {name}"
     rules = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"][0]["rules"]
-    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    alerts = {r["alert"] for g in yaml.safe_load((REPO_ROOT / "monitoring" / "rules.yml").read_text())["groups"]
+              for r in g["rules"]}  # fmt: skip
+    assert {r["name"] for r in rules} == alerts and all(r["health"] == "ok" for r in rules), [
+        (r["name"], r.get("lastError")) for r in rules
+    ]  # every rule of the file loaded, and each evaluates
 
 
 def test_the_free_space_guard_pauses_a_worker_on_a_full_volume_and_resumes_it(stack: Stack, tiny_llama: Path) -> None:
