@@ -17,6 +17,7 @@ Fixtures:
 from __future__ import annotations
 
 import subprocess
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -134,52 +135,68 @@ def cuda_stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_cuda_stub(tmp_path_factory.mktemp("cuda-stub"))
 
 
+# Servers kept running at once: each CPU server holds ~1.5-2 GB (its scheduler and detokenizer); with every server of
+# a session kept to its end, eleven at once ran the 24 GB CI box out of memory at the TP=2 test.
+MAX_LIVE_SERVERS = 4
+
+
 @pytest.fixture(scope="session")
 def sglang_servers(
     tmp_path_factory: pytest.TempPathFactory, cuda_stub_dir: Path, sglang_python: Path
 ) -> Iterator[Callable[..., SGLangServer]]:
-    """Factory of CPU capture servers, one per distinct argument set, all stopped at session end."""
-    running: dict[tuple, SGLangServer] = {}
-    with ExitStack() as stack:
+    """Factory of CPU capture servers, one per distinct argument set. At most ``MAX_LIVE_SERVERS`` run at once: the
+    least recently asked for is stopped to start another, and started again when asked for again, so a test must
+    ask the factory (or a function-scoped fixture that does) for each server it uses, never keep one across tests."""
+    running: OrderedDict[tuple, tuple[ExitStack, SGLangServer]] = OrderedDict()
 
-        def start(
-            model_dir: Path,
-            *,
-            layers: Sequence[int],
-            final: str = "both",
-            extra_args: Sequence[str] = (),
-            tp_size: int = 1,
-            layout: str = "states",
-            quantize: str = "none",
-        ) -> SGLangServer:
-            key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size, layout, quantize)
-            if key not in running:
-                workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
-                running[key] = stack.enter_context(
-                    run_sglang_server(
-                        model_dir,
-                        workdir,
-                        cuda_stub_dir=cuda_stub_dir,
-                        layers=layers,
-                        final=final,
-                        extra_args=extra_args,
-                        tp_size=tp_size,
-                        layout=layout,
-                        quantize=quantize,
-                    )
-                )
-            return running[key]
+    def start(
+        model_dir: Path,
+        *,
+        layers: Sequence[int],
+        final: str = "both",
+        extra_args: Sequence[str] = (),
+        tp_size: int = 1,
+        layout: str = "states",
+        quantize: str = "none",
+    ) -> SGLangServer:
+        key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size, layout, quantize)
+        if key in running:
+            running.move_to_end(key)
+            return running[key][1]
+        while len(running) >= MAX_LIVE_SERVERS:
+            running.popitem(last=False)[1][0].close()
+        stack = ExitStack()
+        workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
+        server = stack.enter_context(
+            run_sglang_server(
+                model_dir,
+                workdir,
+                cuda_stub_dir=cuda_stub_dir,
+                layers=layers,
+                final=final,
+                extra_args=extra_args,
+                tp_size=tp_size,
+                layout=layout,
+                quantize=quantize,
+            )
+        )
+        running[key] = (stack, server)
+        return server
 
+    try:
         yield start
+    finally:
+        for stack, _ in running.values():
+            stack.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def sglang_llama(sglang_servers: Callable[..., SGLangServer], tiny_llama: Path) -> SGLangServer:
     """CPU capture server on the tiny Llama: capture indices 1, 3, 5 and both finals."""
     return sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def sglang_kimi(sglang_servers: Callable[..., SGLangServer], tiny_kimi: Path) -> SGLangServer:
     """CPU capture server on the tiny Kimi-K2-like DeepseekV3: capture indices 1, 2, 4 and both finals."""
     return sglang_servers(tiny_kimi, layers=DEFAULT_LAYERS["kimi-k2"])

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.sglang
 LAYERS = DEFAULT_LAYERS["llama"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fp8_server(sglang_servers, tiny_llama):
     return sglang_servers(tiny_llama, layers=LAYERS, final="pre", layout="speculators", quantize="fp8")
 
