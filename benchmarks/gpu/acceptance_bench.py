@@ -258,11 +258,14 @@ def stage_controls(run: Run) -> None:
         _save(stores / "permuted" / rec.file, {"input_ids": own["input_ids"][:n], "loss_mask": own["loss_mask"][:n],
               "hidden_state": other["hidden_state"][:, :n], "aux_hidden_state": other["aux_hidden_state"][:, :n]})  # fmt: skip
         # (c): the pre-norm final state of the same sample (the last slot of its speculators file)
+        # (the HF engine has no server limit: a row the server's limit truncated is longer there, and a causal
+        # model's states of a prefix are the prefix's states)
         pre = speculators.format.load(stores / "speculators" / pre_by_id[rec.sample_id].file)
-        if not torch.equal(pre["token_ids"], own["input_ids"]):
+        t = own["input_ids"].shape[0]
+        if not torch.equal(pre["token_ids"][:t], own["input_ids"]):
             raise SystemExit(f"sample {rec.sample_id}: the speculators store holds other tokens")
         _save(stores / "prenorm" / rec.file,
-              {**own, "hidden_state": pre["hidden_states"][:, -1].to(own["hidden_state"].dtype)[None]})  # fmt: skip
+              {**own, "hidden_state": pre["hidden_states"][:t, -1].to(own["hidden_state"].dtype)[None]})  # fmt: skip
     shutil.rmtree(stores / "speculators")  # only the pre-norm states were needed (disk: three stores are enough)
     run.done("controls", {"samples": len(records), "a_tokens_cut": cut})
 
