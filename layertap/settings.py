@@ -24,11 +24,12 @@ JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight")
 class RunSettings(BaseModel):
     """One process's way of running an extraction: which engine, where it computes, how it re-checks a resume.
 
-    ``in_flight`` is 16 for both the CLI and the workers: every capture benchmark on an H200 ran at 16
-    (``benchmarks/results/gpu_capture_h200.md``, ``gpu_e2e_h200.md``, ``gpu_int4.md``, ``gpu_fp8.md``) and the
-    forward pass never waited on the writers there; a worker's window must also stay full across a shard's end
-    (several requests finishing at once), which a larger window absorbs better. The workers' former 8 was never
-    measured against it. The best setting for a deployment is a measured one: set it per job or per worker.
+    ``in_flight`` is 16 for ``extract`` and the workers alike (it was 16 in the CLI, 8 in a worker): 16 is what the
+    H200 capture and end-to-end benchmarks ran at (``benchmarks/results/gpu_capture_h200.md``, ``gpu_e2e_h200.md``,
+    ``gpu_int4.md``, ``gpu_fp8.md``; the forward pass never waited on the writers there) and what docker-compose and
+    ``.env.example`` already give workers; a worker's window should also stay full across a shard's end, which a
+    wider one does better. No run compared 8 with 16 on captures (plain prefill at Kimi-K2 width peaked at 4), so
+    the best setting for a deployment is a measured one: set it per worker or per job.
     """
 
     model_config = ConfigDict(extra="forbid")
