@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from layertap.state.model import JobSpec, JobView
+from layertap.state.model import JobRequest, JobView
 
 
-class JobCreate(JobSpec):
+class JobCreate(JobRequest):
     """Body of ``POST /jobs``: an extraction spec plus how to spread it over workers.
 
     ``model`` and ``data`` are absolute paths every worker can read, under the coordinator's model and data
@@ -18,13 +18,6 @@ class JobCreate(JobSpec):
     With ``expected_tokens``, the job is refused (507) unless its estimated output fits on the volume.
     With ``audit_samples``, a worker audits that many stored samples once the job has ended (``JobPublic.audit``).
     """
-
-    expected_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        le=10**15,  # a thousand times the largest corpora; beyond float range it could not even be estimated
-        description="Tokens in the dataset, roughly: checks the output fits before anything runs.",
-    )
 
     model_config = ConfigDict(
         json_schema_extra={

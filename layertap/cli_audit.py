@@ -6,14 +6,12 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
+from layertap.cli_base import Exit, console, failing_on_errors
 from layertap.device import DEVICE_HELP
-from layertap.errors import LayertapError
 
-console = Console(stderr=True)
-EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}  # 2: the audit could not run (bad input, too little memory)
+EXIT = {"pass": Exit.OK, "fail": Exit.FAILED, "inconclusive": Exit.INCONCLUSIVE}  # CANNOT_RUN: bad input, no memory
 COLOUR = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
 
 
@@ -68,13 +66,10 @@ def audit(
     transformers.utils.logging.disable_progress_bar()
     if samples is None and fraction is None:
         samples = 32
-    try:
+    with failing_on_errors():
         report = audit_store(out, samples=samples, fraction=fraction, seed=seed, device=device, model=model,
                              trust_remote_code=trust_remote_code, batch_tokens=batch_tokens, final=not no_final,
                              say=lambda line: console.print(escape(line)))  # fmt: skip
-    except LayertapError as exc:
-        console.print(f"[bold red]error:[/] {escape(str(exc))}")
-        sys.exit(2)
     click.echo(report.markdown())
     console.print(f"[{COLOUR[report.verdict]}]{escape(report.summary())}[/]; report: {', '.join(report.files)}")
     sys.exit(EXIT[report.verdict])

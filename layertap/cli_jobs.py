@@ -19,18 +19,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from layertap.cli_base import Exit, console, fail, failing_on_errors, model_options, model_values
 from layertap.logs import configure_logging, level_for
-from layertap.spec import (
-    ANY_AUX_HELP,
-    DEFAULT_MAX_BAD_ROWS,
-    MAX_BAD_ROWS_HELP,
-    STORE_DTYPE_HELP,
-    STORE_DTYPES,
-    parse_layer_list,
-)
+from layertap.state.model import JobRequest
 from layertap.trainers import GUIDE
 
-console = Console(stderr=True)
 TERMINAL = {"done", "failed", "cancelled"}
 AUDIT_OPEN = {"pending", "running"}  # an ended job's audit still to come
 
@@ -40,18 +33,13 @@ api_option = click.option(
 token_option = click.option("--token", envvar="LAYERTAP_API_TOKEN", default=None, help="Bearer token, if required.")
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    sys.exit(2)
-
-
 def _call(api: str, token: str | None, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
     """One API call; HTTP errors become a readable message and exit code 2."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         reply = httpx.request(method, api.rstrip("/") + path, json=body, headers=headers, timeout=600)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach the coordinator at {api}: {exc}")
+        fail(f"cannot reach the coordinator at {api}: {exc}")
     if reply.status_code >= 400:
         try:
             detail = reply.json().get("detail", reply.text)
@@ -59,7 +47,7 @@ def _call(api: str, token: str | None, method: str, path: str, body: dict | None
             detail = reply.text
         if isinstance(detail, list):  # pydantic's validation errors: one line each
             detail = "; ".join(f"{'.'.join(str(p) for p in d['loc'][1:])}: {d['msg']}" for d in detail)
-        _fail(f"{reply.status_code}: {detail}")
+        fail(f"{reply.status_code}: {detail}")
     return reply.json()
 
 
@@ -139,70 +127,17 @@ def coordinator(verbose: int, host: str, port: int) -> None:
 
 
 @click.command()
-@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True)
-@click.option("--data", type=click.Path(path_type=Path, exists=True), required=True)
-@click.option("--layers", required=True, help="Comma-separated layer ids, e.g. 3,31,59.")
-@click.option("--layer-convention", type=click.Choice(["capture", "sglang-eagle3", "vllm"]), default="capture")
-@click.option("--final", type=click.Choice(["post", "pre", "both"]), default=None)
-@click.option("--format", "fmt", type=click.Choice(["specforge", "speculators"]), default="specforge")
-@click.option("--store-dtype", type=click.Choice(STORE_DTYPES), default="bfloat16", help=STORE_DTYPE_HELP)
-@click.option("--max-length", type=int, default=None, help="Tokens per row at most; not above the model's context.")
-@click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate")
-@click.option("--allow-any-aux-layers", is_flag=True, help=ANY_AUX_HELP)
-@click.option("--max-bad-rows", default=DEFAULT_MAX_BAD_ROWS, show_default=True, help=MAX_BAD_ROWS_HELP)
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Run the Python code the model folder ships (Kimi-K2.5's tokenizer is code); the coordinator and "
-    "workers must allow it (LAYERTAP_ALLOW_REMOTE_CODE=1). Read it first.",
-)
-@click.option("--out", default=None, help="Output folder relative to the coordinator's output root (default: job id).")
-@click.option("--shard-size", type=int, default=100, show_default=True)
-@click.option("--batch-tokens", type=int, default=None, help="HF engine: padded tokens per forward.")
-@click.option("--batch-size", type=int, default=None, help="HF engine: samples per forward.")
-@click.option("--in-flight", type=int, default=None, help="SGLang engine: requests in flight per worker.")
-@click.option("--attempts", type=int, default=3, show_default=True, help="Captures per sample before it fails.")
-@click.option(
-    "--expected-tokens", type=int, default=None, help="Rough tokens in the dataset: refused unless the output fits."
-)
-@click.option(
-    "--audit-samples",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Once the job has ended, a worker audits this many stored samples against an HF reference (`layertap "
-    "audit`); the verdict shows in `layertap status`. 0: no audit.",
-)
+@model_options(JobRequest)
 @click.option(
     "--wait", is_flag=True, help="Follow the job until it ends (and its audit); exit 1 unless done (and PASS)."
 )
 @api_option
 @token_option
-def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_length, overlong, allow_any_aux_layers,
-           max_bad_rows, trust_remote_code, out, shard_size, batch_tokens, batch_size, in_flight, attempts,
-           expected_tokens, audit_samples, wait, api, token) -> None:  # fmt: skip
+def submit(wait: bool, api: str, token: str | None, **options: Any) -> None:
     """Submit a job to the coordinator; prints its id on stdout. Paths must be readable by every worker."""
-    engine = {"batch_tokens": batch_tokens, "batch_size": batch_size, "in_flight": in_flight}
-    body = {
-        "model": str(model.resolve()),
-        "data": str(data.resolve()),
-        "layers": parse_layer_list(layers),
-        "layer_convention": layer_convention,
-        "final": final,
-        "format": fmt,
-        "store_dtype": store_dtype,
-        "max_length": max_length,
-        "overlong": overlong,
-        "allow_any_aux_layers": allow_any_aux_layers,
-        "max_bad_rows": max_bad_rows,
-        "trust_remote_code": trust_remote_code,
-        "out": out,
-        "shard_size": shard_size,
-        "engine": {k: v for k, v in engine.items() if v is not None},
-        "sample_attempts": attempts,
-        "expected_tokens": expected_tokens,
-        "audit_samples": audit_samples,
-    }
+    options["model"], options["data"] = options["model"].resolve(), options["data"].resolve()
+    with failing_on_errors():
+        body = JobRequest(**model_values(JobRequest, options)).model_dump(mode="json")
     job = _call(api, token, "POST", "/jobs", body)
     console.print(
         f"job {job['job_id']}: {job['samples_total']:,} samples in {job['num_shards']} shards -> {job['out']}"
@@ -214,7 +149,7 @@ def submit(model, data, layers, layer_convention, final, fmt, store_dtype, max_l
         if job["state"] == "done" and (guide := Path(job["out"]) / GUIDE).exists():  # where this host sees it
             click.echo(guide.read_text())
         audit = job.get("audit")
-        sys.exit(0 if job["state"] == "done" and (audit is None or audit["state"] == "pass") else 1)
+        sys.exit(Exit.OK if job["state"] == "done" and (audit is None or audit["state"] == "pass") else Exit.FAILED)
 
 
 @click.command()
@@ -271,17 +206,14 @@ def rebuild_state(out: Path, redis_url: str, key_prefix: str, replace: bool, ful
     """Recreate the Redis state of the job that wrote OUT from its index; the coordinator then resumes it."""
     from redis import Redis
 
-    from layertap.errors import LayertapError
     from layertap.state.keys import Keys
     from layertap.state.rebuild import rebuild_job
 
     redis = Redis.from_url(redis_url, decode_responses=True)
-    try:
+    with failing_on_errors():
         rebuilt = rebuild_job(
             redis, Keys(key_prefix), out.resolve(), check_level="full" if full else "quick", replace=replace
         )
-    except LayertapError as exc:
-        _fail(str(exc))
     console.print(
         f"job {rebuilt.job_id}: {rebuilt.state}; {rebuilt.shards_done}/{rebuilt.num_shards} shards done, "
         f"{rebuilt.samples_done:,} samples committed, {rebuilt.samples_failed:,} failed. "

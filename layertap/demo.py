@@ -68,11 +68,13 @@ def demo_rows() -> list[dict]:
     return rows
 
 
-def run_demo(out: Path, fmt: str, console: Console) -> None:
-    """Build the tiny model and data under ``out``, extract, verify, and print what was produced."""
+def run_demo(out: Path, fmt: str, console: Console) -> bool:
+    """Build the tiny model and data under ``out``, extract, verify, and print what was produced; whether the
+    store verified clean."""
     from layertap.engines.factory import hf_engine_factory
     from layertap.pipeline import run_extraction
     from layertap.progress import RichProgress
+    from layertap.settings import RunSettings
     from layertap.store.store import OutputStore
     from layertap.tiny.build import build_tiny_model
     from layertap.verify import verify_store
@@ -87,7 +89,7 @@ def run_demo(out: Path, fmt: str, console: Console) -> None:
     spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5), format=fmt)  # type: ignore[arg-type]
     progress = RichProgress(console)
     try:
-        report = run_extraction(spec, states, hf_engine_factory(model, "cpu", 8192), progress=progress)
+        report = run_extraction(spec, states, hf_engine_factory(model, RunSettings(device="cpu")), progress=progress)
     finally:
         progress.stop()
     check = verify_store(states)
@@ -104,5 +106,4 @@ def run_demo(out: Path, fmt: str, console: Console) -> None:
     table.add_row(f"sample {first.file}", ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in tensors.items()))
     table.add_row("verify", "clean" if check.ok else f"{len(check.problems)} problems: {check.problems[:3]}")
     Console().print(table)
-    if not check.ok:
-        raise SystemExit(1)
+    return check.ok

@@ -12,8 +12,9 @@ before that layer's norm). Other conventions are accepted here and converted onc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,19 +26,17 @@ Convention = Literal["capture", "sglang-eagle3", "vllm"]
 FinalKind = Literal["post", "pre", "both"]
 Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32", "fp8"]
-STORE_DTYPES: tuple[str, ...] = get_args(StoreDtype)
-STORE_DTYPE_HELP = (
-    "fp8 (speculators only): float8_e4m3fn states with one float32 scale per token and state, half of bfloat16's "
-    "bytes; speculators trains on it with --hidden-states-backend fp8."
-)
 OverlongPolicy = Literal["truncate", "skip"]
-ANY_AUX_HELP = "Skip the check that the format's stock trainer takes this many aux layers (for a modified trainer)."
-DEFAULT_MAX_BAD_ROWS = "1%"
-MAX_BAD_ROWS_HELP = (
-    "Bad rows (unusable rows and failed captures; rows skipped as too long do not count) a run may have and "
-    "still succeed: a count (100) or a share of the dataset's rows (5%). Above it, or when nothing is stored, "
-    "the run ends non-zero (a job: failed)."
-)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How a field reads on the command line where its name and type do not say it all (``Annotated`` metadata,
+    which pydantic ignores): another flag name, a path that must exist (a folder when ``folder``)."""
+
+    name: str | None = None
+    exists: bool = False
+    folder: bool = False
 
 
 def allowed_bad_rows(limit: str, rows: int) -> int:
@@ -127,22 +126,48 @@ class ExtractionSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: Path = Field(description="Folder of the HF model (config.json, tokenizer, weights).")
-    data: Path = Field(description="Dataset file or `save_to_disk` folder.")
-    layers: tuple[int, ...] = Field(min_length=1, description="Layer ids in `layer_convention`.")
-    layer_convention: Convention = "capture"
-    final: FinalKind | None = Field(default=None, description="Final state(s) to keep; default: what the format needs.")
-    format: Format = "specforge"
-    store_dtype: StoreDtype = "bfloat16"
-    max_length: int | None = Field(default=None, gt=0)
-    overlong: OverlongPolicy = "truncate"
+    model: Annotated[Path, Flag(exists=True, folder=True)] = Field(
+        description="Folder of the HF model (config.json, tokenizer, weights)."
+    )
+    data: Annotated[Path, Flag(exists=True)] = Field(
+        description="Dataset: JSONL, JSON, Parquet or a `save_to_disk` folder."
+    )
+    layers: tuple[int, ...] = Field(min_length=1, description="Layer ids in layer_convention, e.g. 3,31,59.")
+    layer_convention: Convention = Field(
+        default="capture",
+        description="capture: id i = input of layer i (HF output_hidden_states[i]); sglang-eagle3: SGLang's "
+        "EAGLE-3 draft-config ids (i = input of layer i+1); vllm: --target-layer-ids.",
+    )
+    final: FinalKind | None = Field(
+        default=None, description="Final state(s) to keep: post-norm, pre-norm or both; default: what the format needs."
+    )
+    format: Format = Field(default="specforge", description="The trainer's format the store is written in.")
+    store_dtype: StoreDtype = Field(
+        default="bfloat16",
+        description="The stored states' dtype. fp8 (speculators only): float8_e4m3fn states with one float32 scale "
+        "per token and state, half of bfloat16's bytes; speculators trains on it with --hidden-states-backend fp8.",
+    )
+    max_length: int | None = Field(
+        default=None, gt=0, description="Tokens per row at most; not above the model's context (or server's limit)."
+    )
+    overlong: OverlongPolicy = Field(default="truncate", description="What a row over max_length becomes.")
     trust_remote_code: bool = Field(
         default=False,
-        description="Run the Python code a model folder ships (e.g. Kimi-K2.5's tokenizer). Off by default; "
-        "a coordinator accepts it only when its operator allowed remote code.",
+        description="Run the Python code a model folder ships (Kimi-K2.5's tokenizer is code); read it first. A "
+        "coordinator and its workers accept it only when their operator allowed it (LAYERTAP_ALLOW_REMOTE_CODE=1).",
     )
-    allow_any_aux_layers: bool = Field(default=False, description=ANY_AUX_HELP)
-    max_bad_rows: str = Field(default=DEFAULT_MAX_BAD_ROWS, max_length=32, description=MAX_BAD_ROWS_HELP)
+    allow_any_aux_layers: bool = Field(
+        default=False,
+        description="Skip the check that the format's stock trainer takes this many aux layers (for a modified "
+        "trainer).",
+    )
+    max_bad_rows: str = Field(
+        default="1%",
+        max_length=32,
+        description="Bad rows (unusable rows and failed captures; rows skipped as too long do not count) a run may "
+        "have and still succeed: a count (100) or a share of the dataset's rows (5%). Above it, or when nothing is "
+        "stored, the run ends non-zero (a job: failed).",
+    )
 
     @field_validator("max_bad_rows", mode="before")
     @classmethod

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
-from typing import Literal
 
-from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from layertap.device import DEVICE_HELP, parse_device
-from layertap.errors import SpecError
-from sglang_patch.contract import DEFAULT_RID_PREFIX
+from layertap.settings import RunSettings
 
 
-class WorkerSettings(BaseSettings):
-    """One worker process (``celery -A worker worker``): where state lives, which engine, how leases work.
+class WorkerSettings(BaseSettings, RunSettings):
+    """One worker process (``celery -A worker worker``): where state lives, how leases work, and how it runs a shard
+    (its engine and the engine's settings: the `RunSettings` that ``layertap extract`` takes as flags, with the same
+    defaults; ``LAYERTAP_IN_FLIGHT`` is ``--in-flight``).
 
     ``visibility_timeout_s`` must exceed the longest shard: a message not acked by then is delivered
     again (harmless: its token is stale by then, or the shard is done), but it costs a wasted claim.
@@ -32,32 +30,11 @@ class WorkerSettings(BaseSettings):
         description="Name in progress reports; a prefork child adds its own pid to it.",
     )
 
-    engine: Literal["hf", "sglang"] = "hf"
-    device: str = Field(
-        default="auto",
-        description=f"Where this worker computes with torch: {DEVICE_HELP}. The HF engine, and the HF reference of "
-        "its job audits (any engine: it runs after the engine is closed, so a server this worker launched has "
-        "freed its GPU; an attached LAYERTAP_SERVER_URL keeps its memory, so leave room or set cpu).",
-    )
-    hf_batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
-    hf_batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
-    in_flight: int = Field(default=8, gt=0, description="SGLang engine: requests in flight.")
-    commit_threads: int = Field(
-        default=8, gt=0, description="Threads validating (sha256, finiteness) and committing samples in parallel."
-    )
-    server_url: str | None = Field(default=None, description="SGLang engine: attach to this server.")
-    dump_root: Path | None = Field(default=None, description="SGLang engine: where the capture plugin dumps.")
-    sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
-    sglang_args: str = Field(default="", description="SGLang engine: extra server flags (shell-quoted).")
-    rid_prefix: str = Field(
-        default=DEFAULT_RID_PREFIX, description="SGLang engine: request-id prefix the plugin captures."
-    )
-    allow_dummy_weights: bool = Field(
-        default=False,
-        description="SGLang engine: accept a server making random weights (--load-format dummy), for benchmarks.",
-    )
     allow_remote_code: bool = Field(
         default=False, description="Run jobs with trust_remote_code (the Python a model folder ships)."
+    )
+    commit_threads: int = Field(
+        default=8, gt=0, description="Threads validating (sha256, finiteness) and committing samples in parallel."
     )
 
     lease_ttl_s: float = Field(
@@ -71,9 +48,6 @@ class WorkerSettings(BaseSettings):
     max_shard_attempts: int = Field(
         default=10, gt=0, description="Claims of one shard (each a worker that died or gave it back) before it fails."
     )
-    resume_check: Literal["full", "quick"] = Field(
-        default="full", description="How a shard re-checks the samples it finds committed before skipping them."
-    )
 
     metrics_port: int | None = Field(default=None, gt=0, lt=65536, description="Serve Prometheus metrics here.")
     metrics_host: str = Field(default="0.0.0.0", description="Address the metrics server listens on.")
@@ -84,15 +58,6 @@ class WorkerSettings(BaseSettings):
     disk_check_s: float = Field(default=2.0, gt=0, description="How often free space is read (working or paused).")
 
     _read_in_pid: int = PrivateAttr(default_factory=os.getpid)
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        try:
-            parse_device(value)
-        except SpecError as exc:  # refused at start-up, not at the first shard or audit
-            raise ValueError(str(exc)) from None
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSettings:

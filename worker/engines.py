@@ -1,8 +1,8 @@
 """The one place a worker turns its settings and a job into an engine.
 
-``LAYERTAP_ENGINE`` picks the type: ``hf`` (in-process transformers) now; ``sglang`` (a patched
-SGLang server owned by this process) comes from ``worker.sglang_engine``, which provides
-``build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> Engine``.
+``LAYERTAP_ENGINE`` picks the type: ``hf`` (in-process transformers) or ``sglang`` (a patched SGLang server
+this process owns or attaches to, `worker.sglang_engine`); both from the worker's `RunSettings` tuned by the
+job's engine options.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from layertap.engines.base import Engine
+from layertap.engines.factory import hf_engine_factory
 from layertap.errors import ServerError
 from layertap.spec import CaptureSpec
 from layertap.state.model import JobSpec
@@ -21,16 +22,8 @@ log = logging.getLogger(__name__)
 def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> Engine:
     """A new engine of ``settings.engine``'s type for ``spec``'s model, tuned by the job's options."""
     if settings.engine == "hf":
-        from layertap.engines.hf import HFEngine
-
-        return HFEngine(
-            spec.model,
-            capture,
-            device=settings.device,
-            max_batch_tokens=spec.engine.batch_tokens or settings.hf_batch_tokens,
-            max_batch_size=spec.engine.batch_size or settings.hf_batch_size,
-        )
-    from worker import sglang_engine  # written by the capture work; imported only when chosen
+        return hf_engine_factory(spec.model, settings.tuned(spec.engine))(capture)
+    from worker import sglang_engine
 
     return sglang_engine.build_engine(settings, spec, capture)
 

@@ -1,44 +1,59 @@
-"""Engine factories: what a run calls to build its engine once the capture spec is known. The engines' own
-modules are imported only when a factory is called (they load transformers or httpx)."""
+"""Engine factories: what a run calls to build its engine once the capture spec is known, from the run's
+`RunSettings` (``extract``'s flags, a worker's settings tuned by its job). The engines' own modules are imported
+only when a factory is called (they load transformers or httpx)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from layertap.spec import CaptureSpec
-from sglang_patch.contract import DEFAULT_RID_PREFIX
+from layertap.engines.base import Engine
+from layertap.settings import RunSettings
+from layertap.spec import CaptureSpec, ExtractionSpec
+
+EngineFactory = Callable[[CaptureSpec], Engine]
 
 
-def hf_engine_factory(model: Path, device: str, batch_tokens: int, dtype: str | None = None):
-    """An engine factory for the in-process HF engine (imported lazily: it loads transformers); ``dtype`` None
-    computes in the folder's own dtype."""
+def hf_engine_factory(model: Path, settings: RunSettings) -> EngineFactory:
+    """An engine factory for the in-process HF engine (it loads transformers when called): ``settings``' device,
+    batch limits and compute dtype (None: the folder's own)."""
 
-    def make(capture: CaptureSpec):
+    def make(capture: CaptureSpec) -> Engine:
         import torch
 
         from layertap.engines.hf import HFEngine
 
-        return HFEngine(model, capture, device=device, max_batch_tokens=batch_tokens,
-                        dtype=getattr(torch, dtype) if dtype else None)  # fmt: skip
+        return HFEngine(model, capture, device=settings.device, max_batch_tokens=settings.batch_tokens,
+                        max_batch_size=settings.batch_size,
+                        dtype=getattr(torch, settings.dtype) if settings.dtype else None)  # fmt: skip
 
     return make
 
 
-def sglang_engine_factory(model: Path, out: Path, store_format: str, server_url: str | None, dump_root: Path | None,
-                          in_flight: int, sglang_python: Path, sglang_args: str, trust_remote_code: bool = False,
-                          allow_dummy_weights: bool = False, store_dtype: str = "bfloat16"):  # fmt: skip
-    """An engine factory for a capture server (the CLI's SGLang engine; imported only when chosen). The server is
-    refused unless it serves ``model`` (with real weights, unless ``allow_dummy_weights``) for this capture."""
+def sglang_engine_factory(
+    spec: ExtractionSpec,
+    settings: RunSettings,
+    *,
+    job: str,
+    dump_root: Path,
+    log_path: Path,
+    observe: Callable[[str, float], None] | None = None,
+    on_writer: Callable[[dict[str, float]], None] | None = None,
+) -> EngineFactory:
+    """An engine factory for a capture server (imported only when chosen): attached at ``settings.server_url`` or
+    launched (its log at ``log_path``), dumping under ``dump_root`` for ``spec``'s store. The server is refused
+    unless it serves ``spec.model`` (with real weights, unless ``settings.allow_dummy_weights``) for this capture.
+    ``observe`` and ``on_writer`` receive its stage latencies and writer reports (a worker's metrics)."""
 
-    def make(capture: CaptureSpec):
+    def make(capture: CaptureSpec) -> Engine:
         from layertap.engines.sglang import SGLangEngine, start_server
 
-        dumps = dump_root or out.parent / f".{out.name}-dumps"
-        server = start_server(capture, model, dump_root=dumps, server_url=server_url, python=sglang_python,
-                              sglang_args=sglang_args, rid_prefix=DEFAULT_RID_PREFIX, log_path=dumps.parent / "sglang-server.log",
-                              store_format=store_format, store_dtype=store_dtype,
-                              trust_remote_code=trust_remote_code)  # fmt: skip
-        return SGLangEngine(server, capture, model=model, dump_root=dumps, job=out.name, in_flight=in_flight,
-                            allow_dummy_weights=allow_dummy_weights)  # fmt: skip
+        server = start_server(capture, spec.model, dump_root=dump_root, server_url=settings.server_url,
+                              python=settings.sglang_python, sglang_args=settings.sglang_args,
+                              rid_prefix=settings.rid_prefix, log_path=log_path, store_format=spec.format,
+                              store_dtype=spec.store_dtype, trust_remote_code=spec.trust_remote_code)  # fmt: skip
+        return SGLangEngine(server, capture, model=spec.model, dump_root=dump_root, job=job,
+                            rid_prefix=settings.rid_prefix, allow_dummy_weights=settings.allow_dummy_weights,
+                            in_flight=settings.in_flight, observe=observe, on_writer=on_writer)  # fmt: skip
 
     return make

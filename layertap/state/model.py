@@ -4,27 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from layertap.spec import ExtractionSpec
+from layertap.settings import EngineOptions
+from layertap.spec import ExtractionSpec, Flag
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
 ShardState = Literal["pending", "queued", "running", "done", "failed"]
 # the verdicts are layertap.audit.compare.Verdict (not imported: the coordinator runs without torch)
 AuditState = Literal["pending", "running", "pass", "fail", "inconclusive", "error"]
 JOB_FILE = "job.json"  # written beside the manifest at submit time; `rebuild-state` reads it back
-
-
-class EngineOptions(BaseModel):
-    """Per-job engine tuning; ``None`` leaves the worker's own setting in force."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    batch_tokens: int | None = Field(default=None, gt=0, description="HF engine: padded tokens per forward.")
-    batch_size: int | None = Field(default=None, gt=0, description="HF engine: samples per forward.")
-    in_flight: int | None = Field(default=None, gt=0, description="SGLang engine: requests in flight.")
 
 
 class JobSpec(ExtractionSpec):
@@ -37,7 +28,7 @@ class JobSpec(ExtractionSpec):
     out: Path | None = Field(default=None, description="Output folder, relative to the output root.")
     shard_size: int = Field(default=100, gt=0, le=100_000, description="Dataset rows per shard (one task each).")
     engine: EngineOptions = EngineOptions()
-    sample_attempts: int = Field(
+    sample_attempts: Annotated[int, Flag(name="--attempts")] = Field(
         default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
     )
     audit_samples: int = Field(
@@ -51,6 +42,18 @@ class JobSpec(ExtractionSpec):
     def extraction(self) -> ExtractionSpec:
         """The plain extraction spec (what the manifest and the pipeline need)."""
         return ExtractionSpec(**{name: getattr(self, name) for name in ExtractionSpec.model_fields})
+
+
+class JobRequest(JobSpec):
+    """What a client asks the coordinator for (``POST /jobs``, ``layertap submit``): a job, and what the
+    coordinator checks before planning it."""
+
+    expected_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        le=10**15,  # a thousand times the largest corpora; beyond float range it could not even be estimated
+        description="Rough tokens in the dataset: the job is refused unless its output fits on the volume.",
+    )
 
 
 @dataclass(frozen=True, slots=True)

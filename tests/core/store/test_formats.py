@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from tests.core.datasets import conversation_rows, write_jsonl
 
@@ -25,7 +26,7 @@ def _extract(model: Path, tmp_path: Path, fmt: str):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format=fmt)
     out = tmp_path / fmt
-    report = run_extraction(spec, out, hf_engine_factory(model, "cpu", 2048))
+    report = run_extraction(spec, out, hf_engine_factory(model, RunSettings(device="cpu", batch_tokens=2048)))
     assert report.row_errors == 1 and len(report.computed) == 11
     tok = AutoTokenizer.from_pretrained(model)
     expected_ids = {

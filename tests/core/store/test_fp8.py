@@ -16,6 +16,7 @@ from layertap.audit.compare import token_errors
 from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.store.formats.base import Layout
 from layertap.store.store import OutputStore
@@ -73,7 +74,7 @@ def stores(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     out = {}
     for dtype in ("bfloat16", "fp8"):
         spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="speculators", store_dtype=dtype)
-        run_extraction(spec, tmp / dtype, hf_engine_factory(tiny_llama, "cpu", 4096))
+        run_extraction(spec, tmp / dtype, hf_engine_factory(tiny_llama, RunSettings(device="cpu", batch_tokens=4096)))
         out[dtype] = tmp / dtype
     return out
 

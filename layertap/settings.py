@@ -1,0 +1,114 @@
+"""How a process runs an extraction (its engine, the engine's settings, resume checks), defined once.
+
+``layertap extract`` reads these from its flags (`layertap.cli_base.model_options`), a worker from ``LAYERTAP_*``
+variables (``worker.config.WorkerSettings`` is a ``RunSettings``), so both have the same settings with the same
+defaults; a job may override the engine's tuning (`EngineOptions`, ``submit --in-flight``...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from layertap.device import DEVICE_HELP, parse_device
+from layertap.errors import SpecError
+from sglang_patch.contract import DEFAULT_RID_PREFIX
+
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+# What a job may tune per run; the rest of a worker's settings are its host's (paths, server, device).
+JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight")
+
+
+class RunSettings(BaseModel):
+    """One process's way of running an extraction: which engine, where it computes, how it re-checks a resume.
+
+    ``in_flight`` is 16 for ``extract`` and the workers alike (it was 16 in the CLI, 8 in a worker): 16 is what the
+    H200 capture and end-to-end benchmarks ran at (``benchmarks/results/gpu_capture_h200.md``, ``gpu_e2e_h200.md``,
+    ``gpu_int4.md``, ``gpu_fp8.md``; the forward pass never waited on the writers there) and what docker-compose and
+    ``.env.example`` already give workers; a worker's window should also stay full across a shard's end, which a
+    wider one does better. No run compared 8 with 16 on captures (plain prefill at Kimi-K2 width peaked at 4), so
+    the best setting for a deployment is a measured one: set it per worker or per job.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["hf", "sglang"] = Field(
+        default="hf", description="hf: transformers in this process; sglang: a capture server."
+    )
+    device: str = Field(
+        default="auto",
+        description=f"HF engine (and a worker's job audits): where torch computes: {DEVICE_HELP}.",
+    )
+    dtype: ComputeDtype | None = Field(
+        default=None,
+        description="HF engine: the dtype the model computes in (default: the folder's own; a server computes in "
+        "what its sglang args' --dtype says).",
+    )
+    batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
+    batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
+    in_flight: int = Field(default=16, gt=0, description="SGLang engine: requests in flight.")
+    server_url: str | None = Field(
+        default=None, description="SGLang engine: attach to this capture server instead of launching one."
+    )
+    dump_root: Path | None = Field(
+        default=None,
+        description="SGLang engine: where the capture plugin writes dumps (the server's view of it). On the "
+        "output's filesystem, commits are renames; elsewhere they copy each file once. extract's default: beside "
+        "the output; a worker must set it.",
+    )
+    sglang_python: Path = Field(default=Path("python3"), description="SGLang engine: the server environment's python.")
+    sglang_args: str = Field(
+        default="", description="SGLang engine: extra server flags, shell-quoted (e.g. '--tp-size 8')."
+    )
+    rid_prefix: str = Field(default=DEFAULT_RID_PREFIX, description="SGLang engine: request-id prefix it captures.")
+    allow_dummy_weights: bool = Field(
+        default=False,
+        description="SGLang engine: accept a server making random weights (--load-format dummy), for benchmarks; "
+        "the manifest says so.",
+    )
+    resume_check: Literal["full", "quick"] = Field(
+        default="full",
+        description="How committed samples are re-checked before being skipped (full re-hashes every file).",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            parse_device(value)
+        except SpecError as exc:  # refused before any work (a worker: at start-up, not at its first shard)
+            raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _dtype_is_hf(self) -> RunSettings:
+        if self.dtype is not None and self.engine != "hf":
+            raise ValueError("dtype is the HF engine's; a server computes in what its sglang args' --dtype says")
+        return self
+
+    def tuned(self, options: BaseModel) -> RunSettings:
+        """These settings with a job's engine options in place of their own where the job set one."""
+        return self.model_copy(update=options.model_dump(exclude_none=True))
+
+
+def _job_overrides() -> type[BaseModel]:
+    """`EngineOptions`: the `JOB_TUNABLE` fields of `RunSettings`, each optional (None: the worker's own)."""
+    fields = {}
+    for name in JOB_TUNABLE:
+        info = RunSettings.model_fields[name]
+        fields[name] = (
+            Annotated[info.annotation | None, *info.metadata],
+            Field(default=None, description=f"{info.description} Default: the worker's own (LAYERTAP_{name.upper()})."),
+        )
+    return create_model(
+        "EngineOptions",
+        __config__=ConfigDict(frozen=True, extra="forbid"),
+        __doc__="A job's engine tuning; None leaves the worker's own setting in force.",
+        __module__=__name__,
+        **fields,
+    )
+
+
+EngineOptions = _job_overrides()
