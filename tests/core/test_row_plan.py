@@ -3,6 +3,7 @@ folder read once; the plan a resume follows and `verify --data` reports."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections import Counter
@@ -16,6 +17,7 @@ from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.row_plan import RowPlanner
 from layertap.spec import CaptureSpec, ExtractionSpec
+from layertap.store.manifest import MANIFEST, read_manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -128,3 +130,22 @@ def test_each_row_is_planned_done_changed_todo_or_error_as_a_resume_handles_it(t
     assert [(p.row, p.status, p.why.endswith(f"is not in {data}")) for p in gone] == [
         (4, "done", False), (5, "changed", True), (7, "changed", True)
     ]  # fmt: skip
+
+
+def test_a_store_made_before_the_effective_max_length_was_recorded_opens_and_verifies_with_its_max_length(
+    tiny_llama, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(5, seed=3, max_words=30))
+    spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5), max_length=40)
+    out = tmp_path / "out"
+    first = run_extraction(spec, out, _hf(tiny_llama))
+    stored = len(first.computed)
+    assert stored and first.truncated, first  # truncated samples too, compared at their stored length
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest.pop("effective_max_length") == 40  # the HF engine has no input limit of its own
+    (out / MANIFEST).write_text(json.dumps(manifest))  # as an older layertap wrote it
+
+    assert read_manifest(out).effective_max_length == 40
+    check = verify_store(out, data=data)
+    assert check.ok and check.samples == stored, check.problems
+    assert run_extraction(spec, out, _hf(tiny_llama)).already_done == stored  # and a resume takes it as it is
