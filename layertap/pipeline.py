@@ -408,8 +408,8 @@ def run_extraction(
     progress: ProgressSink | None = None,
     check_level: CheckLevel = "full",
 ) -> RunReport:
-    """Run (or resume) a whole extraction in this process and finalize the store; the model folder is read once,
-    the dataset streamed twice (its scan, then the run's rows)."""
+    """Run (or resume) a whole extraction in this process and finalize the store; the model folder is read once, and
+    after the dataset's scan (`scan_dataset`: row count, duplicate ids, content hash) its rows are streamed once."""
     t0 = time.monotonic()
     folder = ModelFolder.read(spec.model)
     folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)  # before any work
