@@ -1,7 +1,7 @@
 """What naming a dataset by its content costs: `dataset_sha256` (one streamed read of the bytes) beside the
 planner's id scan (`scan_dataset` without it), on a JSONL of the seed's shape: 37K chats of ~9,500
 characters (~2,400 tokens each, ~88M tokens in all). Also what a resume's re-tokenization of done rows
-(`pipeline.stale_samples` tokenizes each with `tokenize_row`) costs per row, on the tiny Llama's tokenizer. Prints a markdown table.
+(`RowPlanner.plan` tokenizes each with `RowPlanner.outcome`) costs per row, on the tiny Llama's tokenizer. Prints a markdown table.
 
     .venv/bin/python -m benchmarks.dataset_hash_bench --out /tmp/hash-bench [--rows 37000 --tokenize-rows 500]
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 from layertap.data.reader import iter_rows
 from layertap.data.rows import ID_FIELDS
 from layertap.data.scan import dataset_sha256, scan_dataset
-from layertap.pipeline import chat_tokenizer, row_sample_id, tokenize_row
+from layertap.models.folder import ModelFolder
+from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.tiny.build import build_tiny_model
 
@@ -59,9 +60,9 @@ def main() -> None:
 
     model = build_tiny_model("llama", args.out / "tiny-llama")
     spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5))
-    chat, few = chat_tokenizer(spec), args.tokenize_rows
+    planner, few = RowPlanner(spec, ModelFolder.read(model)), args.tokenize_rows
     rows = list(iter_rows(data, stop=few))
-    tok_s, _ = timed(lambda: [tokenize_row(chat, spec, n, row, row_sample_id(n, row, {})) for n, row in rows])
+    tok_s, _ = timed(lambda: [planner.outcome(n, row, spec.max_length) for n, row in rows])
     print(
         f"| dataset | scan ids (before) | sha256 of the bytes | scan_dataset (ids + sha256) | "
         f"re-tokenize a done row (resume) |\n|---|---|---|---|---|\n"

@@ -1,9 +1,10 @@
 """One extraction run: dataset rows -> tokenized samples -> engine -> validated, committed files.
 
 The same function serves the CLI (one process, the whole dataset) and a Celery worker (one shard,
-``rows[start:stop]``): ``run_shard`` skips what the store verifiably holds and its rows still give
-(re-tokenized: `stale_samples`; the others are retired), streams the rest through the engine, retries failing samples alone a
-bounded number of times, and reports each outcome to a ``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
+``rows[start:stop]``): ``run_shard`` follows the row planner (`layertap.row_plan`, one stream of the dataset):
+it skips what the store verifiably holds and its rows still give, retires what they no longer give, streams the
+rest through the engine, retries failing samples alone a bounded number of times, and reports each outcome to a
+``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from layertap.data.chat import ChatTokenizer, check_loss_mask
-from layertap.data.reader import Row, iter_rows
-from layertap.data.rows import ParsedRow, parse_row, sample_id_of
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
 from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
+from layertap.row_plan import PlannedRow, RowPlanner
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
 from layertap.store.index import SampleRecord
@@ -53,6 +52,10 @@ class ShardEvents(Protocol):
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None: ...
 
+    def retired(self, record: SampleRecord) -> None:
+        """A sample counted done at ``start`` that its row no longer gives: no longer done (its row comes next)."""
+        ...
+
     def keep_going(self) -> bool:
         """False once the run should stop at the next sample (job cancelled, shard taken away)."""
         ...
@@ -75,6 +78,10 @@ class ProgressEvents:
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         if self.progress is not None:
             self.progress.advance(1, 0)
+
+    def retired(self, record: SampleRecord) -> None:
+        if self.progress is not None:
+            self.progress.advance(-1, 0)
 
     def keep_going(self) -> bool:
         return True
@@ -172,134 +179,6 @@ def verified_done(
         else:
             done[rec.sample_id] = rec
     return done
-
-
-def chat_tokenizer(spec: ExtractionSpec) -> ChatTokenizer:
-    """The folder's tokenizer and chat template, as every row of ``spec``'s run is tokenized."""
-    return ChatTokenizer(ModelFolder.read(spec.model).load_tokenizer(spec.trust_remote_code))
-
-
-def tokenized_samples(
-    spec: ExtractionSpec,
-    store: OutputStore,
-    done: Container[str],
-    report: RunReport,
-    *,
-    start: int = 0,
-    stop: int | None = None,
-    events: ShardEvents | None = None,
-    duplicates: Mapping[int, int] | None = None,
-    server_limit: int | None = None,
-) -> Iterator[TokenizedSample]:
-    """Rows ``[start, stop)`` that still need capturing, tokenized; bad rows are recorded, not raised.
-
-    ``duplicates`` maps a row to the earlier row that has its id (see ``scan_dataset``): such a row is
-    an error of kind ``duplicate_id``. A sample longer than ``server_limit`` (a ``max_length`` above the
-    server's limit, in a job accepted before a worker told it) is an error of kind ``server_limit``. Only a
-    dataset-wide problem (a chat template that cannot mask any conversation, no template at all) raises;
-    whatever one row does costs that row only.
-    """
-    events = events or ProgressEvents()
-    duplicates = duplicates or {}
-    chat = chat_tokenizer(spec)
-    for number, row in iter_rows(spec.data, start=start, stop=stop):
-        try:
-            sample_id = row_sample_id(number, row, duplicates)
-            if sample_id in done:
-                continue
-            sample = tokenize_row(chat, spec, number, row, sample_id)
-            if server_limit is not None and sample.num_tokens > server_limit:
-                raise RowError(
-                    f"{sample.num_tokens} tokens, more than the {server_limit} the SGLang server accepts (the job's "
-                    f"max_length {spec.max_length} is above its limit: submit with max_length at most {server_limit})",
-                    row=number, sample_id=sample_id, kind="server_limit",
-                )  # fmt: skip
-        except RowError as err:
-            _row_failed(store, report, events, err)
-            continue
-        except LayertapError:
-            raise
-        except Exception as exc:  # a bug met on one row: reported as such, and the run goes on
-            log.exception("row %d: unexpected error while preparing it", number)
-            reason = f"unexpected {type(exc).__name__}: {exc}"
-            _row_failed(store, report, events, RowError(reason, row=number, kind="internal"))
-            continue
-        report.truncated += sample.truncated
-        yield sample
-
-
-def stale_samples(
-    spec: ExtractionSpec,
-    records: Mapping[str, SampleRecord],
-    *,
-    start: int = 0,
-    stop: int | None = None,
-    duplicates: Mapping[int, int] | None = None,
-) -> Iterator[tuple[SampleRecord, str]]:
-    """Each of ``records`` of rows ``[start, stop)`` that its row no longer gives, with why: the row re-tokenized as
-    ``spec`` tokenizes it (a truncated sample at its stored length), compared with the record (id, ``input_ids``
-    hash, loss-mask runs). A dataset regenerated with the same row count (an edited turn, a new system prompt, a
-    template fix) changes exactly these; a row that now fails (unreadable, a repeated or other id, no longer
-    tokenizes, over ``max_length``) no longer gives its sample either. The one test of what resume retires and
-    redoes (`run_shard`) and of what ``verify --data`` reports."""
-    by_row: dict[int, list[SampleRecord]] = {}
-    for rec in records.values():
-        if rec.index >= start and (stop is None or rec.index < stop):
-            by_row.setdefault(rec.index, []).append(rec)
-    if not by_row:
-        return
-    duplicates = duplicates or {}
-    chat = chat_tokenizer(spec)
-    for number, row in iter_rows(spec.data, start=start, stop=stop):
-        for rec in by_row.pop(number, []):
-            if (why := _why_stale(chat, spec, number, row, rec, duplicates)) is not None:
-                yield rec, why
-    for rec in (rec for recs in by_row.values() for rec in recs):
-        yield rec, f"row {rec.index} is not in {spec.data}"
-
-
-def _why_stale(
-    chat: ChatTokenizer, spec: ExtractionSpec, number: int, row: Row, rec: SampleRecord, duplicates: Mapping[int, int]
-) -> str | None:
-    """Why row ``number`` no longer gives ``rec`` (None: it does)."""
-    at = spec.model_copy(update={"max_length": rec.num_tokens}) if rec.truncated else spec
-    try:
-        sample_id = row_sample_id(number, row, duplicates)
-        sample = tokenize_row(chat, at, number, row, sample_id)
-    except RowError as err:
-        return f"row {number} of {spec.data} no longer gives a sample: {err.reason}"
-    except LayertapError:
-        raise
-    except Exception as exc:  # a bug met on this row: reported as its error when the run tokenizes it again
-        return f"row {number} of {spec.data} fails: unexpected {type(exc).__name__}: {exc}"
-    if sample_id != rec.sample_id:
-        return f"row {number} of {spec.data} has the id {sample_id!r} now"
-    if not rec.describes(sample):
-        return f"row {number} of {spec.data} gives other tokens or another loss mask than the stored sample"
-    return None
-
-
-def row_sample_id(number: int, row: Row | RowError, duplicates: Mapping[int, int]) -> str:
-    """The id of row ``number``; raises RowError for an unreadable row or a repeated id (the first row keeps it)."""
-    if isinstance(row, RowError):
-        raise row
-    sample_id = sample_id_of(number, row)
-    if (first := duplicates.get(number)) is not None:
-        raise RowError(
-            f"duplicate id {sample_id!r}: row {first} has it first and is the one kept",
-            row=number,
-            sample_id=sample_id,
-            kind="duplicate_id",
-        )
-    return sample_id
-
-
-def tokenize_row(chat: ChatTokenizer, spec: ExtractionSpec, number: int, row: Row, sample_id: str) -> TokenizedSample:
-    """One row -> its sample under ``spec``'s length limit; raises RowError."""
-    parsed: ParsedRow = parse_row(number, row)
-    sample = chat.tokenize(number, sample_id, parsed, max_length=spec.max_length, overlong=spec.overlong)
-    check_loss_mask(parsed, sample)
-    return sample
 
 
 def _row_failed(store: OutputStore, report: RunReport, events: ShardEvents, err: RowError) -> None:
@@ -454,14 +333,18 @@ def run_shard(
     attempts: int = 1,
     check_level: CheckLevel = "full",
     commit_threads: int = 8,
+    folder: ModelFolder | None = None,
 ) -> RunReport:
-    """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``.
+    """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``, as the row planner plans them
+    (`RowPlanner.plan`, one stream of the dataset; ``folder`` is the model folder as the caller read it, else read
+    here).
 
-    Committed samples whose files re-check clean at ``check_level`` are skipped; bad rows (duplicate ids
-    as the planner's scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log (and told to ``events``).
-    Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are kept within the engine's
-    limit (`within_engine_limit`); under a ``max_length`` above it, each longer row is its own error. Does not
-    finalize.
+    Committed samples whose files re-check clean at ``check_level`` and whose rows still give them are skipped;
+    those their rows no longer give are retired (their rows done again); bad rows (duplicate ids as the planner's
+    scan recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error
+    log (and told to ``events``). Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows
+    are kept within the engine's limit (`within_engine_limit`); under a ``max_length`` above it, each longer row
+    is its own error. Does not finalize.
     """
     server_limit = None
     try:
@@ -476,27 +359,45 @@ def run_shard(
     if "computes" in report.engine and (differ := store.note_server(report.engine, (start, end))):
         raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
-    duplicates = load_duplicates(store.root)
-    stale = list(stale_samples(spec, done, start=start, stop=stop, duplicates=duplicates))
-    if stale:
-        log.warning(
-            "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
-            "were stored): retiring them and doing their rows again, e.g. %s",
-            len(stale), "; ".join(f"{rec.sample_id}: {why}" for rec, why in stale[:3]),
-        )  # fmt: skip
-    for rec, _ in stale:
-        store.retire(rec)
-        del done[rec.sample_id]
-    report.changed = [rec.sample_id for rec, _ in stale]
-    report.already_done = len(done)
-    log.info("rows %d-%d: %d samples already done and checked (%s), %d retired", start, end, len(done), check_level,
-             len(stale))  # fmt: skip
+    report.already_done = len(done)  # less what the planner finds changed, as it goes
+    log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), check_level)
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    samples = tokenized_samples(spec, store, done, report, start=start, stop=stop, events=events, duplicates=duplicates,
-                                server_limit=server_limit)  # fmt: skip
+    planner = RowPlanner(
+        spec, folder or ModelFolder.read(spec.model), duplicates=load_duplicates(store.root), server_limit=server_limit
+    )
+    why: list[str] = []
+    samples = _to_capture(planner.plan(done, start=start, stop=stop), store, report, events, why)
     _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     report.stopped = not events.keep_going()
+    if report.changed:
+        log.warning(
+            "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
+            "were stored): retired them and did their rows again, e.g. %s",
+            len(report.changed), "; ".join(why[:3]),
+        )  # fmt: skip
     return report
+
+
+def _to_capture(
+    planned: Iterator[PlannedRow], store: OutputStore, report: RunReport, events: ShardEvents, why: list[str]
+) -> Iterator[TokenizedSample]:
+    """The samples to capture of ``planned``; a changed record is retired (why it changed added to ``why``), a
+    row's error recorded, as met."""
+    for item in planned:
+        if item.status == "changed":
+            assert item.record is not None
+            store.retire(item.record)
+            report.changed.append(item.record.sample_id)
+            why.append(f"{item.record.sample_id}: {item.why}")
+            report.already_done -= 1
+            events.retired(item.record)
+        elif item.status == "error":
+            assert item.error is not None
+            _row_failed(store, report, events, item.error)
+        elif item.status == "todo":
+            assert item.sample is not None
+            report.truncated += item.sample.truncated
+            yield item.sample
 
 
 def run_extraction(
@@ -507,7 +408,8 @@ def run_extraction(
     progress: ProgressSink | None = None,
     check_level: CheckLevel = "full",
 ) -> RunReport:
-    """Run (or resume) a whole extraction in this process and finalize the store."""
+    """Run (or resume) a whole extraction in this process and finalize the store; the model folder is read once, and
+    after the dataset's scan (`scan_dataset`: row count, duplicate ids, content hash) its rows are streamed once."""
     t0 = time.monotonic()
     folder = ModelFolder.read(spec.model)
     folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)  # before any work
@@ -516,11 +418,12 @@ def run_extraction(
     log.info("dataset %s: %d rows, sha256 %s", spec.data, scan.num_rows, scan.sha256)
     engine = engine_factory(capture)
     try:
-        within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
+        kept = within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
         manifest = build_manifest(
             spec,
             capture,
-            hidden_size=folder.hidden_size,
+            folder=folder,
+            effective_max_length=kept.max_length,
             compute_dtype=str(getattr(engine, "dtype", "unknown")).removeprefix("torch."),
             dataset_rows=scan.num_rows,
             dataset_sha256=scan.sha256,
@@ -529,7 +432,7 @@ def run_extraction(
         store = OutputStore.create_or_resume(out, manifest)
         save_duplicates(out, scan)
         store.sweep_temp_files()
-        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level)
+        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level, folder=folder)
         store.finalize(complete=True)
         store.close()
     finally:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layertap.data.scan import scan_dataset
-from layertap.pipeline import stale_samples
+from layertap.models.folder import ModelFolder
+from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import write_training_guide
@@ -99,26 +100,29 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
 
 def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust_remote_code: bool = False) -> None:
     """Add to ``report`` what differs between the store and dataset ``data`` tokenized as the store's run
-    tokenized it (the manifest's model folder, max_length and overlong policy; a truncated sample at its stored
-    length): a stored sample its row no longer gives (`stale_samples`, as a resume retires them), a tokenizer or
-    chat template other than the store's; rows with no sample are counted in a warning (bad rows, or not done
-    yet)."""
+    tokenized it (the manifest's model folder, effective max length and overlong policy; a truncated sample at its
+    stored length): a stored sample its row no longer gives (``changed`` in `RowPlanner.plan`, as a resume retires
+    them), a tokenizer or chat template other than the store's; rows with no sample are counted in a warning (bad
+    rows, or not done yet)."""
     manifest = store.manifest
     model = Path(manifest.model_path)
-    now = model_facts(model)
+    folder = ModelFolder.read(model)
+    now = model_facts(folder)
     for key in ("tokenizer_sha256", "chat_template_sha256"):
         if now[key] != getattr(manifest, key):
             report.problems.append(f"{model}: {key} is {now[key]}, the store was made with {getattr(manifest, key)}")
     spec = ExtractionSpec(model=model, data=data, layers=tuple(manifest.capture_indices), format=manifest.format,
-                          max_length=manifest.max_length, overlong=manifest.overlong,
+                          max_length=manifest.effective_max_length, overlong=manifest.overlong,
                           trust_remote_code=trust_remote_code)  # fmt: skip
     scan = scan_dataset(data)
     if scan.sha256 != manifest.dataset_sha256:
         report.warnings.append(f"{data} (sha256 {scan.sha256[:12]}) is not the dataset the manifest names "
                                f"({manifest.dataset_path}, sha256 {str(manifest.dataset_sha256)[:12]})")  # fmt: skip
     records = store.records()
-    stale = stale_samples(spec, records, duplicates=scan.duplicates)
-    report.problems += [f"{rec.file} ({rec.sample_id}): {why}" for rec, why in stale]
+    planned = RowPlanner(spec, folder, duplicates=scan.duplicates).plan(records, unrecorded=False)
+    report.problems += [
+        f"{p.record.file} ({p.record.sample_id}): {p.why}" for p in planned if p.status == "changed" and p.record
+    ]
     unstored = scan.num_rows - len({r.index for r in records.values() if r.index < scan.num_rows})
     if unstored:
         report.warnings.append(f"{unstored} rows of {data} have no stored sample (bad rows, or not done yet)")

@@ -30,6 +30,7 @@ from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
 from layertap.state.shards import FinalizeAttempt, ShardAttempt, publish_input_limit
 from layertap.state.views import job_errors
+from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
 from worker.engines import EngineCache
@@ -78,6 +79,10 @@ class RedisEvents:
         self.metrics.committed.inc()
         self.metrics.tokens.inc(sample.num_tokens)
         self.job_state = self.attempt.sample_done(sample.num_tokens)
+
+    def retired(self, record: SampleRecord) -> None:
+        self.already_tokens -= record.num_tokens
+        self.job_state = self.attempt.sample_retired(record.num_tokens)
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         self.metrics.failed.inc()

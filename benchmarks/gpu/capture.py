@@ -23,7 +23,7 @@ from benchmarks.harness import GPU_COMMON, log, plain_rate, prompts, sglang_pyth
 from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import ServerConfig, SGLangServer
-from layertap.models.folder import model_dims
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.manifest import build_manifest
@@ -138,12 +138,13 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
                           store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
-    num_layers, hidden = model_dims(bench.model)
-    cap = spec.resolve(num_layers)
+    folder = ModelFolder.read(bench.model)
+    cap = spec.resolve(folder.num_layers)
     writer: list[dict[str, float]] = []
     engine = SGLangEngine(bench.server, cap, model=bench.model, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
                           on_writer=writer.append)  # fmt: skip
-    manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
+                              compute_dtype="bfloat16", dataset_rows=len(batch),
                               dataset_sha256=dataset_sha256(data),
                               engine=engine.describe())  # fmt: skip
     store_root = root / f"store-{tag}"

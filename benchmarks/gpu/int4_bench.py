@@ -69,7 +69,8 @@ def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Pat
     folder = ModelFolder.read(model)
     cap = spec.resolve(folder.num_layers)
     engine = SGLangEngine(server, cap, model=model, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
-    manifest = build_manifest(spec, cap, hidden_size=folder.hidden_size, compute_dtype="bfloat16",
+    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
+                              compute_dtype="bfloat16",
                               dataset_rows=sum(1 for _ in data.open()), dataset_sha256=dataset_sha256(data),
                               engine=engine.describe())  # fmt: skip
     store = OutputStore.create_or_resume(out, manifest)

@@ -39,7 +39,7 @@ from benchmarks.harness import GPU_COMMON, log, prompts, sglang_python, smoke_ar
 from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import ServerConfig, SGLangServer
-from layertap.models.folder import model_dims
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.manifest import build_manifest
@@ -127,11 +127,12 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     data = root / f"data-{tag}.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
-    num_layers, hidden = model_dims(model)
-    cap = spec.resolve(num_layers)
+    folder = ModelFolder.read(model)
+    cap = spec.resolve(folder.num_layers)
     engine = SGLangEngine(server, cap, model=model, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
                           allow_dummy_weights=True)  # fmt: skip
-    manifest = build_manifest(spec, cap, hidden_size=hidden, compute_dtype="bfloat16", dataset_rows=len(batch),
+    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
+                              compute_dtype="bfloat16", dataset_rows=len(batch),
                               dataset_sha256=dataset_sha256(data),
                               engine=engine.describe())  # fmt: skip
     store = FinishTimes.create_or_resume(root / f"store-{tag}", manifest)

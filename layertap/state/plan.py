@@ -96,7 +96,8 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
     manifest = build_manifest(
         resolved.extraction(),
         capture,
-        hidden_size=folder.hidden_size,
+        folder=folder,
+        effective_max_length=spec.max_length,  # its workers' servers are not known yet
         compute_dtype=folder.dtype,
         dataset_rows=scan.num_rows,
         dataset_sha256=scan.sha256,

@@ -67,6 +67,15 @@ redis.call('HINCRBY', KEYS[3], ARGV[3] .. ':tokens', ARGV[2])
 return job_state
 """)
 
+# KEYS: job, shard. ARGV: token, tokens. Returns the job state, or 'lost'.
+SAMPLE_RETIRED = _script("""
+local job_state = redis.call('HGET', KEYS[1], 'state') or 'missing'
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[1] then return 'lost' end
+redis.call('HINCRBY', KEYS[2], 'done', -1)
+redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
+return job_state
+""")
+
 # KEYS: job, shard, errors. ARGV: token, row, failure JSON. Returns the job state, or 'lost'.
 SAMPLE_FAILED = _script("""
 local job_state = redis.call('HGET', KEYS[1], 'state') or 'missing'

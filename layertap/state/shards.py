@@ -2,7 +2,7 @@
 
 An attempt is named by its token (given when the shard was dispatched). The order is: ``claim`` ->
 ``start`` (counters set from what the store already holds) -> ``sample_done`` / ``sample_failed``
-after each commit or failure (the file is in place before Redis hears of it) -> ``complete`` (or
+after each commit or failure (``sample_retired`` before the row of a sample it no longer gives) (the file is in place before Redis hears of it) -> ``complete`` (or
 ``release`` / ``fail``). ``heartbeat`` keeps the lease alive from a side thread meanwhile.
 """
 
@@ -60,6 +60,14 @@ class ShardAttempt:
             [k.job(self.job_id), k.shard(self.job_id, self.shard), k.job_workers(self.job_id)],
             [self.token, tokens, self.worker],
             client=self.redis,
+        )
+
+    def sample_retired(self, tokens: int) -> str:
+        """Uncount one sample that ``start`` counted done and its row no longer gives (it is about to be done again,
+        or fail); returns the job state, or ``lost``."""
+        k = self.keys
+        return scripts.SAMPLE_RETIRED(
+            [k.job(self.job_id), k.shard(self.job_id, self.shard)], [self.token, tokens], client=self.redis
         )
 
     def sample_failed(self, failure: SampleFailure) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from layertap import __version__
 from layertap.errors import StoreError
@@ -24,8 +24,11 @@ CONVENTION_TEXT = (
 )
 # Fields that may legitimately differ between the run that created a store and one resuming it.
 # The dataset's content hash is one of them: a resume re-tokenizes every row and recomputes the samples whose
-# tokens or loss mask changed (`pipeline.stale_samples`), so the manifest names the dataset the store now holds.
-_RUNTIME_FIELDS = {"engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers"}
+# tokens or loss mask changed (`row_plan.RowPlanner`), so the manifest names the dataset the store now holds. So is
+# the effective max length: a resume on a server with another input limit re-plans every row under its own.
+_RUNTIME_FIELDS = {
+    "engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers", "effective_max_length"
+}  # fmt: skip
 
 
 class Manifest(BaseModel):
@@ -53,6 +56,11 @@ class Manifest(BaseModel):
     final_post_norm: bool
     final_pre_norm: bool
     max_length: int | None
+    # The length rows were kept within: max_length, or the engine's input limit below it (an SGLang server's, a few
+    # tokens below its context length); None with neither. A store made before it was recorded has max_length's
+    # value here; so has a job's (planned before its workers' servers are known: a worker keeps a job without
+    # max_length within its own server's limit, and its truncated samples' records say so).
+    effective_max_length: int | None = None
     overlong: str
     dataset_path: str
     dataset_rows: int
@@ -63,6 +71,14 @@ class Manifest(BaseModel):
     servers: list[dict[str, Any]] = []
     complete: bool = False
     samples_committed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _effective_max_length_of_old_stores(cls, data: Any) -> Any:
+        """A manifest written before ``effective_max_length`` was recorded: its ``max_length``."""
+        if isinstance(data, dict) and "effective_max_length" not in data:
+            return {**data, "effective_max_length": data.get("max_length")}
+        return data
 
     def identity(self) -> dict[str, Any]:
         return self.model_dump(exclude=_RUNTIME_FIELDS)
@@ -82,11 +98,10 @@ def files_sha256(root: Path, names: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
-def model_facts(model_dir: Path) -> dict[str, Any]:
+def model_facts(folder: ModelFolder) -> dict[str, Any]:
     """Hashes that pin the exact model, tokenizer (every file it loads: `ModelFolder.tokenizer_files`) and chat
     template a store was made with, and how the model's weights are quantized."""
-    config = json.loads((model_dir / "config.json").read_text())
-    folder = ModelFolder.read(model_dir)
+    model_dir, config = folder.path, folder.config
     tok_cfg_path = model_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     template = tok_cfg.get("chat_template")
@@ -106,19 +121,21 @@ def build_manifest(
     spec: ExtractionSpec,
     capture: CaptureSpec,
     *,
-    hidden_size: int,
+    folder: ModelFolder,
+    effective_max_length: int | None,
     compute_dtype: str,
     dataset_rows: int,
     dataset_sha256: str | None,
     engine: dict[str, Any],
 ) -> Manifest:
-    """The manifest of a new run from its spec, the resolved capture and model facts."""
+    """The manifest of a new run from its spec, the resolved capture and the facts of its model ``folder``; rows are
+    kept within ``effective_max_length`` (`pipeline.within_engine_limit`)."""
     return Manifest(
         format=spec.format,
         model_path=str(spec.model.resolve()),
         compute_dtype=compute_dtype,
         store_dtype=spec.store_dtype,
-        hidden_size=hidden_size,
+        hidden_size=folder.hidden_size,
         num_layers=capture.num_layers,
         layer_ids_given=list(capture.given_ids),
         layer_convention=capture.convention,
@@ -126,12 +143,13 @@ def build_manifest(
         final_post_norm=capture.final_post,
         final_pre_norm=capture.final_pre,
         max_length=spec.max_length,
+        effective_max_length=effective_max_length,
         overlong=spec.overlong,
         dataset_path=str(spec.data.resolve()),
         dataset_rows=dataset_rows,
         dataset_sha256=dataset_sha256,
         engine=engine,
-        **model_facts(spec.model),
+        **model_facts(folder),
     )
 
 

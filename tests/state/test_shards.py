@@ -48,7 +48,8 @@ def test_counts_are_exact_and_a_requeued_attempt_can_no_longer_move_state(redis_
     tokens = new_job(redis_client)
     attempt = ShardAttempt(redis_client, KEYS, "j1", 0, tokens[0], "w1")
     attempt.claim(10_000)
-    assert attempt.start(done=3, tokens=300)  # three samples were already in the store
+    assert attempt.start(done=4, tokens=400)  # four samples were already in the store
+    assert attempt.sample_retired(100) == "running"  # one of them its row no longer gives
     assert attempt.sample_done(40) == "running"
     bad = SampleFailure(row=7, sample_id="s7", reason="non-finite values", kind="capture")
     assert attempt.sample_failed(bad) == "running"
@@ -61,6 +62,7 @@ def test_counts_are_exact_and_a_requeued_attempt_can_no_longer_move_state(redis_
     redis_client.delete(KEYS.lease("j1", 0))
     resume_job(redis_client, KEYS, "j1", lambda *_: None, lease_ms=1000)
     assert attempt.sample_done(40) == "lost"
+    assert attempt.sample_retired(40) == "lost"
     assert attempt.complete(done=10, tokens=1, failed=0, lease_ms=1000) == "lost"
     assert not renew_lease(redis_client, KEYS, "j1", 0, tokens[0], 1000)
     assert redis_client.hget(KEYS.shard("j1", 0), "done") == "4"

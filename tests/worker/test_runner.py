@@ -1,15 +1,21 @@
 """``WorkerContext`` in this process (no Celery): a shard attempt end to end, and a finalize that fails
 and is sent again by the watchdog. Real Redis, real store, the HF engine."""
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
+from layertap.engines.hf import HFEngine
+from layertap.pipeline import run_shard
 from layertap.state.jobs import create_job, reap
 from layertap.state.keys import FINALIZE_TASK, Keys
 from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
+from layertap.state.shards import ShardAttempt
 from layertap.state.views import job_view
+from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from worker.config import WorkerSettings
@@ -127,3 +133,36 @@ def test_a_worker_starts_its_engine_before_it_claims_a_shard(context, tiny_llama
     [(_, second)] = sent[1:]
     assert second[2] != first[2] and context.run_shard(*second) in ("done", "finalized")
     assert job_view(redis_client, keys, "je").samples_done == 6
+
+
+def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_once(
+    context, tiny_llama, tmp_path, redis_client, monkeypatch
+):
+    rows = conversation_rows(8, seed=6, max_words=15)
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jc")
+    store = OutputStore.open_existing(planned.spec.out)
+    run_shard(planned.spec.extraction(), store, HFEngine(tiny_llama, planned.spec.resolve(6)))  # an earlier attempt's
+    store.close()
+    rows[4]["messages"][-1]["content"] += " edited"
+    write_jsonl(data, rows)
+    keys = Keys()
+    create_job(redis_client, keys, "jc", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+    reap(redis_client, keys, lambda task, args: sent.append((task, args)), queue_len=0, queued_grace_ms=0, lease_ms=1)
+    [(_, args)] = sent
+    counts: list[str] = []  # the shard's done count in Redis after each commit
+    sample_done = ShardAttempt.sample_done
+
+    def counted(attempt: ShardAttempt, tokens: int) -> str:
+        state = sample_done(attempt, tokens)
+        counts.append(redis_client.hget(keys.shard("jc", 0), "done"))
+        return state
+
+    monkeypatch.setattr(ShardAttempt, "sample_done", counted)
+    assert context.run_shard(*args) == "finalized"
+    assert counts == [str(len(rows))]  # the redone sample takes the retired one's place: never 9 of 8
+    report = json.loads(max((planned.spec.out / "reports").glob("run-*.json"), key=os.path.getmtime).read_text())
+    assert (report["changed"], report["computed"], report["already_done"]) == (["conv-4"], ["conv-4"], len(rows) - 1)
+    assert job_view(redis_client, keys, "jc").samples_done == len(rows)

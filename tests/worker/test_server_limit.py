@@ -1,6 +1,8 @@
 """A job's max_length above the prompt limit of the workers' SGLang servers: before any worker has said its
 server's limit the job is accepted and only its longer rows fail, each with its own error (the shard completes);
-once a worker has said it, the coordinator refuses such a job at submit, naming both numbers."""
+once a worker has said it, the coordinator refuses such a job at submit, naming both numbers. A run without
+max_length keeps its rows within the server's limit, records it in the manifest, and `verify --data` judges rows by
+it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ import httpx
 import pytest
 
 from layertap.engines.server_facts import ServerFacts
+from layertap.engines.sglang import SGLangEngine
+from layertap.engines.sglang_server import SGLangServer
+from layertap.pipeline import run_extraction
+from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.state.shards import input_limit
+from layertap.store.manifest import read_manifest
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.service_fixtures import wait_for
@@ -67,3 +74,39 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
              what="the killed worker's record to expire")  # fmt: skip
     with cluster.api() as api:
         assert api.post("/jobs", json=body).status_code == 201
+
+
+@pytest.mark.sglang
+def test_a_run_records_the_servers_limit_as_its_effective_max_length_and_verify_judges_rows_by_it(
+    sglang_servers, tiny_llama, tmp_path
+) -> None:
+    server = sglang_servers(tiny_llama, layers=LAYERS, extra_args=("--context-length", str(CONTEXT)))
+    rows = conversation_rows(6, seed=8, max_words=18)
+    long = "state " * (CONTEXT + 50)  # over the server's limit, within the model's context (4096)
+    rows[2]["messages"][-1]["content"] = long
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, overlong="skip")  # no max_length
+
+    def engine(capture: CaptureSpec) -> SGLangEngine:
+        return SGLangEngine(SGLangServer(url=server.url), capture, model=tiny_llama, dump_root=server.dump_root,
+                            job="limit")  # fmt: skip
+
+    out = tmp_path / "out"
+    first = run_extraction(spec, out, engine)
+    limit = ServerFacts.from_info(
+        server.url, httpx.get(f"{server.url}/server_info", timeout=30).json()
+    ).max_input_tokens
+    assert limit is not None and limit < CONTEXT
+    assert (read_manifest(out).effective_max_length, read_manifest(out).max_length) == (limit, None)
+    assert first.skipped_overlong == 1 and len(first.computed) == len(rows) - 1
+
+    rows[4]["messages"][-1]["content"] = long  # a stored row grown past the limit: the run would skip it now
+    write_jsonl(data, rows)
+    check = verify_store(out, data=data)
+    assert len(check.problems) == 1 and "(conv-4): row 4 of" in check.problems[0], check.problems
+    assert "no longer gives a sample: longer than max_length (" in check.problems[0]
+    assert f" > {limit} tokens)" in check.problems[0]
+
+    resumed = run_extraction(spec, out, engine)  # what verify said is what the resume retires
+    assert resumed.changed == ["conv-4"] and resumed.skipped_overlong == 2 and resumed.computed == []  # rows 2, 4
+    assert verify_store(out, data=data).ok
