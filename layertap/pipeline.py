@@ -473,8 +473,8 @@ def run_shard(
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
     report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
-    if "computes" in report.engine and (differ := store.note_server(report.engine, (start, end))):
-        raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
+    if (server := engine.provenance) is not None and (differ := store.note_server(server, (start, end))):
+        raise ServerError(f"refusing the SGLang server at {server.url}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
     duplicates = load_duplicates(store.root)
     stale = list(stale_samples(spec, done, start=start, stop=stop, duplicates=duplicates))
@@ -521,7 +521,7 @@ def run_extraction(
             spec,
             capture,
             hidden_size=folder.hidden_size,
-            compute_dtype=str(getattr(engine, "dtype", "unknown")).removeprefix("torch."),
+            compute_dtype=engine.compute_dtype,
             dataset_rows=scan.num_rows,
             dataset_sha256=scan.sha256,
             engine=engine.describe(),
