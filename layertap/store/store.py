@@ -97,22 +97,17 @@ class OutputStore:
             truncated=sample.truncated,
         )
         dest = self.root / record.file
-        if captured.source is not None and self._can_adopt(captured):
-            written = move_into_place(captured.source.path, dest, captured.source.data)
+        ready = captured.source
+        if ready is not None and ready.format == self.format.name and captured.aux.dtype == torch_dtype(self.layout):
+            # Already what this store would write: renamed, hashed from the bytes the engine checked (the plugin does
+            # not hash: its writers share SGLang's GIL).
+            written = move_into_place(ready.path, dest, ready.data)
         else:
             written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
         record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
         self._log(TOKEN_FREQ_DIR).append(count_line(sample, record.ids_sha256))  # counted as committed
         self._log(INDEX_DIR).append(record.to_json())
         return record
-
-    def _can_adopt(self, captured: CapturedSample) -> bool:
-        """Whether the captured sample's file is already exactly what this store would write."""
-        return (
-            captured.source is not None
-            and captured.source.format == self.format.name
-            and captured.aux.dtype == torch_dtype(self.layout)
-        )
 
     def retire(self, record: SampleRecord) -> None:
         """Take a committed sample out of the store (its row no longer gives it): the retirement is logged, then
