@@ -365,7 +365,7 @@ def _read_states_file(path: Path, meta: DumpMeta, load_tensors: bool) -> Dump:
     data = _map(path)
     try:
         if meta.layout == SPECFORGE:
-            tensors = torch.load(data, weights_only=True)  # type: ignore[arg-type]  # file-like: no second open
+            tensors = torch.load(data, weights_only=True)  # the map as a file: no second open
             if not isinstance(tensors, dict):
                 raise ValueError(f"it holds a {type(tensors).__name__}, not a dict of tensors")
             found = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}

@@ -119,11 +119,12 @@ class SGLangEngine(Engine):
             raise
 
     @property
-    def provenance(self) -> ServerFacts:  # type: ignore[override]  # always a server here
+    def provenance(self) -> ServerFacts:
+        """The server's facts as read and checked on attach (a restart must keep its settings: `_checked_facts`)."""
         return self.facts
 
     @property
-    def compute_dtype(self) -> str:  # type: ignore[override]
+    def compute_dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
         makes of the model folder's own dtype (the server serves ``model``: checked)."""
         return sglang_compute_dtype(self.facts.dtype, ModelFolder.read(self.expected.model).dtype)
