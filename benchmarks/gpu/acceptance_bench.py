@@ -320,7 +320,7 @@ def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
     # would be compiled first on a GPU and has no backward on a CPU), and without an accelerator DDP (FSDP refuses
     # the CPU).
     config["training"] |= {"num_epochs": run.sizes.drafter_epochs, "learning_rate": run.sizes.drafter_lr,
-                           "log_interval": 1 if run.smoke else 50, "seed": run.seed, "attention_backend": "sdpa"}  # fmt: skip
+                           "batch_size": run.sizes.drafter_batch, "log_interval": 1 if run.smoke else 50, "seed": run.seed, "attention_backend": "sdpa"}  # fmt: skip
     if run.smoke:
         config["training"]["fsdp_sharding"] = "NO_SHARD"
     config["output_dir"] = str(folder / "specforge-run")
@@ -423,11 +423,12 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def stage_serve(run: Run) -> None:
-    """The servers start one after another, each taking its share of the GPU, then each is measured alone and
-    stopped. Not all at once: SGLang 0.5.14 sizes its KV cache from the memory it sees free while it starts, so a
-    server starting beside others loading their weights is refused (seen on the H200 with `--probe`: "Loaded weights
-    leave no GPU memory for the KV cache under --mem-fraction-static=0.13"), while five EAGLE3 servers came up.
-    A smoke run serves no drafter (CPU_NO_SPECULATIVE)."""
+    """One server at a time: started with most of the GPU, measured, stopped. A server already measured in this work
+    folder (its ``serve/NAME.json``) is not served again, so a call that ran out of time is continued by the next.
+    Not side by side: SGLang 0.5.14 sizes its KV cache from the memory it sees free while it starts, so a server
+    starting beside others loading their weights is refused (seen on the H200 with `--probe`: "Loaded weights leave
+    no GPU memory for the KV cache under --mem-fraction-static=0.13"). A smoke run serves no drafter
+    (CPU_NO_SPECULATIVE)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.path("target"))
@@ -436,20 +437,19 @@ def stage_serve(run: Run) -> None:
                                              return_dict=False) for r in rows]  # fmt: skip
     run.path("serve").mkdir(exist_ok=True)
     names = [NO_DRAFTER, *([] if run.smoke else run.arms)]
-    servers: dict[str, SGLangServer] = {}
-    try:
-        for name in names:
-            servers[name] = launch_server(run, name, 0.8 / len(names))
-            servers[name].wait_ready()
-        log("serve: every server is up")
-        for name, server in servers.items():
+    for name in names:
+        result_path = run.path("serve", f"{name.replace(' ', '-')}.json")
+        if result_path.exists():
+            log(f"serve {name}: measured before in {run.work}, kept")
+            continue
+        server = launch_server(run, name, 0.8)
+        try:
+            server.wait_ready()
             result = measure(run, name, server, prompts)
+        finally:
             server.stop()
-            run.path("serve", f"{name.replace(' ', '-')}.json").write_text(json.dumps(result, indent=1))
-            log(f"serve {name}: " + json.dumps({k: v for k, v in result.items() if k != "accept_lengths"}))
-    finally:
-        for server in servers.values():
-            server.stop()
+        result_path.write_text(json.dumps(result, indent=1))
+        log(f"serve {name}: " + json.dumps({k: v for k, v in result.items() if k != "accept_lengths"}))
     run.done("serve", {"arms": names})
 
 
@@ -529,7 +529,7 @@ def stage_report(run: Run) -> None:
 
 def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stages", nargs="*", choices=[*STAGES, "all"], default=["all"])
+    ap.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)}, or all (the default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-acceptance"))
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, this machine's CPU SGLang and SpecForge")
@@ -543,6 +543,8 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
     ap.add_argument("--out", type=Path, default=None, help="report (default: benchmarks/results/gpu_acceptance.md; "
                     "smoke: WORK/acceptance.md)")  # fmt: skip
     args = ap.parse_args(argv)
+    if unknown_stages := [s for s in args.stages if s not in (*STAGES, "all")]:
+        ap.error(f"unknown stages {unknown_stages}; known: {', '.join(STAGES)}, all")
     import sysconfig
 
     smoke = args.cpu_smoke
@@ -559,7 +561,7 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str], str]:
               sglang_python=args.sglang_python or sglang_python(smoke),
               trainers_python=args.trainers_python or (TRAINERS_PYTHON if smoke else Path(sys.executable)),
               in_flight=args.in_flight or (2 if smoke else 16), out=out)  # fmt: skip
-    stages = list(STAGES) if "all" in args.stages else [s for s in STAGES if s in args.stages]
+    stages = list(STAGES) if not args.stages or "all" in args.stages else [s for s in STAGES if s in args.stages]
     return run, stages, args.responses
 
 
