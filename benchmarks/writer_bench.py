@@ -41,8 +41,9 @@ from safetensors.torch import save as safetensors_bytes
 from torch.utils.serialization import config as serialization_config
 
 from layertap.engines.base import Engine
+from layertap.engines.sglang import captured_from_dump
 from layertap.pipeline import run_shard
-from layertap.sample import CapturedSample, SampleFile, TokenizedSample
+from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
@@ -62,7 +63,6 @@ from sglang_patch.sample_files import (
     specforge_tensors,
     speculators_tensors,
     stack_aux_final,
-    unpack_sample,
     write_safetensors,
 )
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, write_tensors_file
@@ -218,8 +218,8 @@ def beside_loop(states: dict[str, torch.Tensor], folder: Path, dumps: int) -> li
 
 
 class DumpEngine(Engine):
-    """Hands out the plugin's dumps as the SGLang engine does once a reply came: read the dump (its
-    tensors memory-mapped), take the file and the writer's sha256 as the sample's source."""
+    """Hands out the plugin's dumps as the SGLang engine does once a reply came: the dump read once (its tensors
+    views of the mapped file) and its file handed over to be renamed (`captured_from_dump`)."""
 
     def __init__(self, root: Path, rids: dict[str, str]) -> None:
         self.spec = resolve_capture(list(LAYERS), convention="capture", num_layers=len(LAYERS) + 2, final="post")
@@ -227,10 +227,7 @@ class DumpEngine(Engine):
 
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample]:
         for s in samples:
-            dump = read_dump(dump_dir(self.root, self.rids[s.sample_id]))
-            views = unpack_sample(SPECFORGE, dump.tensors, len(LAYERS))
-            source = SampleFile(dump.path / dump.meta.file, SPECFORGE)
-            yield CapturedSample(s, views[AUX], views[FINAL_TENSORS["post"]], None, source=source)
+            yield captured_from_dump(read_dump(dump_dir(self.root, self.rids[s.sample_id])), s, self.spec)
 
     def describe(self) -> dict:
         return {"name": "plugin dumps"}

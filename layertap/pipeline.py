@@ -356,8 +356,8 @@ def run_shard(
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
     shard = None if (start, stop) == (0, None) else (start, stop)
     report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
-    if "computes" in report.engine and (differ := store.note_server(report.engine, (start, end))):
-        raise ServerError(f"refusing the SGLang server at {report.engine['url']}: " + "; ".join(differ))
+    if (server := engine.provenance) is not None and (differ := store.note_server(server, (start, end))):
+        raise ServerError(f"refusing the SGLang server at {server.url}: " + "; ".join(differ))
     done = verified_done(store, check_level, report, start=start, stop=stop)
     report.already_done = len(done)  # less what the planner finds changed, as it goes
     log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), check_level)
@@ -424,7 +424,7 @@ def run_extraction(
             capture,
             folder=folder,
             effective_max_length=kept.max_length,
-            compute_dtype=str(getattr(engine, "dtype", "unknown")).removeprefix("torch."),
+            compute_dtype=engine.compute_dtype,
             dataset_rows=scan.num_rows,
             dataset_sha256=scan.sha256,
             engine=engine.describe(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +30,15 @@ class TokenizedSample:
 
 @dataclass(frozen=True, slots=True)
 class SampleFile:
-    """A file already holding a sample in a store format (written so by the SGLang plugin)."""
+    """A file already holding a sample in a store format (written so by the SGLang plugin), read and checked
+    once by the engine (`sglang_patch.contract.read_dump`): ``data`` is its bytes as read then, which the store
+    hashes as it renames the file (or writes across filesystems), so the file is not read again; ``loss_mask``
+    [T] is the mask a specforge file holds, checked against the sample's."""
 
     path: Path
     format: str
+    data: mmap.mmap
+    loss_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

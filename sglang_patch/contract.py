@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import pickle
 import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -258,68 +260,153 @@ class DumpMeta:
         """Name of the file holding this dump's tensors."""
         return LAYOUT_FILES[self.layout]
 
-    def expected_tensors(self) -> tuple[str, dict[str, tuple[str, list[int]]]] | None:
-        """(ids tensor name, {tensor name: (safetensors dtype code, shape)}) of a safetensors layout;
-        None for specforge (a torch.save zip that only torch reads)."""
+    def sample_layout(self) -> SampleLayout:
+        """The layout of this "ok" dump's file; DumpError when meta.json leaves it undefined."""
         if self.dtype not in _SAFETENSORS_DTYPES or self.hidden_size is None:
             raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
-        code, t, h, k = _SAFETENSORS_DTYPES[self.dtype], self.num_tokens, self.hidden_size, len(self.layers)
+        return SampleLayout(self.layout, self.layers, self.finals, self.dtype, self.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLayout:
+    """What one sample file holds, defined once for the plugin's dumps and the layertap store: its layout
+    ("states" or a trainer format), capture indices, final states, states dtype (torch's name; FP8 adds float32
+    scales) and width. A dump's comes from its meta.json, a store's from its manifest."""
+
+    layout: str
+    layers: tuple[int, ...]
+    finals: tuple[str, ...]
+    dtype: str
+    hidden_size: int
+
+    @property
+    def file(self) -> str:
+        """Name of a dump's file in this layout."""
+        return LAYOUT_FILES[self.layout]
+
+    @property
+    def ids_key(self) -> str:
+        """The tensor holding the token ids [T]."""
+        return "token_ids" if self.layout == SPECULATORS else INPUT_IDS
+
+    def tensors(self, num_tokens: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{tensor name: (dtype, shape)} of a file of `num_tokens` tokens in this layout."""
+        t, h, k, dtype = num_tokens, self.hidden_size, len(self.layers), self.dtype
         if self.layout == SPECULATORS:
-            expected = {"token_ids": ("I64", [t]), "hidden_states": (code, [t, k + 1, h])}
-            if self.dtype == FP8_DTYPE:  # one scale per token and state (sample_files.quantize_fp8)
-                expected[FP8_SCALES] = ("F32", [t, k + 1, 1])
-            return "token_ids", expected
+            out = {"token_ids": ("int64", (t,)), "hidden_states": (dtype, (t, k + 1, h))}
+            if dtype == FP8_DTYPE:  # one scale per token and state (sample_files.quantize_fp8)
+                out[FP8_SCALES] = ("float32", (t, k + 1, 1))
+            return out
         if self.layout == SPECFORGE:
-            return None
-        expected = {INPUT_IDS: ("I64", [t]), AUX: (code, [t, k, h])}
-        expected.update((FINAL_TENSORS[f], (code, [t, h])) for f in self.finals)
-        return INPUT_IDS, expected
+            return {INPUT_IDS: ("int64", (t,)), "loss_mask": ("int64", (t,)), "hidden_state": (dtype, (1, t, h)),
+                    "aux_hidden_state": (dtype, (1, t, k * h))}  # fmt: skip
+        return {INPUT_IDS: ("int64", (t,)), AUX: (dtype, (t, k, h))} | {
+            FINAL_TENSORS[f]: (dtype, (t, h)) for f in self.finals
+        }
+
+    def problems(self, found: dict[str, tuple[str, tuple[int, ...]]], num_tokens: int) -> list[str]:
+        """Each way `found` ({name: (dtype, shape)} of a file) differs from this layout (empty: it matches)."""
+        expected = self.tensors(num_tokens)
+        if set(found) != set(expected):
+            return [f"keys {sorted(found)} != expected {sorted(expected)}"]
+        out = []
+        for name, (dtype, shape) in expected.items():
+            if tuple(found[name][1]) != shape:
+                out.append(f"{name}: shape {tuple(found[name][1])} != expected {shape}")
+            if found[name][0] != dtype:
+                out.append(f"{name}: dtype {found[name][0]} != expected {dtype}")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class Dump:
-    """A dump folder read back. `tensors` is None for error dumps or when not loaded."""
+    """A dump folder read back. `tensors` is None for error dumps or when not loaded; `data` is the tensors file
+    as read (mapped once, its tensors views of it), for the client to hash and commit without reading it again."""
 
     path: Path
     meta: DumpMeta
     tensors: dict[str, torch.Tensor] | None
+    data: mmap.mmap | None = None
 
 
-def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length)), 8 + length
-
-
-def _check_states_file(path: Path, meta: DumpMeta) -> None:
-    """Shapes and dtypes against `meta`, and the input_ids hash against the raw bytes, stdlib only
-    (a specforge file, a zip only torch reads, is checked for presence here and by its reader)."""
-    if not path.is_file():
-        raise DumpError(f"{path} is missing")
-    expected_layout = meta.expected_tensors()
-    if expected_layout is None:
-        return
-    ids_name, expected = expected_layout
-    header, data_start = _read_safetensors_header(path)
+def _safetensors_entries(data: mmap.mmap) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """{name: (dtype, shape, start, end)} of a safetensors file's bytes, offsets absolute; ValueError (or KeyError,
+    struct.error) when they are not a whole safetensors file."""
+    (length,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + length])
     header.pop("__metadata__", None)
-    found = {name: (info["dtype"], info["shape"]) for name, info in header.items()}
-    if found != expected:
-        raise DumpError(f"{path}: tensors {found} do not match meta.json (expected {expected})")
-    begin, end = header[ids_name]["data_offsets"]
-    with path.open("rb") as f:
-        f.seek(data_start + begin)
-        digest = hashlib.sha256(f.read(end - begin)).hexdigest()
-    if digest != meta.input_ids_sha256:
+    names = {code: name for name, code in _SAFETENSORS_DTYPES.items()}
+    out = {}
+    for name, info in header.items():
+        start, end = (8 + length + offset for offset in info["data_offsets"])
+        if not start <= end <= len(data):
+            raise ValueError(f"{name} lies past the file's end (truncated)")
+        out[name] = (names.get(info["dtype"], info["dtype"]), tuple(info["shape"]), start, end)
+    return out
+
+
+def _map(path: Path) -> mmap.mmap:
+    """The file's bytes, mapped (copy-on-write, so tensors may be views of them); one open."""
+    try:
+        with path.open("rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        raise DumpError(f"{path} is missing") from None
+    except ValueError as exc:  # an empty file cannot be mapped
+        raise DumpError(f"{path}: {exc}") from None
+
+
+def _read_states_file(path: Path, meta: DumpMeta, load_tensors: bool) -> Dump:
+    """Open the file once and check it against `meta` from its mapped bytes (names, shapes, dtypes, the input_ids
+    hash); with `load_tensors` its tensors are views of those bytes (specforge's zip: read by torch from them)."""
+    import torch
+
+    layout = meta.sample_layout()
+    data = _map(path)
+    try:
+        if meta.layout == SPECFORGE:
+            tensors = torch.load(data, weights_only=True)  # the map as a file: no second open
+            if not isinstance(tensors, dict):
+                raise ValueError(f"it holds a {type(tensors).__name__}, not a dict of tensors")
+            found = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}
+        else:
+            entries = _safetensors_entries(data)
+            found = {k: (dtype, shape) for k, (dtype, shape, _, _) in entries.items()}
+    except (ValueError, KeyError, RuntimeError, struct.error, pickle.UnpicklingError) as exc:
+        raise DumpError(f"{path} is unreadable: {exc}") from exc
+    if problems := layout.problems(found, meta.num_tokens):
+        raise DumpError(f"{path}: tensors do not match meta.json: " + "; ".join(problems))
+    if meta.layout == SPECFORGE:
+        ids_bytes = tensors[INPUT_IDS].contiguous().numpy().tobytes()
+    else:
+        start, end = entries[layout.ids_key][2:]
+        ids_bytes = data[start:end]
+        tensors = _views(data, entries) if load_tensors else None
+    if (digest := hashlib.sha256(ids_bytes).hexdigest()) != meta.input_ids_sha256:
         raise DumpError(f"{path}: input_ids hash {digest} differs from meta.json {meta.input_ids_sha256}")
+    return Dump(path=path.parent, meta=meta, tensors=tensors if load_tensors else None, data=data)
+
+
+def _views(data: mmap.mmap, entries: dict[str, tuple[str, tuple[int, ...], int, int]]) -> dict[str, torch.Tensor]:
+    """A checked safetensors file's tensors as views of its mapped bytes (little-endian, as this host)."""
+    import torch
+
+    out = {}
+    for name, (dtype, shape, start, end) in entries.items():
+        kind = getattr(torch, dtype)
+        count = (end - start) // kind.itemsize
+        flat = torch.frombuffer(data, dtype=kind, count=count, offset=start) if count else torch.empty(0, dtype=kind)
+        out[name] = flat.view(shape)
+    return out
 
 
 def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
     """Read and check one dump folder; DumpError if it breaks the contract.
 
-    An "ok" dump is checked (tensor names, shapes, dtypes, input_ids hash) before anything is
-    loaded. With `load_tensors`, the file's tensors are loaded (memory-mapped where the reader can),
-    named as the layout names them; those imports happen here, not at module import, so the module
-    itself stays stdlib-only.
+    An "ok" dump's file is opened once: checked against meta.json (tensor names, shapes, dtypes,
+    input_ids hash) from its mapped bytes, and with `load_tensors` its tensors are views of them, named
+    as the layout names them. torch is imported here, not at module import, so the module itself stays
+    stdlib-only.
     """
     path = Path(path)
     meta = DumpMeta.from_json((path / META_FILE).read_text())
@@ -327,14 +414,4 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
         raise DumpError(f"{path}: meta.json is for rid {meta.rid!r}")
     if meta.status == "error":
         return Dump(path=path, meta=meta, tensors=None)
-    states = path / meta.file
-    _check_states_file(states, meta)
-    if not load_tensors:
-        return Dump(path=path, meta=meta, tensors=None)
-    if meta.layout == SPECFORGE:
-        import torch
-
-        return Dump(path=path, meta=meta, tensors=torch.load(states, mmap=True, weights_only=True))
-    from safetensors.torch import load_file
-
-    return Dump(path=path, meta=meta, tensors=load_file(states))
+    return _read_states_file(path / meta.file, meta, load_tensors)

@@ -164,11 +164,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f: IO[bytes]) -> None:
 
 def unpack_sample(fmt: str, tensors: dict[str, torch.Tensor], num_aux: int) -> dict[str, torch.Tensor]:
     """Views of a sample file's tensors as ``input_ids``, ``aux`` [T, k, H] and its final state
-    (``final_post`` or ``final_pre``), plus an FP8 file's ``scales`` [T, k+1, 1]: the inverse of the two
-    builders above, copying nothing."""
+    (``final_post`` or ``final_pre``), plus a specforge file's ``loss_mask`` [T] and an FP8 file's ``scales``
+    [T, k+1, 1]: the inverse of the two builders above, copying nothing."""
     if fmt == SPECFORGE:
         ids, aux = tensors["input_ids"], tensors["aux_hidden_state"][0]
-        return {"input_ids": ids, "aux": aux.view(aux.shape[0], num_aux, -1), "final_post": tensors["hidden_state"][0]}
+        views = {"input_ids": ids, "aux": aux.view(aux.shape[0], num_aux, -1), "final_post": tensors["hidden_state"][0]}
+        return views | {"loss_mask": tensors["loss_mask"]}
     if fmt == SPECULATORS:
         states = tensors["hidden_states"]
         views = {"input_ids": tensors["token_ids"], "aux": states[:, :num_aux], "final_pre": states[:, num_aux]}

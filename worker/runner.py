@@ -197,8 +197,7 @@ class WorkerContext:
         job wants model code run that this worker was not allowed to run."""
         self.check_remote_code(spec)
         engine = self.engine_for(spec, spec.resolve(store.manifest.num_layers))
-        dtype = str(getattr(engine, "dtype", store.manifest.compute_dtype)).removeprefix("torch.")
-        if dtype != store.manifest.compute_dtype:
+        if (dtype := engine.compute_dtype) != store.manifest.compute_dtype:
             raise ServerError(
                 f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
                 f"says {store.manifest.compute_dtype}; fix the worker's engine settings"

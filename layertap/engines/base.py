@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from layertap.engines.server_facts import ServerFacts
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 
@@ -20,6 +21,9 @@ class Engine(ABC):
     """
 
     spec: CaptureSpec
+    compute_dtype: str  # torch's name of the dtype the states are computed in: the manifest's compute_dtype
+    # The server the states come from, as it described itself (checked before any sample); None in process.
+    provenance: ServerFacts | None = None
 
     @abstractmethod
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
@@ -27,7 +31,7 @@ class Engine(ABC):
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """Facts the manifest records about this engine (name, versions, server flags)."""
+        """Facts the manifest records about this engine (name, versions; a server's `ServerFacts.record`)."""
 
     @property
     def max_input_tokens(self) -> int | None:

@@ -144,7 +144,7 @@ class HFEngine(Engine):
         causal = load_language_model(ModelFolder.read(model_dir), dtype, self.device)
         # The base model skips the LM head: we only need hidden states.
         self.model = causal.get_decoder().to(self.device).eval()
-        self.dtype = next(self.model.parameters()).dtype
+        self.compute_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self._pre_norm: torch.Tensor | None = None

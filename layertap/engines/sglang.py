@@ -46,6 +46,7 @@ from sglang_patch.contract import (
     LOSS_MASK_PARAM,
     SCALES,
     SPECULATORS,
+    Dump,
     DumpError,
     dump_dir,
     format_rid,
@@ -100,7 +101,6 @@ class SGLangEngine(Engine):
         self.on_writer = on_writer
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
-        self._finals = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
         self.expected = expectation_for(model, spec, rid_prefix=rid_prefix, dump_root=dump_root,
                                         allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
@@ -119,7 +119,12 @@ class SGLangEngine(Engine):
             raise
 
     @property
-    def dtype(self) -> str:
+    def provenance(self) -> ServerFacts:
+        """The server's facts as read and checked on attach (a restart must keep its settings: `_checked_facts`)."""
+        return self.facts
+
+    @property
+    def compute_dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
         makes of the model folder's own dtype (the server serves ``model``: checked)."""
         return sglang_compute_dtype(self.facts.dtype, ModelFolder.read(self.expected.model).dtype)
@@ -130,8 +135,7 @@ class SGLangEngine(Engine):
         return self.facts.max_input_tokens
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record(),
-                "computes": self.facts.computes()}  # fmt: skip
+        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record()}
 
     def _server_facts(self) -> ServerFacts:
         """The server's facts as it reports them now (``/server_info``; ``/get_server_info`` on older SGLang)."""
@@ -216,37 +220,14 @@ class SGLangEngine(Engine):
         """Read and check the dump of `rid` at `path` (found at perf_counter `t1`) against the sample."""
         try:
             dump = read_dump(path)
-        except DumpError as exc:
+            if dump.meta.writer is not None and self.on_writer is not None:
+                self.on_writer(dump.meta.writer)
+            captured = captured_from_dump(dump, sample, self.spec)
+        except (DumpError, SampleError) as exc:
             self._discard(rid)
-            raise SampleError(f"unreadable dump for {rid}: {exc}") from exc
-        meta = dump.meta
-        if meta.writer is not None and self.on_writer is not None:
-            self.on_writer(meta.writer)
-        finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
-        problems = []
-        if meta.status != "ok":
-            problems.append(meta.error or "error dump")
-        elif meta.num_tokens != sample.num_tokens or meta.input_ids_sha256 != ids_sha256(sample.input_ids):
-            problems.append(f"dump holds {meta.num_tokens} tokens with another input_ids hash than the sample")
-        elif meta.layers != self.spec.layers or not set(self._finals) <= set(finals):
-            problems.append(f"dump has layers {meta.layers} finals {finals}; wanted {self.spec.layers} {self._finals}")
-        if problems:
-            self._discard(rid)
-            raise SampleError(f"{rid}: " + "; ".join(problems))
-        t = dump.tensors or {}
-        source = None
-        if meta.layout != "states":
-            t = unpack_sample(meta.layout, t, len(meta.layers))
-            source = SampleFile(path / meta.file, meta.layout)
+            raise SampleError(f"{rid}: {exc}") from exc
         self._observe("validate", t1)
-        return CapturedSample(
-            sample=sample,
-            aux=t[AUX],
-            final_post=t.get(FINAL_TENSORS["post"]) if self.spec.final_post else None,
-            final_pre=t.get(FINAL_TENSORS["pre"]) if self.spec.final_pre else None,
-            source=source,
-            scales=t.get(SCALES),
-        ), rid
+        return captured, rid
 
     def _observe(self, stage: str, since: float) -> float:
         """Report the time since ``since`` (perf_counter) as ``stage``; returns now."""
@@ -336,6 +317,35 @@ class SGLangEngine(Engine):
         self._yielded.clear()
         self._client.close()
         self.server.stop()
+
+
+def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -> CapturedSample:
+    """The capture of ``sample`` in a dump `read_dump` read and checked against its meta.json; SampleError unless
+    the dump is "ok" and is this sample's (token count, input_ids hash) with the spec's layers and finals. A dump in
+    a trainer's layout is handed over as its file (`SampleFile`: its bytes as read, so the store hashes and renames
+    it without reading it again), the tensors being views of those bytes."""
+    meta = dump.meta
+    finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
+    wanted = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
+    if meta.status != "ok":
+        raise SampleError(meta.error or "error dump")
+    if meta.num_tokens != sample.num_tokens or meta.input_ids_sha256 != ids_sha256(sample.input_ids):
+        raise SampleError(f"dump holds {meta.num_tokens} tokens with another input_ids hash than the sample")
+    if meta.layers != spec.layers or not set(wanted) <= set(finals):
+        raise SampleError(f"dump has layers {meta.layers} finals {finals}; wanted {spec.layers} {wanted}")
+    t = dump.tensors or {}
+    source = None
+    if meta.layout != "states" and dump.data is not None:
+        t = unpack_sample(meta.layout, t, len(meta.layers))
+        source = SampleFile(dump.path / meta.file, meta.layout, dump.data, t.get("loss_mask"))
+    return CapturedSample(
+        sample=sample,
+        aux=t[AUX],
+        final_post=t.get(FINAL_TENSORS["post"]) if spec.final_post else None,
+        final_pre=t.get(FINAL_TENSORS["pre"]) if spec.final_pre else None,
+        source=source,
+        scales=t.get(SCALES),
+    )
 
 
 def dump_layout(store_format: str, capture: CaptureSpec) -> str:

@@ -11,7 +11,6 @@ import hashlib
 import json
 import mmap
 import os
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,13 +73,12 @@ def atomic_write(dest: Path, write: Callable[[IO[bytes]], None]) -> WrittenFile:
     return WrittenFile(nbytes=hashing.nbytes, sha256=hashing.hexdigest())
 
 
-def move_into_place(src: Path, dest: Path) -> WrittenFile:
-    """Move a complete, fsynced file to ``dest`` atomically; return its size and sha256.
+def move_into_place(src: Path, dest: Path, data: mmap.mmap) -> WrittenFile:
+    """Move a complete, fsynced file to ``dest`` atomically; return its size and sha256, taken from ``data``, the
+    file's bytes as its reader mapped them (so the file is not read again).
 
-    On one filesystem this is a rename (no bytes copied; the file is read once, from the page cache,
-    to hash it). Across
-    filesystems the bytes are copied once through `atomic_write` (hashed on the way) and the source
-    is removed.
+    On one filesystem this is a rename (no bytes copied). Across filesystems ``data`` is written once through
+    `atomic_write` (hashed on the way) and the source is removed.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -88,12 +86,11 @@ def move_into_place(src: Path, dest: Path) -> WrittenFile:
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-        with open(src, "rb") as f:
-            written = atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 8 << 20))
+        written = atomic_write(dest, lambda out: out.write(data))
         src.unlink()
         return written
     fsync_path(dest.parent)
-    return WrittenFile(nbytes=dest.stat().st_size, sha256=sha256_file(dest))
+    return WrittenFile(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
 def atomic_write_json(dest: Path, obj: Any) -> WrittenFile:

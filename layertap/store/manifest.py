@@ -14,6 +14,7 @@ from layertap import __version__
 from layertap.errors import StoreError
 from layertap.models.folder import ModelFolder
 from layertap.spec import CaptureSpec, ExtractionSpec
+from sglang_patch.contract import FP8_DTYPE, SampleLayout
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -82,6 +83,12 @@ class Manifest(BaseModel):
 
     def identity(self) -> dict[str, Any]:
         return self.model_dump(exclude=_RUNTIME_FIELDS)
+
+    def sample_layout(self) -> SampleLayout:
+        """What each sample file of this store holds: the layout the plugin's dumps are checked against too."""
+        finals = tuple(k for k, on in (("post", self.final_post_norm), ("pre", self.final_pre_norm)) if on)
+        dtype = FP8_DTYPE if self.store_dtype == "fp8" else self.store_dtype
+        return SampleLayout(self.format, tuple(self.capture_indices), finals, dtype, self.hidden_size)
 
 
 def _sha256(path: Path) -> str:

@@ -18,11 +18,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+from layertap.engines.server_facts import ServerFacts
 from layertap.errors import SampleError, StoreError
-from layertap.sample import CapturedSample, SampleFile
-from layertap.store.atomic import TMP_MARK, WrittenFile, atomic_write, atomic_write_json, move_into_place, sha256_file
+from layertap.sample import CapturedSample
+from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
-from layertap.store.formats.base import DTYPES, Layout
+from layertap.store.formats.base import torch_dtype
 from layertap.store.guide import write_training_guide
 from layertap.store.index import (
     ERRORS_DIR,
@@ -49,11 +50,7 @@ class OutputStore:
         self.root = root
         self.manifest = manifest
         self.format: SampleFormat = get_format(manifest.format)
-        self.layout = Layout(
-            num_aux=len(manifest.capture_indices),
-            hidden_size=manifest.hidden_size,
-            dtype=DTYPES[manifest.store_dtype],
-        )
+        self.layout = manifest.sample_layout()
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._logs: dict[str, JsonlLog] = {}  # folder -> this writer's log in it
         self._log_lock = threading.Lock()
@@ -81,9 +78,10 @@ class OutputStore:
     # -- writing ---------------------------------------------------------------------------------
 
     def commit(self, captured: CapturedSample) -> SampleRecord:
-        """Validate, write atomically (or move a file already in this format into place), then append
-        the index record (the record is written last)."""
-        problems = state_problems(captured, self.layout, self.manifest)
+        """Check the capture once (`state_problems`), write it atomically (hashed as written) or move a file already
+        in this format into place (hashed from the bytes the engine read it as), then append the index record (the
+        record is written last)."""
+        problems = state_problems(captured, self.layout)
         if problems:
             raise SampleError(f"sample {captured.sample.sample_id!r}: " + "; ".join(problems))
         sample = captured.sample
@@ -99,8 +97,11 @@ class OutputStore:
             truncated=sample.truncated,
         )
         dest = self.root / record.file
-        if self._can_adopt(captured):
-            written = self._adopt(captured.source, dest, record)
+        ready = captured.source
+        if ready is not None and ready.format == self.format.name and captured.aux.dtype == torch_dtype(self.layout):
+            # Already what this store would write: renamed, hashed from the bytes the engine checked (the plugin does
+            # not hash: its writers share SGLang's GIL).
+            written = move_into_place(ready.path, dest, ready.data)
         else:
             written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
         record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
@@ -108,35 +109,18 @@ class OutputStore:
         self._log(INDEX_DIR).append(record.to_json())
         return record
 
-    def _can_adopt(self, captured: CapturedSample) -> bool:
-        """Whether the captured sample's file is already exactly what this store would write."""
-        return (
-            captured.source is not None
-            and captured.source.format == self.format.name
-            and captured.aux.dtype == self.layout.dtype
-        )
-
-    def _adopt(self, source: SampleFile, dest: Path, record: SampleRecord) -> WrittenFile:
-        """Check a ready-made sample file against the record (keys, shapes, dtypes, ids, loss mask,
-        finiteness), then move it into place; the sha256 the index records is hashed here, after the
-        checks, from the pages they read (the plugin does not hash: its writers share SGLang's GIL)."""
-        problems = self._content_problems(source.path, record, "quick")
-        if problems:
-            raise SampleError(f"sample {record.sample_id!r}: its dump file {source.path.name}: " + "; ".join(problems))
-        return move_into_place(source.path, dest)
-
     def retire(self, record: SampleRecord) -> None:
         """Take a committed sample out of the store (its row no longer gives it): the retirement is logged, then
         the file removed, which is what makes it count (`records`); a commit of the row since brings it back."""
         self._log(RETIRED_DIR).append(json.dumps({"sample_id": record.sample_id, "sha256": record.sha256}))
         (self.root / record.file).unlink(missing_ok=True)
 
-    def note_server(self, engine: dict[str, Any], rows: tuple[int, int]) -> list[str]:
-        """Record that this writer's samples of rows ``[start, stop)`` come from the server ``engine`` describes
-        (`SGLangEngine.describe`), unless another server of this store computed differently: then nothing is
-        recorded and the differences come back, naming both sides (empty: recorded)."""
+    def note_server(self, facts: ServerFacts, rows: tuple[int, int]) -> list[str]:
+        """Record that this writer's samples of rows ``[start, stop)`` come from the server of ``facts`` (the engine's
+        `provenance`), unless another server of this store computed differently: then nothing is recorded and the
+        differences come back, naming both sides (empty: recorded)."""
         folder = self.root / SERVERS_DIR
-        mine = engine["computes"]
+        mine = facts.computes()
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             other = json.loads(path.read_text())
             if path.stem != self.writer_id and (theirs := other["engine"]["computes"]) != mine:
@@ -145,6 +129,7 @@ class OutputStore:
                     f"made rows {other['rows']} of this store ({other['writer']})"
                     for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)
                 ]  # fmt: skip
+        engine = {"url": facts.url, "server": facts.record(), "computes": mine}
         entry = {"writer": self.writer_id, "rows": list(rows), "engine": engine, "time": time.time()}
         atomic_write_json(folder / f"{self.writer_id}.json", entry)
         return []

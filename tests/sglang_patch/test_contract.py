@@ -122,6 +122,21 @@ def test_read_dump_catches_changed_token_ids(tmp_path: Path) -> None:
         read_dump(path, load_tensors=False)
 
 
+@pytest.mark.parametrize("layout", ["states", "specforge"])
+def test_a_truncated_dump_file_is_a_dump_error_not_a_crash(tmp_path: Path, layout: str) -> None:
+    """A file cut short (a server killed mid-write past its rename cannot do it; a disk can): refused by the
+    contract, as the engine's one check, instead of an exception from a tensor reader."""
+    tensors = _states()
+    rid = format_rid("job", "s", 0)
+    finals = ("post",) if layout == "specforge" else ("post", "pre")
+    meta = build_meta(rid, tensors, None, layers=(1, 3, 5), finals=finals, layout=layout)
+    path = write_dump(tmp_path, meta, tensors, tag="t", loss_mask=torch.ones(12, dtype=torch.long))
+    file = path / meta.file
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(DumpError, match="unreadable"):
+        read_dump(path)
+
+
 def test_read_dump_catches_a_misplaced_folder(tmp_path: Path) -> None:
     path = _write(tmp_path, format_rid("job", "s", 0), _states())
     moved = path.rename(tmp_path / "renamed")

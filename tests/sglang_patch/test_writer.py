@@ -153,7 +153,7 @@ def both_finals(t: int, seed: int) -> dict[str, torch.Tensor]:
 def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout: str) -> None:
     from layertap.sample import CapturedSample, TokenizedSample
     from layertap.store.formats import get_format
-    from layertap.store.formats.base import Layout
+    from sglang_patch.contract import SampleLayout
 
     writer = DumpWriter(
         tmp_path, layers=(1, 4), finals=("post", "pre"), budget=HostBudget(1 << 30), threads=2, layout=layout
@@ -176,7 +176,7 @@ def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout:
     )
     store_file = tmp_path / "store-written"
     with store_file.open("wb") as f:
-        fmt.write(captured, Layout(num_aux=2, hidden_size=8, dtype=torch.float32), f)
+        fmt.write(captured, SampleLayout(layout, (1, 4), ("post", "pre"), "float32", 8), f)
     expected, got = fmt.load(store_file), fmt.load(dump.path / dump.meta.file)
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
     assert all(torch.equal(dump.tensors[k], expected[k]) for k in expected)
@@ -227,9 +227,8 @@ def test_fp8_speculators_dump_is_the_file_an_fp8_store_writes_and_needs_its_scal
     the same float32 capture (the HF engine's path), and a dump without its scales breaks the contract."""
     from layertap.sample import CapturedSample, TokenizedSample
     from layertap.store.formats import get_format
-    from layertap.store.formats.base import Layout
-    from sglang_patch.contract import SCALES, DumpError
-    from sglang_patch.sample_files import FP8, quantize_fp8
+    from sglang_patch.contract import FP8_DTYPE, SCALES, DumpError, SampleLayout
+    from sglang_patch.sample_files import quantize_fp8
 
     writer = DumpWriter(
         tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1, layout="speculators"
@@ -246,7 +245,7 @@ def test_fp8_speculators_dump_is_the_file_an_fp8_store_writes_and_needs_its_scal
     )  # fmt: skip
     store_file = tmp_path / "store-written"
     with store_file.open("wb") as f:
-        get_format("speculators").write(captured, Layout(num_aux=2, hidden_size=8, dtype=FP8), f)
+        get_format("speculators").write(captured, SampleLayout("speculators", (1, 4), ("pre",), FP8_DTYPE, 8), f)
     assert store_file.read_bytes() == (dump.path / dump.meta.file).read_bytes()
 
     rid = format_rid("j", "no-scales", 0)

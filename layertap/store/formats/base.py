@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -11,19 +10,16 @@ import torch
 
 from layertap.sample import CapturedSample
 from layertap.store.index import SampleRecord
+from sglang_patch.contract import SampleLayout
 from sglang_patch.sample_files import FP8
 
 # Store dtype -> the dtype of its stored states; fp8 stores float8_e4m3fn with float32 scales beside it.
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": FP8}
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Shape facts a stored sample must agree with: k aux layers of width H, stored in ``dtype``."""
-
-    num_aux: int
-    hidden_size: int
-    dtype: torch.dtype
+def torch_dtype(layout: SampleLayout) -> torch.dtype:
+    """The torch dtype of a layout's states."""
+    return getattr(torch, layout.dtype)
 
 
 class SampleFormat(ABC):
@@ -39,16 +35,17 @@ class SampleFormat(ABC):
         """Where dataset row ``index`` lives, relative to the store root."""
 
     @abstractmethod
-    def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
+    def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
         """Serialise one sample to ``f`` exactly as the trainer reads it."""
 
     @abstractmethod
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         """Read a sample file the way the trainer does."""
 
-    @abstractmethod
-    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
+    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: SampleLayout) -> list[str]:
         """Keys, shapes, dtypes and token facts that disagree with ``record``/``layout`` (empty if fine)."""
+        found = {k: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()}
+        return layout.problems(found, record.num_tokens)
 
     def finalize(self, root: Path, records: list[SampleRecord]) -> None:  # noqa: B027 - optional step
         """Build whatever the trainer needs beside the sample files (records sorted by index)."""
@@ -56,21 +53,3 @@ class SampleFormat(ABC):
     def finalized_problems(self, root: Path, records: list[SampleRecord]) -> list[str]:
         """Problems with what ``finalize`` built (empty if it builds nothing)."""
         return []
-
-
-def expect(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> list[str]:
-    """One line per mismatch of a tensor's presence, shape or dtype."""
-    if t is None:
-        return [f"missing tensor {name!r}"]
-    out = []
-    if tuple(t.shape) != shape:
-        out.append(f"{name}: shape {tuple(t.shape)} != expected {shape}")
-    if t.dtype != dtype:
-        out.append(f"{name}: dtype {t.dtype} != expected {dtype}")
-    return out
-
-
-def key_problems(tensors: dict[str, torch.Tensor], expected: set[str]) -> list[str]:
-    """The trainers refuse extra or missing keys; say which."""
-    got = set(tensors)
-    return [f"keys {sorted(got)} != expected {sorted(expected)}"] if got != expected else []

@@ -13,13 +13,12 @@ from typing import IO
 import torch
 
 from layertap.sample import CapturedSample
-from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
+from layertap.store.formats.base import SampleFormat, torch_dtype
 from layertap.store.index import SampleRecord
-from sglang_patch.contract import SPECFORGE
+from sglang_patch.contract import SPECFORGE, SampleLayout
 from sglang_patch.sample_files import specforge_tensors, write_sample
 
 ROWS_PER_DIR = 2000
-KEYS = {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
 
 
 class SpecForgeFormat(SampleFormat):
@@ -32,12 +31,13 @@ class SpecForgeFormat(SampleFormat):
         start = index // ROWS_PER_DIR * ROWS_PER_DIR
         return f"rows_{start}-{start + ROWS_PER_DIR}/data_{index}.ckpt"
 
-    def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
+    def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
         if captured.final_post is None:
             raise ValueError("specforge stores the post-norm final state; the capture has none")
         sample = captured.sample
+        dtype = torch_dtype(layout)
         tensors = specforge_tensors(
-            sample.input_ids, sample.loss_mask, captured.aux.to(layout.dtype), captured.final_post.to(layout.dtype)
+            sample.input_ids, sample.loss_mask, captured.aux.to(dtype), captured.final_post.to(dtype)
         )
         write_sample(SPECFORGE, tensors, f)
 
@@ -47,14 +47,9 @@ class SpecForgeFormat(SampleFormat):
             raise ValueError(f"expected a dict of tensors, got {type(obj).__name__}")
         return obj
 
-    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
-        t, h = record.num_tokens, layout.hidden_size
-        out = key_problems(tensors, KEYS)
-        out += expect("input_ids", tensors.get("input_ids"), (t,), torch.long)
-        out += expect("loss_mask", tensors.get("loss_mask"), (t,), torch.long)
-        out += expect("hidden_state", tensors.get("hidden_state"), (1, t, h), layout.dtype)
-        out += expect("aux_hidden_state", tensors.get("aux_hidden_state"), (1, t, layout.num_aux * h), layout.dtype)
+    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: SampleLayout) -> list[str]:
+        out = super().problems(tensors, record, layout)
         mask = tensors.get("loss_mask")
-        if mask is not None and mask.shape == (t,) and not torch.equal(mask.to(torch.uint8), record.loss_mask()):
+        if not out and not torch.equal(mask.to(torch.uint8), record.loss_mask()):
             out.append("loss_mask differs from the index record")
         return out

@@ -25,13 +25,12 @@ from safetensors.torch import load_file
 
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK
-from layertap.store.formats.base import Layout, SampleFormat, expect, key_problems
+from layertap.store.formats.base import SampleFormat, torch_dtype
 from layertap.store.index import SampleRecord
-from sglang_patch.contract import SPECULATORS
+from sglang_patch.contract import SPECULATORS, SampleLayout
 from sglang_patch.sample_files import FP8, FP8_SCALES, quantize_fp8, speculators_tensors, stack_aux_final, write_sample
 from sglang_patch.writer import fsync_path
 
-KEYS = {"token_ids", "hidden_states"}
 PUBLISHED = "hidden_states"
 
 
@@ -44,30 +43,20 @@ class SpeculatorsFormat(SampleFormat):
     def relpath(self, index: int) -> str:
         return f"samples/hs_{index}.safetensors"
 
-    def write(self, captured: CapturedSample, layout: Layout, f: IO[bytes]) -> None:
+    def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
         if captured.final_pre is None:
             raise ValueError("speculators stores the pre-norm final state; the capture has none")
-        scales = captured.scales
+        scales, dtype = captured.scales, torch_dtype(layout)
         if scales is not None:  # quantized by the server already
             states = stack_aux_final(captured.aux, captured.final_pre)
-        elif layout.dtype == FP8:  # from the compute dtype, as the capture server does on its device
+        elif dtype == FP8:  # from the compute dtype, as the capture server does on its device
             states, scales = quantize_fp8(stack_aux_final(captured.aux, captured.final_pre))
         else:
-            states = stack_aux_final(captured.aux.to(layout.dtype), captured.final_pre.to(layout.dtype))
+            states = stack_aux_final(captured.aux.to(dtype), captured.final_pre.to(dtype))
         write_sample(SPECULATORS, speculators_tensors(captured.sample.input_ids, states, scales), f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
-
-    def problems(self, tensors: dict[str, torch.Tensor], record: SampleRecord, layout: Layout) -> list[str]:
-        t, h = record.num_tokens, layout.hidden_size
-        fp8 = layout.dtype == FP8
-        out = key_problems(tensors, KEYS | ({FP8_SCALES} if fp8 else set()))
-        out += expect("token_ids", tensors.get("token_ids"), (t,), torch.long)
-        out += expect("hidden_states", tensors.get("hidden_states"), (t, layout.num_aux + 1, h), layout.dtype)
-        if fp8:
-            out += expect(FP8_SCALES, tensors.get(FP8_SCALES), (t, layout.num_aux + 1, 1), torch.float32)
-        return out
 
     def finalize(self, root: Path, records: list[SampleRecord]) -> None:
         _publish_links(root, records)

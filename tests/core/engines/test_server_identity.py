@@ -141,3 +141,21 @@ def test_rows_as_long_as_the_context_are_kept_within_the_servers_limit(sglang_ll
         "r4096": (4089, True), "r4095": (4089, True), "r300": (300, False)
     }  # fmt: skip
     assert OutputStore.open_existing(out).errors() == [] and verify_store(out, data=data).ok
+
+
+def test_a_second_server_that_computes_otherwise_is_refused_by_the_store_naming_both(tiny_llama, tmp_path) -> None:
+    """Each writer records its server's typed facts (`OutputStore.note_server`); one computing in another dtype
+    into the same store is refused, nothing recorded for it; one computing alike is recorded beside the first."""
+    from tests.core.store.test_adopt import _store
+
+    first = _store(tmp_path / "out", "specforge")
+    facts = ServerFacts.from_info("http://a", _info(tiny_llama, tmp_path))
+    assert first.note_server(facts, (0, 5)) == []
+    other = OutputStore(first.root, first.manifest, writer_id="b")
+    bf16 = ServerFacts.from_info("http://b", _info(tiny_llama, tmp_path, dtype="bfloat16"))
+    assert other.note_server(bf16, (5, 10)) == [
+        f"dtype is 'bfloat16' here, 'float32' on the server at http://a that made rows [0, 5] of this store "
+        f"({first.writer_id})"
+    ]
+    assert other.note_server(ServerFacts.from_info("http://c", _info(tiny_llama, tmp_path)), (5, 10)) == []
+    assert [(s["rows"], s["engine"]["url"]) for s in first.servers()] == [([0, 5], "http://a"), ([5, 10], "http://c")]

@@ -12,17 +12,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from layertap.engines.sglang import captured_from_dump
 from layertap.errors import SampleError
-from layertap.sample import CapturedSample, SampleFile, TokenizedSample
-from layertap.store.formats import get_format
+from layertap.sample import CapturedSample, TokenizedSample
+from layertap.spec import resolve_capture
 from layertap.store.manifest import Manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
-from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, FORMAT_FINAL, INPUT_IDS, SPECULATORS
-from sglang_patch.sample_files import stack_aux_final, unpack_sample, write_sample
-from sglang_patch.writer import layout_tensors
+from sglang_patch.contract import (
+    AUX,
+    AUX_FINAL_PRE,
+    FINAL_TENSORS,
+    FORMAT_FINAL,
+    INPUT_IDS,
+    SPECULATORS,
+    format_rid,
+    read_dump,
+)
+from sglang_patch.sample_files import stack_aux_final
+from sglang_patch.writer import build_meta, write_dump
 
 H, K, T = 16, 2, 11
+LAYERS = (1, 2)
 
 
 def _store(root: Path, fmt: str, store_dtype: str = "float32") -> OutputStore:
@@ -44,23 +55,21 @@ def _sample(index: int = 0) -> TokenizedSample:
 
 
 def _server_file(
-    folder: Path, fmt: str, sample: TokenizedSample, *, mask: torch.Tensor | None = None
+    dump_root: Path, fmt: str, sample: TokenizedSample, *, mask: torch.Tensor | None = None
 ) -> CapturedSample:
-    """A sample file as the plugin writes it (same builders), and the capture the engine makes of it."""
+    """A dump as the plugin writes it (its own writer), and the capture the SGLang engine makes of it."""
     g = torch.Generator().manual_seed(100 + sample.index)
     aux, final = torch.randn(T, K, H, generator=g), torch.randn(T, H, generator=g)
     captured = {INPUT_IDS: sample.input_ids, AUX: aux, FINAL_TENSORS[FORMAT_FINAL[fmt]]: final}
     if fmt == SPECULATORS:  # the hook stages speculators' [T, k+1, H] already stacked
         captured = {INPUT_IDS: sample.input_ids, AUX_FINAL_PRE: stack_aux_final(aux, final)}
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"sample-{sample.index}.{fmt}"
+    rid = format_rid("job", sample.sample_id, 0)
+    finals = (FORMAT_FINAL[fmt],)
+    meta = build_meta(rid, captured, None, layers=LAYERS, finals=finals, layout=fmt)
     loss_mask = (sample.loss_mask if mask is None else mask).to(torch.long)
-    with path.open("wb") as f:
-        write_sample(fmt, layout_tensors(fmt, captured, loss_mask), f)
-    views = unpack_sample(fmt, get_format(fmt).load(path), K)
-    return CapturedSample(
-        sample, views["aux"], views.get("final_post"), views.get("final_pre"), source=SampleFile(path, fmt)
-    )
+    path = write_dump(dump_root, meta, captured, tag="t", loss_mask=loss_mask)
+    spec = resolve_capture(list(LAYERS), convention="capture", num_layers=4, final=finals[0])
+    return captured_from_dump(read_dump(path), sample, spec)
 
 
 @pytest.fixture

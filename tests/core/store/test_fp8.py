@@ -3,6 +3,7 @@ bf16 store of the same run, and the checks before commit and in ``verify``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -18,10 +19,10 @@ from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
-from layertap.store.formats.base import Layout
 from layertap.store.store import OutputStore
 from layertap.store.validate import all_finite, state_problems
 from layertap.verify import verify_store
+from sglang_patch.contract import FP8_DTYPE
 from sglang_patch.sample_files import FP8, FP8_SCALES, dequantize_fp8, quantize_fp8
 from tests.core.datasets import conversation_rows, write_jsonl
 
@@ -122,21 +123,21 @@ def test_fp8_captures_are_checked_before_commit(stores: dict[str, Path]) -> None
     sample = TokenizedSample(rec.sample_id, rec.index, views["token_ids"], rec.loss_mask())
     states, scales = views["hidden_states"], views[FP8_SCALES]
 
-    def problems(layout_dtype: torch.dtype, **change: torch.Tensor | None) -> list[str]:
+    def problems(layout_dtype: str, **change: torch.Tensor | None) -> list[str]:
         fields = {"aux": states[:, :k], "final_pre": states[:, k], "scales": scales} | change
         captured = CapturedSample(sample=sample, final_post=None, **fields)  # type: ignore[arg-type]
-        return state_problems(captured, Layout(k, store.manifest.hidden_size, layout_dtype), store.manifest)
+        return state_problems(captured, dataclasses.replace(store.layout, dtype=layout_dtype))
 
-    assert problems(FP8) == []
-    assert "keeps torch.bfloat16" in " ".join(problems(torch.bfloat16))
-    assert "FP8 scales None" in " ".join(problems(FP8, scales=None))
-    assert f"({t}, 1, 1)" in " ".join(problems(FP8, scales=scales[:, :1]))
+    assert problems(FP8_DTYPE) == []
+    assert "keeps bfloat16" in " ".join(problems("bfloat16"))
+    assert "FP8 scales None" in " ".join(problems(FP8_DTYPE, scales=None))
+    assert f"({t}, 1, 1)" in " ".join(problems(FP8_DTYPE, scales=scales[:, :1]))
     bad = scales.clone()
     bad[t // 2, 1] = float("inf")
-    assert problems(FP8, scales=bad) == ["FP8 scales have non-finite values"]
+    assert problems(FP8_DTYPE, scales=bad) == ["FP8 scales have non-finite values"]
     nan = states[:, k].clone()
     nan.view(torch.uint8)[t - 1, 3] = 0xFF  # e4m3fn's NaN
-    assert problems(FP8, final_pre=nan) == ["final_pre has non-finite values"]
+    assert problems(FP8_DTYPE, final_pre=nan) == ["final_pre has non-finite values"]
     assert all_finite(states) and not all_finite(nan)
 
 
