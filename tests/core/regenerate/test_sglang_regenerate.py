@@ -6,6 +6,7 @@ refused per row; the plugin captures none of it; what SGLang 0.5.10 on the CPU d
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,16 @@ from transformers import AutoModelForCausalLM
 
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
+from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
 from layertap.errors import RowError
-from layertap.models.folder import ModelFolder
+from layertap.models.folder import ModelFolder, model_dims
 from layertap.regenerate import GenerationSettings, Regenerated, Regenerator, RowJob, TurnFormat
+from layertap.sample import CapturedSample
+from layertap.spec import resolve_capture
 from tests.conftest import _unwrapped
 from tests.sglang_fixtures import DEFAULT_LAYERS
+from tests.sglang_patch.test_server import rel
 
 pytestmark = pytest.mark.sglang
 
@@ -168,3 +173,30 @@ def test_sampling_seed_on_the_cpu_server(served) -> None:
     assert isinstance(first, Regenerated) and isinstance(second, Regenerated)
     assert first.turns[0].seed == second.turns[0].seed
     assert first.turns[0].output_ids != second.turns[0].output_ids
+
+
+def test_regenerated_rows_capture_equal_hf_while_others_generate(served, hf_reference) -> None:
+    """The capture server keeps capturing right while it generates: the regenerated conversations, tokenized as the
+    capture tokenizes them, are captured (no cached prefix, states equal HF float32) while more rows generate."""
+    folder, server, chat = served
+    results = regenerate(server, chat, ROWS, mode="all", max_new_tokens=8)
+    samples = [chat.tokenize(i, r.sample_id, r.conversation, max_length=None, overlong="truncate")
+               for i, r in enumerate(results) if isinstance(r, Regenerated)]  # fmt: skip
+    more = [{**row, "id": f"{row['id']}-{n}"} for n in range(8) for row in ROWS]
+    spec = resolve_capture(list(server.layers), convention="capture", num_layers=model_dims(folder)[0], final="both")
+    engine = SGLangEngine(SGLangServer(url=server.url), spec, model=folder, dump_root=server.dump_root, job="regen")
+    with ThreadPoolExecutor(1) as pool:
+        generating = pool.submit(regenerate, server, chat, more, mode="all", max_new_tokens=32)
+        captured = list(engine.capture(samples))
+        assert not generating.done()  # the captures ran while rows were generating
+        assert all(isinstance(r, Regenerated) for r in generating.result())
+    assert sorted(c.sample.sample_id for c in captured if isinstance(c, CapturedSample)) == sorted(
+        r["id"] for r in ROWS
+    )
+    ref = hf_reference(folder)
+    for c in captured:
+        hidden, pre = ref.states(c.sample.input_ids)
+        errs = [rel(c.aux[:, j], hidden[i]) for j, i in enumerate(server.layers)]
+        assert max([*errs, rel(c.final_post, hidden[-1]), rel(c.final_pre, pre)]) < 1e-4, c.sample.sample_id
+        engine.release(c)
+    engine.close()
