@@ -70,7 +70,7 @@ class Regenerator:
         self.job = job
         self.in_flight = in_flight
         self.format = TurnFormat.of(chat)
-        self._stop_ids = self.format.stop_token_ids(chat)
+        self.stop_token_ids = self.format.stop_token_ids(chat)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
 
     def regenerate(self, job: RowJob) -> Regenerated:
@@ -92,7 +92,7 @@ class Regenerator:
         s = self.settings
         seed = turn_seed(s.seed, job.sample_id, index)
         params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                                  "stop_token_ids": self._stop_ids, "sampling_seed": seed}  # fmt: skip
+                                  "stop_token_ids": self.stop_token_ids, "sampling_seed": seed}  # fmt: skip
         rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
         try:
             reply = self._client.post(
@@ -110,10 +110,8 @@ class Regenerator:
         kind = finish.get("type") if isinstance(finish, dict) else None
         if kind not in ("stop", "length"):
             raise SampleError(f"generation {rid} ended with {finish!r}")
+        # SGLang keeps the stop token it matched as the last output id (Req.finished_len), as HF generate does.
         output = list(body["output_ids"])
-        matched = finish.get("matched")
-        if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
-            output.append(matched)  # the stop token, as the model produced it (HF generate returns it too)
         return GeneratedTurn(index, prompt, output, kind, seed)
 
     def regenerate_many(self, jobs: Iterable[RowJob]) -> Iterator[Regenerated | RowError]:
