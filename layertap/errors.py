@@ -34,6 +34,8 @@ ROW_KINDS: dict[str, str] = {
     "loss_mask": "the loss mask came out all 0 or all 1",
     "overlong": "longer than max_length under the skip policy",
     "server_limit": "longer than the SGLang server accepts (a job's max_length above its limit, not known at submit)",
+    "regenerate": "nothing to regenerate (preformatted text, token ids, no user turn before an assistant turn)",
+    "generation": "the server refused to generate this row's responses (e.g. a prompt past its context length)",
     "capture": "the capture failed every attempt",
     "internal": "an unexpected error while preparing the row (a bug: please report it)",
 }

@@ -6,7 +6,7 @@ Request ids. Every captured request carries the rid ``<prefix>:<job>:<sample>:<a
 component is percent-quoted (`urllib.parse.quote` with no safe characters), so a ``:`` inside a
 sample id cannot shift the fields; `attempt` is a non-negative integer. The plugin captures exactly
 the rids that start with ``quote(prefix) + ":"``; SGLang's warmup (uuid rids), ``HEALTH_CHECK_*``
-probes and internal passes never match.
+probes, internal passes and generation requests (`generation_rid`: no ``:`` at all) never match.
 
 Dump folders. A finished request appears, atomically (temp folder, fsync, rename), as::
 
@@ -155,6 +155,13 @@ def parse_rid(rid: str) -> RequestId:
     if str(parsed) != rid:
         raise DumpError(f"rid {rid!r} is not in canonical form (expected {str(parsed)!r})")
     return parsed
+
+
+def generation_rid(job: str, sample: str, turn: int, nonce: str) -> str:
+    """The rid of a generation request (a regenerated assistant turn): ``gen.<job>.<sample>.<turn>.<nonce>``, each
+    component quoted. It holds no ``:``, so no capture prefix ever matches it: the plugin captures nothing of it.
+    `nonce` keeps two requests for the same turn (a retry) apart, as SGLang wants rids unique."""
+    return ".".join(_quote(p) for p in ("gen", job, sample, str(turn), nonce))
 
 
 def rid_matches(rid: str | None, prefix: str) -> bool:

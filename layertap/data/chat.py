@@ -152,6 +152,27 @@ class ChatTokenizer:
                 "dataset with input_ids and loss_mask"
             )
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer itself (to decode generated ids and look up single tokens)."""
+        return self._tok
+
+    def encode(self, text: str, *, row_number: int, sample_id: str | None) -> list[int]:
+        """The ids of ``text`` as `tokenize` tokenizes a rendered conversation (no special tokens added);
+        RowError (kind ``tokenizer``) when the tokenizer refuses it."""
+        return list(self._encode(text, row_number, sample_id)["input_ids"])
+
+    def render_messages(
+        self, conv: Conversation, upto: int, *, generation_prompt: bool, row_number: int, sample_id: str | None
+    ) -> str:
+        """The text of ``conv.messages[:upto]`` (with the template's generation prompt when asked: what a model is
+        given to write turn ``upto``); RowError (kind ``template``) when the template fails on it."""
+
+        def fail(reason: str) -> RowError:
+            return RowError(reason, row=row_number, sample_id=sample_id, kind="template")
+
+        return self._render(conv.messages[:upto], conv, generation_prompt, fail)
+
     def render(self, conv: Conversation, *, row_number: int, sample_id: str | None) -> tuple[str, list[Span]]:
         """The rendered conversation and the character spans ``[start, end)`` of its assistant turns.
 
@@ -215,7 +236,7 @@ class ChatTokenizer:
             raise fail(f"chat template failed on messages[:{len(messages)}]: {type(exc).__name__}: {exc}") from exc
         return rendered[0]
 
-    def _encode(self, text: str, row_number: int, sample_id: str, *, offsets: bool = False) -> Any:
+    def _encode(self, text: str, row_number: int, sample_id: str | None, *, offsets: bool = False) -> Any:
         # The template renders BOS and every marker itself; adding special tokens would double BOS.
         # verbose=False: over-long rows are handled by max_length/overlong, not by a tokenizer warning.
         try:

@@ -1,0 +1,28 @@
+"""Regenerating a conversation's responses with the target model itself (drafters learn the target's own text).
+
+`turns.py`: which turns, the settings, turn seeds, generated ids -> an OpenAI assistant message, and the check
+that the template gives back the ids the generation saw; `client.py`: the SGLang ``/generate`` requests.
+"""
+
+from layertap.regenerate.client import Regenerator, RowJob
+from layertap.regenerate.turns import (
+    GeneratedTurn,
+    GenerationSettings,
+    Regenerated,
+    TurnFormat,
+    retokenization_mismatches,
+    turn_seed,
+    turns_to_regenerate,
+)
+
+__all__ = [
+    "GeneratedTurn",
+    "GenerationSettings",
+    "Regenerated",
+    "Regenerator",
+    "RowJob",
+    "TurnFormat",
+    "retokenization_mismatches",
+    "turn_seed",
+    "turns_to_regenerate",
+]

@@ -1,0 +1,141 @@
+"""Regenerate a conversation's assistant turns with SGLang's native ``/generate``, many rows in flight.
+
+Per row (`Regenerator.regenerate`): for each turn of `turns_to_regenerate`, in order, the template renders the
+messages before it with its generation prompt (system/user/tool turns as given; earlier assistant turns as
+given for ``last``, as regenerated for ``all``), the ids are sent as ``input_ids`` with the run's sampling
+settings, the turn's seed and the template's end-of-turn token as a stop token, and the generated ids become
+the new assistant message (`TurnFormat.message`). Rows run in threads (`Regenerator.regenerate_many`), the
+turns of one row one after another.
+
+The server is the capture server: a generation rid (`generation_rid`) holds no ``:``, so the plugin captures
+none of its passes; generation may take prefixes from the radix cache (the launcher turns it off unless told to
+keep it; the capture requests that follow bring their own unique ``extra_key``).
+
+Errors: a row with nothing to regenerate, or one the server refuses (HTTP 4xx, e.g. a prompt past the context
+length), is a RowError (kinds ``regenerate``, ``generation``); an aborted request a SampleError (retry the row);
+a server that cannot be reached or answers 5xx a ServerError.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from layertap.data.chat import ChatTokenizer
+from layertap.data.rows import Conversation, ParsedRow
+from layertap.engines.sglang_server import SGLangServer
+from layertap.errors import RowError, SampleError, ServerError
+from layertap.regenerate.turns import (
+    GeneratedTurn,
+    GenerationSettings,
+    Regenerated,
+    TurnFormat,
+    turn_seed,
+    turns_to_regenerate,
+)
+from sglang_patch.contract import generation_rid
+
+
+@dataclass(frozen=True, slots=True)
+class RowJob:
+    """One row to regenerate: its number in the dataset, its sample id and the parsed row."""
+
+    row_number: int
+    sample_id: str
+    row: ParsedRow
+
+
+class Regenerator:
+    """Regenerates rows on one SGLang server with one chat template; thread-safe, one HTTP client."""
+
+    def __init__(
+        self,
+        server: SGLangServer,
+        chat: ChatTokenizer,
+        settings: GenerationSettings,
+        *,
+        job: str,
+        in_flight: int = 16,
+        request_timeout_s: float = 3600.0,
+    ) -> None:
+        """``job`` names the run in the generation rids (for the server's log); ``in_flight`` rows at once."""
+        self.server = server
+        self.chat = chat
+        self.settings = settings
+        self.job = job
+        self.in_flight = in_flight
+        self.format = TurnFormat.of(chat)
+        self.stop_token_ids = self.format.stop_token_ids(chat)
+        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+
+    def regenerate(self, job: RowJob) -> Regenerated:
+        """The row with its turns regenerated (see the module doc); raises RowError, SampleError, ServerError."""
+        indices = turns_to_regenerate(job.row, self.settings.mode, row_number=job.row_number, sample_id=job.sample_id)
+        assert isinstance(job.row, Conversation)  # turns_to_regenerate refuses the other shapes
+        messages = list(job.row.messages)
+        turns = []
+        for index in indices:
+            conv = Conversation(messages, job.row.tools)
+            where = {"row_number": job.row_number, "sample_id": job.sample_id}
+            prompt = self.chat.encode(self.chat.render_messages(conv, index, generation_prompt=True, **where), **where)
+            turn = self._generate(job, index, prompt)
+            messages[index] = self.format.message(self.chat, prompt, turn.output_ids, turn.finish_reason)
+            turns.append(turn)
+        return Regenerated(job.sample_id, Conversation(messages, job.row.tools), tuple(turns))
+
+    def _generate(self, job: RowJob, index: int, prompt: list[int]) -> GeneratedTurn:
+        s = self.settings
+        seed = turn_seed(s.seed, job.sample_id, index)
+        params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                                  "stop_token_ids": self.stop_token_ids, "sampling_seed": seed}  # fmt: skip
+        rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
+        try:
+            reply = self._client.post(
+                self.server.url + "/generate", json={"input_ids": prompt, "rid": rid, "sampling_params": params}
+            )
+        except httpx.TransportError as exc:
+            raise ServerError(f"the SGLang server at {self.server.url} did not answer {rid}: {exc}") from exc
+        if reply.status_code >= 500:
+            raise ServerError(f"the SGLang server at {self.server.url} failed {rid}: HTTP {reply.status_code}")
+        if reply.status_code != 200:
+            reason = f"the server refused to generate turn {index} ({len(prompt)} prompt tokens): {reply.text[:300]}"
+            raise RowError(reason, row=job.row_number, sample_id=job.sample_id, kind="generation")
+        body = reply.json()
+        finish = body["meta_info"].get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind not in ("stop", "length"):
+            raise SampleError(f"generation {rid} ended with {finish!r}")
+        # SGLang keeps the stop token it matched as the last output id (Req.finished_len), as HF generate does.
+        output = list(body["output_ids"])
+        return GeneratedTurn(index, prompt, output, kind, seed)
+
+    def regenerate_many(self, jobs: Iterable[RowJob]) -> Iterator[Regenerated | RowError]:
+        """Each row regenerated, ``in_flight`` at once, yielded in completion order; a row's refusal is yielded
+        as its RowError. SampleError and ServerError propagate (after the rows in flight end)."""
+        source = iter(jobs)
+        pending: dict[Future[Regenerated], RowJob] = {}
+        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="regenerate") as pool:
+            try:
+                while True:
+                    while len(pending) < self.in_flight and (nxt := next(source, None)) is not None:
+                        pending[pool.submit(self.regenerate, nxt)] = nxt
+                    if not pending:
+                        return
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        del pending[fut]
+                        try:
+                            yield fut.result()
+                        except RowError as exc:
+                            yield exc
+            finally:
+                for fut in pending:
+                    fut.cancel()
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,206 @@
+"""Which turns of a conversation are regenerated, and how generated ids become an OpenAI assistant message.
+
+Pure functions of a conversation, a `ChatTokenizer` and token ids: no server here (`client.py` sends them).
+
+- `turns_to_regenerate`: ``all`` = every assistant turn that has a user turn before it, in order; ``last`` = the
+  final assistant turn. Rows with nothing to regenerate are refused (RowError kind ``regenerate``).
+- `TurnFormat`: what a folder's template and tokenizer say about a generated turn: the end-of-turn token the
+  template closes an assistant turn with (sent as a stop token: the model's own eos may be another token) and
+  the thinking markers (``<think>``/``</think>`` as single tokens, as Kimi-K2.5's), if the tokenizer has them.
+- `TurnFormat.message`: generated ids -> ``{"role": "assistant", "content", ["reasoning_content"]}``: ids
+  between the thinking markers (the opening one may be the generation prompt's last token) are the reasoning,
+  the rest the content; the stop token is left out (the template writes the end of the turn itself). Special
+  tokens inside the content (e.g. a tool-call section) are kept as text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from layertap.data.chat import ChatTokenizer
+from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
+from layertap.errors import RowError
+
+Mode = Literal["last", "all"]
+FinishReason = Literal["stop", "length"]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+# A plain chat whose assistant turn the template renders as this content, then its end of turn.
+_PROBE_CONTENT = "Hi."
+_PROBE = Conversation([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _PROBE_CONTENT}])
+
+
+class GenerationSettings(BaseModel):
+    """How responses are regenerated: which turns, the sampling settings, and the run's seed (a turn's own seed
+    derives from it, the sample id and the turn: `turn_seed`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode = Field(description="last: the final assistant turn; all: every assistant turn, in order.")
+    max_new_tokens: int = Field(gt=0, description="Longest response per turn; a longer one is cut (finish: length).")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = Field(default=0, ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedTurn:
+    """One regenerated assistant turn: ``index`` into the messages, the ids the server was given
+    (``prompt_ids``), the ids it generated (``output_ids``, the stop token last when it stopped on one, as HF
+    ``generate`` returns them), why it ended and the seed it sampled with."""
+
+    index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Regenerated:
+    """A row with its assistant turns regenerated: ``conversation`` (what the chat template renders for the
+    capture) and its ``turns`` in order."""
+
+    sample_id: str
+    conversation: Conversation
+    turns: tuple[GeneratedTurn, ...]
+
+    def record(self) -> dict[str, Any]:
+        """The row as the regenerated dataset stores it: ``{"id", "messages"}`` in OpenAI form, each regenerated
+        turn with its ``finish_reason``."""
+        messages = [dict(m) for m in self.conversation.messages]
+        for turn in self.turns:
+            messages[turn.index]["finish_reason"] = turn.finish_reason
+        row: dict[str, Any] = {"id": self.sample_id, "messages": messages}
+        if self.conversation.tools is not None:
+            row["tools"] = self.conversation.tools
+        return row
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t.output_ids) for t in self.turns)
+
+
+def turn_seed(seed: int, sample_id: str, turn: int) -> int:
+    """The sampling seed of turn ``turn`` (its index in the messages) of sample ``sample_id`` in a run seeded
+    ``seed``: a hash of the three, so a resumed or re-sent sample gets the same seed (63 bits: SGLang's int64)."""
+    digest = hashlib.sha256(f"{seed}\0{sample_id}\0{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def turns_to_regenerate(row: ParsedRow, mode: Mode, *, row_number: int, sample_id: str) -> list[int]:
+    """Indices (into ``row.messages``) of the assistant turns to regenerate, in order; RowError (kind
+    ``regenerate``) when there are none. An assistant turn with no user turn before it (a greeting) is kept as
+    given: there is nothing to answer."""
+
+    def refuse(reason: str) -> RowError:
+        return RowError(reason, row=row_number, sample_id=sample_id, kind="regenerate")
+
+    if isinstance(row, Preformatted):
+        raise refuse("preformatted text (the chat template already applied) has no turns to regenerate")
+    if isinstance(row, Pretokenized):
+        raise refuse("a row of token ids has no turns to regenerate")
+    messages = row.messages
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise refuse("no user turn: there is nothing for a regenerated response to answer")
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistants:
+        raise refuse("no assistant turn to regenerate")
+    if assistants[-1] < first_user:
+        raise refuse("no assistant turn after a user turn to regenerate")
+    return [i for i in assistants if i > first_user] if mode == "all" else [assistants[-1]]
+
+
+def _single_token(chat: ChatTokenizer, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer holds it as one token, else None."""
+    if not text:
+        return None
+    ids = chat.encode(text, row_number=-1, sample_id=None)
+    return ids[0] if len(ids) == 1 and chat.tokenizer.decode(ids) == text else None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFormat:
+    """What the folder's template and tokenizer say about a generated assistant turn (see the module doc)."""
+
+    end_of_turn: int | None
+    think_open: int | None
+    think_close: int | None
+
+    @classmethod
+    def of(cls, chat: ChatTokenizer) -> TurnFormat:
+        """Read from the template's rendering of a plain chat and from the tokenizer; RowError (kind ``template``)
+        when the template cannot render one."""
+        text, spans = chat.render(_PROBE, row_number=-1, sample_id=None)
+        turn = text[spans[-1][0] : spans[-1][1]] if spans else ""
+        end = turn.rpartition(_PROBE_CONTENT)[2] if _PROBE_CONTENT in turn else ""
+        opened, closed = _single_token(chat, THINK_OPEN), _single_token(chat, THINK_CLOSE)
+        thinking = opened is not None and closed is not None
+        return cls(_single_token(chat, end), opened if thinking else None, closed if thinking else None)
+
+    def stop_token_ids(self, chat: ChatTokenizer) -> list[int]:
+        """Tokens generation stops on besides the model's own eos (which the server adds): the template's end of
+        turn and the tokenizer's eos."""
+        ids = [self.end_of_turn, chat.tokenizer.eos_token_id]
+        return sorted({i for i in ids if i is not None})
+
+    def message(
+        self, chat: ChatTokenizer, prompt_ids: list[int], output_ids: list[int], finish: FinishReason
+    ) -> dict[str, Any]:
+        """The assistant message of generated ``output_ids`` (see the module doc); ``prompt_ids`` say whether the
+        generation prompt opened a thinking block. The stop token (the last id of a turn that stopped) is left
+        out. ``reasoning_content`` is present only when the turn thought: a thinking block opened by the prompt
+        or by the turn's first token (a turn cut inside it has reasoning and empty content)."""
+        ids = output_ids[:-1] if finish == "stop" and output_ids else output_ids
+        reasoning: list[int] | None = None
+        if self.think_open is not None:
+            opened = _opens_thinking(prompt_ids, self.think_open, self.think_close)
+            if not opened and ids[:1] == [self.think_open]:
+                ids, opened = ids[1:], True
+            if opened:
+                end = ids.index(self.think_close) if self.think_close in ids else len(ids)
+                reasoning, ids = ids[:end], ids[end + 1 :]
+        message: dict[str, Any] = {"role": "assistant", "content": _decode(chat, ids)}
+        if reasoning is not None:
+            message["reasoning_content"] = _decode(chat, reasoning)
+        return message
+
+
+def _opens_thinking(prompt_ids: list[int], think_open: int, think_close: int | None) -> bool:
+    """Whether the prompt ends inside a thinking block (its last opening marker after its last closing one)."""
+    last_open = max((i for i, t in enumerate(prompt_ids) if t == think_open), default=-1)
+    last_close = max((i for i, t in enumerate(prompt_ids) if t == think_close), default=-1)
+    return last_open > last_close
+
+
+def _decode(chat: ChatTokenizer, ids: list[int]) -> str:
+    # Special tokens stay: a tool-call section or a marker in the content is text the template renders back.
+    return chat.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if ids else ""
+
+
+def retokenization_mismatches(chat: ChatTokenizer, regenerated: Regenerated) -> list[str]:
+    """Where the ids of the regenerated conversation (the template applied to all its messages, tokenized: what
+    the capture stores and a trainer tokenizes) do not begin with a turn's prompt ids then its output ids, one
+    line per turn; empty when they hold every turn as it was generated. They do not when the model wrote a token
+    sequence its tokenizer would not (a non-canonical split, a character's bytes cut in two, an id that decodes to
+    text of other ids), stopped on an eos the template does not end turns with, or when the template renders a
+    turn otherwise than it was generated (it drops the reasoning of turns before the last user turn, or closes a
+    turn cut inside its thinking with ``</think>``)."""
+    where = {"row_number": -1, "sample_id": regenerated.sample_id}
+    conv = regenerated.conversation
+    ids = chat.encode(chat.render_messages(conv, len(conv.messages), generation_prompt=False, **where), **where)
+    problems = []
+    for turn in regenerated.turns:
+        seen = turn.prompt_ids + turn.output_ids
+        if ids[: len(seen)] != seen:
+            at = next((i for i, (a, b) in enumerate(zip(ids, seen, strict=False)) if a != b), min(len(ids), len(seen)))
+            problems.append(
+                f"turn {turn.index}: the conversation's ids differ from the {len(turn.prompt_ids)} prompt + "
+                f"{len(turn.output_ids)} generated ids it saw, first at id {at}"
+            )
+    return problems

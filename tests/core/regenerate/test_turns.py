@@ -1,0 +1,209 @@
+"""The pure side of regeneration: which turns, turn seeds, generated ids -> an OpenAI assistant message (reasoning
+kept apart), and the check that the template gives back the ids a generation saw, on the tiny models' own
+tokenizers and templates (the Kimi-K2.5 one with its thinking markers) and a template that drops earlier
+turns' reasoning."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from layertap.data.chat import ChatTokenizer
+from layertap.data.rows import Conversation, parse_row
+from layertap.errors import RowError
+from layertap.regenerate import (
+    GeneratedTurn,
+    GenerationSettings,
+    Regenerated,
+    TurnFormat,
+    retokenization_mismatches,
+    turn_seed,
+    turns_to_regenerate,
+)
+from layertap.tiny.kimi_tokenizer import KIMI_CHAT_TEMPLATE, write_tokenizer_files
+from layertap.tiny.tokenizer import build_tokenizer
+
+CHAT = {
+    "id": "c1",
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Welcome!"},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Thanks."},
+    ],
+}
+
+# Kimi-K2.5's multi-turn habit, in the tiny template: the reasoning of an assistant turn before the last user turn
+# is not rendered (`<think></think>` stands in its place).
+DROPS_EARLIER_REASONING = KIMI_CHAT_TEMPLATE.replace(
+    "{%- for message in messages -%}",
+    "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}",
+).replace(
+    "{%- if message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
+    "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}"
+    "{%- elif message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
+)
+
+
+@pytest.fixture(scope="module")
+def llama_chat() -> ChatTokenizer:
+    return ChatTokenizer(build_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("kimi-tokenizer")
+    write_tokenizer_files(folder, 2048)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def kimi_chat(kimi_tokenizer) -> ChatTokenizer:
+    return ChatTokenizer(kimi_tokenizer)
+
+
+def ids(chat: ChatTokenizer, text: str) -> list[int]:
+    return chat.encode(text, row_number=0, sample_id="t")
+
+
+def test_all_regenerates_every_answer_and_last_the_final_one() -> None:
+    row = parse_row(0, CHAT)
+    # The greeting before the first user turn answers nothing and is kept; a trailing user turn stays as given.
+    assert turns_to_regenerate(row, "all", row_number=0, sample_id="c1") == [3, 5]
+    assert turns_to_regenerate(row, "last", row_number=0, sample_id="c1") == [5]
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"text": "<s>user: hi</s>"}, "preformatted text"),
+        ({"input_ids": [1, 2, 3]}, "token ids"),
+        ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}, "no user turn"),
+        ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]}, "after a user turn"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["last", "all"])
+def test_rows_with_nothing_to_regenerate_are_refused(row: dict, reason: str, mode: str) -> None:
+    with pytest.raises(RowError, match=reason) as err:
+        turns_to_regenerate(parse_row(7, row), mode, row_number=7, sample_id="x")  # type: ignore[arg-type]
+    assert (err.value.kind, err.value.row, err.value.sample_id) == ("regenerate", 7, "x")
+
+
+def test_turn_seeds_are_stable_and_apart() -> None:
+    seeds = {turn_seed(s, i, t) for s in (0, 1) for i in ("a", "b", "0") for t in (1, 3)}
+    assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
+    assert turn_seed(5, "a", 3) == turn_seed(5, "a", 3)
+
+
+def test_settings_refuse_what_sampling_cannot_take() -> None:
+    GenerationSettings(mode="all", max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
+    for bad in ({"mode": "first"}, {"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"nucleus": 1}):
+        with pytest.raises(ValueError):
+            GenerationSettings(**{"mode": "last", "max_new_tokens": 8, **bad})
+
+
+def test_turn_format_reads_the_end_of_turn_and_thinking_markers(llama_chat, kimi_chat, kimi_tokenizer) -> None:
+    llama = TurnFormat.of(llama_chat)
+    assert llama == TurnFormat(llama_chat.tokenizer.convert_tokens_to_ids("<|im_end|>"), None, None)
+    kimi = TurnFormat.of(kimi_chat)
+    assert kimi == TurnFormat(*kimi_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<think>", "</think>"]))
+    assert kimi.stop_token_ids(kimi_chat) == [kimi.end_of_turn]  # the folder's eos is its end of turn
+
+
+def test_generated_ids_become_content_and_reasoning_apart(kimi_chat) -> None:
+    fmt = TurnFormat.of(kimi_chat)
+    think, end = fmt.think_open, fmt.think_close
+    prompt = ids(kimi_chat, "<|im_user|>user<|im_middle|>Why?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    reasoning, content = ids(kimi_chat, "Sky scatters blue."), ids(kimi_chat, "Rayleigh.")
+    eot = [fmt.end_of_turn]
+    assert fmt.message(kimi_chat, prompt, [think, *reasoning, end, *content, *eot], "stop") == {
+        "role": "assistant", "content": "Rayleigh.", "reasoning_content": "Sky scatters blue."}  # fmt: skip
+    # A generation prompt that opens the thinking block itself: the turn starts inside it.
+    assert fmt.message(kimi_chat, [*prompt, think], [*reasoning, end, *content, *eot], "stop") == {
+        "role": "assistant", "content": "Rayleigh.", "reasoning_content": "Sky scatters blue."}  # fmt: skip
+    # Cut inside its thinking: all reasoning, no content; cut content keeps its last id (no stop token to drop).
+    assert fmt.message(kimi_chat, prompt, [think, *reasoning], "length") == {
+        "role": "assistant", "content": "", "reasoning_content": "Sky scatters blue."}  # fmt: skip
+    assert fmt.message(kimi_chat, prompt, content, "length") == {"role": "assistant", "content": "Rayleigh."}
+    # Special tokens inside the content are kept as text (a tool-call section renders back from it).
+    call = ids(kimi_chat, "<|tool_calls_section_begin|>x<|tool_calls_section_end|>")
+    assert fmt.message(kimi_chat, prompt, [*call, *eot], "stop")["content"] == (
+        "<|tool_calls_section_begin|>x<|tool_calls_section_end|>"
+    )
+
+
+def test_without_thinking_markers_everything_is_content(llama_chat) -> None:
+    fmt = TurnFormat.of(llama_chat)
+    out = [*ids(llama_chat, "<think>no</think> plain"), fmt.end_of_turn]
+    assert fmt.message(llama_chat, [], out, "stop") == {"role": "assistant", "content": "<think>no</think> plain"}
+
+
+def simulated(chat: ChatTokenizer, row: dict, texts: dict[int, str], mode: str) -> Regenerated:
+    """What `Regenerator.regenerate` makes of ``row`` when the model writes ``texts[turn]`` (its canonical ids,
+    then the end of turn): the same prompts, `TurnFormat.message`, in the same order."""
+    conv = parse_row(0, row)
+    assert isinstance(conv, Conversation)
+    fmt, messages, turns = TurnFormat.of(chat), list(conv.messages), []
+    for k in turns_to_regenerate(conv, mode, row_number=0, sample_id="s"):  # type: ignore[arg-type]
+        text = chat.render_messages(Conversation(messages), k, generation_prompt=True, row_number=0, sample_id="s")
+        prompt, out = ids(chat, text), [*ids(chat, texts[k]), fmt.end_of_turn]
+        messages[k] = fmt.message(chat, prompt, out, "stop")
+        turns.append(GeneratedTurn(k, prompt, out, "stop", 0))
+    return Regenerated("s", Conversation(messages), tuple(turns))
+
+
+THOUGHTS = {3: "<think>Primary.</think>Blue.", 5: "<think>Warm one.</think>Red."}
+
+
+def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) -> None:
+    for chat, texts in ((kimi_chat, THOUGHTS), (llama_chat, {3: "Blue.", 5: "Red."})):
+        regen = simulated(chat, CHAT, texts, "all")
+        assert retokenization_mismatches(chat, regen) == []
+        # and the capture's own tokenization holds each turn's prompt and output ids, in place
+        full = chat.tokenize(0, "s", regen.conversation, max_length=None, overlong="truncate").input_ids.tolist()
+        for turn in regen.turns:
+            seen = turn.prompt_ids + turn.output_ids
+            assert full[: len(seen)] == seen
+    assert regen.record()["messages"][3] == {"role": "assistant", "content": "Blue.", "finish_reason": "stop"}
+
+
+def test_a_template_that_drops_earlier_reasoning_is_named_per_turn(kimi_tokenizer) -> None:
+    """Under ``all`` the later turn saw the earlier one without its reasoning (as the template renders it), so the
+    whole conversation agrees with the last turn's generation but not with the earlier turn's: its reasoning is
+    not in the ids a trainer tokenizes; a user turn after the last answer drops that one's reasoning too.
+    ChatTokenizer refuses such a row (not prefix-stable)."""
+    chat = ChatTokenizer(kimi_tokenizer, chat_template=DROPS_EARLIER_REASONING)
+    ending = {"id": "c2", "messages": CHAT["messages"][:-1]}  # ends with the assistant's answer
+    regen = simulated(chat, ending, THOUGHTS, "all")
+    assert [p.split(":")[0] for p in retokenization_mismatches(chat, regen)] == ["turn 3"]
+    with pytest.raises(RowError, match="not prefix-stable"):
+        chat.tokenize(0, "s", regen.conversation, max_length=None, overlong="truncate")
+    trailing = simulated(chat, CHAT, THOUGHTS, "all")
+    assert [p.split(":")[0] for p in retokenization_mismatches(chat, trailing)] == ["turn 3", "turn 5"]
+    # With `last` only the final turn is generated; its own prompt already renders the earlier turns as given.
+    assert retokenization_mismatches(chat, simulated(chat, ending, THOUGHTS, "last")) == []
+
+
+def test_a_non_canonical_generation_is_named(llama_chat) -> None:
+    """A model may write a split its tokenizer never makes (tiny random models nearly always do): the text then
+    tokenizes to other ids than the generation's."""
+    regen = simulated(llama_chat, CHAT, {5: "Red."}, "last")
+    turn = regen.turns[0]
+    split = [i for ch in "Red." for i in ids(llama_chat, ch)]
+    assert split != turn.output_ids[:-1]
+    other = Regenerated(
+        "s", regen.conversation, (GeneratedTurn(5, turn.prompt_ids, [*split, turn.output_ids[-1]], "stop", 0),)
+    )
+    assert [p.split(":")[0] for p in retokenization_mismatches(llama_chat, other)] == ["turn 5"]
+
+
+def test_generation_rids_are_never_captured() -> None:
+    from sglang_patch.contract import generation_rid, rid_matches
+
+    rid = generation_rid("job:1", "a:b", 3, "n")
+    assert ":" not in rid
+    assert not any(rid_matches(rid, p) for p in ("hscap", "gen", "gen.job%3A1", rid, ""))
