@@ -10,10 +10,14 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:job:{job}:failed              SET   shard numbers that gave up (a subset of open)
     {p}:job:{job}:workers             HASH  "<worker>:samples" / "<worker>:tokens" -> committed by that worker
     {p}:job:{job}:shard:{n}           HASH  start, stop, state, token, worker, done, tokens, failed,
-                                            attempts (claims), queued_ms, claimed_ms, finished_ms, error
+                                            attempts (claims), queued_ms, claimed_ms, finished_ms, error;
+                                            regenerating jobs: generated_rows, generated (tokens), cut (turns),
+                                            the sums of its :generated hash
     {p}:job:{job}:shard:{n}:lease     STR   token of the attempt that holds the shard; expires unless
                                             its worker heart-beats
     {p}:job:{job}:shard:{n}:errors    HASH  row -> JSON {sample_id, reason, kind, attempts}
+    {p}:job:{job}:shard:{n}:generated HASH  row -> "tokens cut_turns" of its latest regeneration (a row regenerated
+                                            again, by a later attempt, replaces its figures: counted once)
     {p}:job:{job}:finalize:lease      STR   token of the finalizer; expires unless it heart-beats
     {p}:job:{job}:audit               HASH  (jobs with audit_samples) state, samples (asked, then audited),
                                             tokens, seconds, report, summary, device, layers_done,
@@ -87,6 +91,9 @@ class Keys:
 
     def errors(self, job_id: str, shard: int) -> str:
         return f"{self.shard(job_id, shard)}:errors"
+
+    def generation(self, job_id: str, shard: int) -> str:
+        return f"{self.shard(job_id, shard)}:generated"
 
     def finalize_lease(self, job_id: str) -> str:
         return f"{self.job(job_id)}:finalize:lease"

@@ -88,6 +88,7 @@ class WorkerView:
     shard: int | None = None
     samples_per_s: float = 0.0
     tokens_per_s: float = 0.0
+    generated_tokens_per_s: float = 0.0  # regenerating jobs: new tokens its server generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,9 @@ class AuditView:
 
 @dataclass(slots=True)
 class JobView:
-    """A job's progress, summed over its shards in one read."""
+    """A job's progress, summed over its shards in one read. A job that regenerates its responses (``regenerates``)
+    also counts its regenerated rows, their new tokens and their turns cut at max_new_tokens (the latest regeneration
+    of each row, `ShardAttempt.row_generated`); a job that does not keeps them at 0."""
 
     job_id: str
     state: JobState
@@ -147,6 +150,10 @@ class JobView:
     audit: AuditView | None = None
     store_dtype: str = "bfloat16"
     bytes_per_token: int = 0  # 0: unknown (a job whose state was rebuilt)
+    regenerates: bool = False
+    generated_rows: int = 0  # 0 also for a regenerating job whose state was rebuilt (its store holds the text)
+    generated_tokens: int = 0
+    cut_turns: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -157,10 +164,40 @@ class JobView:
         return sum(w.tokens_per_s for w in self.workers if w.alive)
 
     @property
+    def generated_tokens_per_s(self) -> float:
+        return sum(w.generated_tokens_per_s for w in self.workers if w.alive)
+
+    @property
+    def rows_to_generate(self) -> int:
+        """Rows not handled yet, less those regenerated and waiting for their capture (regenerated rows beyond the
+        stored samples; a row that failed after its regeneration makes this a slight underestimate)."""
+        waiting = max(self.generated_rows - self.samples_done, 0)
+        return max(self.num_rows - self.samples_done - self.samples_failed - waiting, 0)
+
+    @property
+    def generation_eta_s(self) -> float | None:
+        """Seconds until every row is regenerated: rows to generate x the mean new tokens of a regenerated row /
+        the live generated tokens per second; None while that cannot be told (nothing generated, or not now)."""
+        if not self.regenerates or self.rows_to_generate == 0:
+            return 0.0
+        rate = self.generated_tokens_per_s
+        if not self.generated_rows or rate <= 0:
+            return None
+        return self.rows_to_generate * self.generated_tokens / self.generated_rows / rate
+
+    @property
     def eta_s(self) -> float | None:
-        """Seconds left at the live rate; None when nothing is moving."""
+        """Seconds left at the live rates; None when nothing is moving.
+
+        Without regeneration: rows left / samples per second. A regenerating job has two streams on the same
+        servers, generation (new tokens) and capture (stored samples), each measured over the same last minute of
+        wall time, so each rate already pays for the server time the other takes: the job ends when the slower one
+        does, ``max(generation_eta_s, rows left / samples per second)``. A stream with work left and no live rate
+        (capture waiting for the first regenerated rows) is left out, which makes the estimate a lower bound."""
         left = self.num_rows - self.samples_done - self.samples_failed
         if left <= 0:
             return 0.0
         rate = self.samples_per_s
-        return left / rate if rate > 0 else None
+        capture = left / rate if rate > 0 else None
+        times = [t for t in (capture, self.generation_eta_s) if t is not None]
+        return max(times) if times and max(times) > 0 else None

@@ -76,6 +76,25 @@ redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
 return job_state
 """)
 
+# KEYS: job, shard, generation. ARGV: token, row, tokens, cut turns. Returns the job state, or 'lost'. Keyed by row,
+# so a row regenerated again (its first attempt died before the commit) replaces its figures instead of adding them.
+ROW_GENERATED = _script("""
+local job_state = redis.call('HGET', KEYS[1], 'state') or 'missing'
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[1] then return 'lost' end
+local tokens, cut = tonumber(ARGV[3]), tonumber(ARGV[4])
+local old = redis.call('HGET', KEYS[3], ARGV[2])
+if old then
+  local t, c = string.match(old, '^(%d+) (%d+)$')
+  tokens, cut = tokens - tonumber(t), cut - tonumber(c)
+else
+  redis.call('HINCRBY', KEYS[2], 'generated_rows', 1)
+end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3] .. ' ' .. ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'generated', tokens)
+redis.call('HINCRBY', KEYS[2], 'cut', cut)
+return job_state
+""")
+
 # KEYS: job, shard, errors. ARGV: token, row, failure JSON. Returns the job state, or 'lost'.
 SAMPLE_FAILED = _script("""
 local job_state = redis.call('HGET', KEYS[1], 'state') or 'missing'

@@ -1,8 +1,9 @@
 """A worker's state changes for one shard attempt, each one round trip.
 
 An attempt is named by its token (given when the shard was dispatched). The order is: ``claim`` ->
-``start`` (counters set from what the store already holds) -> ``sample_done`` / ``sample_failed``
-after each commit or failure (``sample_retired`` before the row of a sample it no longer gives) (the file is in place before Redis hears of it) -> ``complete`` (or
+``start`` (counters set from what the store already holds) -> ``row_generated`` (regenerating jobs, before the
+row's capture) -> ``sample_done`` / ``sample_failed`` after each commit or failure (``sample_retired`` before the
+row of a sample it no longer gives) (the file is in place before Redis hears of it) -> ``complete`` (or
 ``release`` / ``fail``). ``heartbeat`` keeps the lease alive from a side thread meanwhile.
 """
 
@@ -68,6 +69,16 @@ class ShardAttempt:
         k = self.keys
         return scripts.SAMPLE_RETIRED(
             [k.job(self.job_id), k.shard(self.job_id, self.shard)], [self.token, tokens], client=self.redis
+        )
+
+    def row_generated(self, row: int, tokens: int, cut_turns: int) -> str:
+        """Count row ``row``'s regeneration (``tokens`` new tokens, ``cut_turns`` turns cut at max_new_tokens) once:
+        a row told again replaces its earlier figures. Returns the job state, or ``lost`` if the shard moved on."""
+        k = self.keys
+        return scripts.ROW_GENERATED(
+            [k.job(self.job_id), k.shard(self.job_id, self.shard), k.generation(self.job_id, self.shard)],
+            [self.token, row, tokens, cut_turns],
+            client=self.redis,
         )
 
     def sample_failed(self, failure: SampleFailure) -> str:

@@ -31,10 +31,11 @@ def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
     if not job:
         return None
     num_shards = int(job["num_shards"])
+    spec = json.loads(job["spec"]) if job.get("spec") else {}
     names = sorted(names)
     pipe = redis.pipeline(transaction=False)
     for n in range(num_shards):
-        pipe.hmget(keys.shard(job_id, n), "state", "done", "tokens", "failed")
+        pipe.hmget(keys.shard(job_id, n), "state", "done", "tokens", "failed", "generated_rows", "generated", "cut")
     for name in names:
         pipe.hgetall(keys.worker(name))
     replies = pipe.execute()
@@ -48,15 +49,19 @@ def job_view(redis: Redis, keys: Keys, job_id: str) -> JobView | None:
         num_shards=num_shards,
         error=job.get("error") or None,
         audit=AuditView.of(audit),
-        store_dtype=json.loads(job["spec"]).get("store_dtype", "bfloat16") if job.get("spec") else "bfloat16",
+        store_dtype=spec.get("store_dtype", "bfloat16"),
         bytes_per_token=int(job.get("bytes_per_token") or 0),
+        regenerates=spec.get("regenerate") is not None,
     )
     states: Counter[str] = Counter()
-    for state, done, tokens, failed in replies[:num_shards]:
+    for state, done, tokens, failed, generated_rows, generated, cut in replies[:num_shards]:
         states[state or "missing"] += 1
         view.samples_done += int(done or 0)
         view.tokens_done += int(tokens or 0)
         view.samples_failed += int(failed or 0)
+        view.generated_rows += int(generated_rows or 0)
+        view.generated_tokens += int(generated or 0)
+        view.cut_turns += int(cut or 0)
     view.shards = dict(states)
     view.workers = _workers(job_id, per_worker, names, replies[num_shards:])
     return view
@@ -77,6 +82,7 @@ def _workers(job_id: str, per_worker: dict[str, str], names: list[str], live: li
         view.shard = int(info["shard"]) if info.get("shard", "") != "" else None
         view.samples_per_s = float(info.get("samples_per_s", 0.0))
         view.tokens_per_s = float(info.get("tokens_per_s", 0.0))
+        view.generated_tokens_per_s = float(info.get("generated_tokens_per_s", 0.0))
     return sorted(views.values(), key=lambda w: w.name)
 
 

@@ -1,5 +1,6 @@
 """A small job for the state tests: 10-row shards, a fixed spec, messages collected instead of sent."""
 
+import json
 from pathlib import Path
 
 from redis import Redis
@@ -19,3 +20,8 @@ def new_job(redis: Redis, rows: int = 25, job_id: str = "j1") -> dict[int, str]:
     create_job(redis, KEYS, job_id, SPEC, plan_shards(rows, SPEC.shard_size))
     dispatch_pending(redis, KEYS, job_id, lambda task, args: sent.append((task, args)))
     return {args[1]: args[2] for _, args in sent}
+
+
+def regenerating(redis: Redis, job_id: str = "j1") -> None:
+    """Make the job one that regenerates its responses, as a job submitted with ``regenerate`` stores its spec."""
+    redis.hset(KEYS.job(job_id), "spec", json.dumps(SPEC.model_dump(mode="json") | {"regenerate": "all"}))

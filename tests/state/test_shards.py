@@ -124,8 +124,41 @@ def test_each_per_sample_state_change_is_one_round_trip(redis_server, redis_clie
     for _ in range(3):  # warm up: a script's first call on a server may cost a SCRIPT LOAD
         attempt.sample_done(10)
         attempt.sample_failed(SampleFailure(row=1, sample_id="s1", reason="x", kind="capture"))
+        attempt.row_generated(1, 10, 0)
     CountingConnection.sent = 0
     for n in range(100):
+        attempt.row_generated(n, 10, 0)
         attempt.sample_done(10)
         attempt.sample_failed(SampleFailure(row=n, sample_id=f"s{n}", reason="x", kind="capture"))
-    assert CountingConnection.sent == 200
+    assert CountingConnection.sent == 300
+
+
+def test_a_regenerated_row_counts_once_when_a_replacing_attempt_regenerates_it(redis_client) -> None:
+    tokens = new_job(redis_client)
+    first = ShardAttempt(redis_client, KEYS, "j1", 0, tokens[0], "w1")
+    assert first.claim(10_000).status == "ok" and first.start(0, 0)
+    assert first.row_generated(0, 50, 0) == "running"
+    assert first.sample_done(80) == "running"  # row 0 is stored
+    assert first.row_generated(1, 70, 1) == "running"  # row 1 is regenerated (one turn cut), then w1 dies
+
+    redis_client.delete(KEYS.lease("j1", 0))
+    sent: list[list] = []
+    resume_job(redis_client, KEYS, "j1", lambda _task, args: sent.append(args), lease_ms=1000)
+    assert first.row_generated(2, 40, 0) == "lost"  # the dead attempt's late reports move nothing
+    second = ShardAttempt(redis_client, KEYS, "j1", 0, sent[0][2], "w2")
+    assert second.claim(10_000).status == "ok" and second.start(1, 80)
+    assert second.row_generated(1, 70, 1) == "running"  # row 1 regenerated again, the same text: counted once
+    assert second.row_generated(2, 30, 0) == "running"
+    view = job_view(redis_client, KEYS, "j1")
+    assert (view.generated_rows, view.generated_tokens, view.cut_turns) == (3, 150, 1)
+
+    assert second.row_generated(1, 60, 0) == "running"  # told again with other figures: they replace the old ones
+    view = job_view(redis_client, KEYS, "j1")
+    assert (view.generated_rows, view.generated_tokens, view.cut_turns) == (3, 140, 0)
+
+
+def test_a_job_that_does_not_regenerate_counts_no_generation(redis_client) -> None:
+    new_job(redis_client)
+    view = job_view(redis_client, KEYS, "j1")
+    assert not view.regenerates
+    assert (view.generated_rows, view.generated_tokens, view.cut_turns, view.generation_eta_s) == (0, 0, 0, 0.0)

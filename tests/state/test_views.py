@@ -1,0 +1,58 @@
+"""A job's view against a real Redis: a regenerating job's generation counts and its ETA (`JobView.eta_s`)."""
+
+import pytest
+
+from layertap.state.shards import ShardAttempt, publish_worker
+from layertap.state.views import job_view
+from tests.state.support import KEYS, new_job, regenerating
+
+
+def live(redis, *, samples_per_s: float, generated_tokens_per_s: float) -> None:
+    """The record w1's heartbeat publishes while it works on shard 0 of j1."""
+    record = {"job": "j1", "shard": 0, "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * 100,
+              "generated_tokens_per_s": generated_tokens_per_s}  # fmt: skip
+    publish_worker(redis, KEYS, "w1", record, 30_000)
+
+
+def test_a_regenerating_jobs_eta_is_its_slower_stream_and_a_lower_bound_while_capture_waits(redis_client) -> None:
+    tokens = new_job(redis_client, rows=25)
+    attempt = ShardAttempt(redis_client, KEYS, "j1", 0, tokens[0], "w1")
+    assert attempt.claim(10_000).status == "ok" and attempt.start(0, 0)
+    regenerating(redis_client)
+    for row in range(5):  # 5 rows regenerated, 100 new tokens each; 2 of them stored
+        attempt.row_generated(row, 100, 1 if row == 4 else 0)
+    attempt.sample_done(300)
+    attempt.sample_done(300)
+
+    live(redis_client, samples_per_s=0.5, generated_tokens_per_s=50.0)
+    view = job_view(redis_client, KEYS, "j1")
+    assert view.regenerates and view.generated_tokens_per_s == 50.0
+    # 23 rows left, 3 of them regenerated and waiting for their capture: 20 to regenerate, 100 tokens each.
+    assert view.rows_to_generate == 20
+    assert view.generation_eta_s == pytest.approx(20 * 100 / 50.0)
+    assert view.eta_s == pytest.approx(23 / 0.5)  # capture is the slower stream
+
+    live(redis_client, samples_per_s=2.0, generated_tokens_per_s=50.0)
+    assert job_view(redis_client, KEYS, "j1").eta_s == pytest.approx(40.0)  # now generation is
+
+    live(redis_client, samples_per_s=0.0, generated_tokens_per_s=50.0)
+    assert job_view(redis_client, KEYS, "j1").eta_s == pytest.approx(40.0)  # capture waits: generation's time
+
+    live(redis_client, samples_per_s=0.5, generated_tokens_per_s=0.0)
+    view = job_view(redis_client, KEYS, "j1")
+    assert view.generation_eta_s is None and view.eta_s == pytest.approx(46.0)  # a lower bound, as documented
+
+    redis_client.delete(KEYS.worker("w1"))  # nothing moves
+    assert job_view(redis_client, KEYS, "j1").eta_s is None
+
+
+def test_without_regeneration_the_eta_is_rows_left_over_the_sample_rate(redis_client) -> None:
+    tokens = new_job(redis_client, rows=25)
+    attempt = ShardAttempt(redis_client, KEYS, "j1", 0, tokens[0], "w1")
+    assert attempt.claim(10_000).status == "ok" and attempt.start(0, 0)
+    attempt.sample_done(300)
+    live(redis_client, samples_per_s=0.5, generated_tokens_per_s=0.0)
+    view = job_view(redis_client, KEYS, "j1")
+    assert not view.regenerates and view.eta_s == pytest.approx(24 / 0.5)
+    live(redis_client, samples_per_s=0.0, generated_tokens_per_s=0.0)
+    assert job_view(redis_client, KEYS, "j1").eta_s is None
