@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class RateMeter:
-    """Samples and tokens per second over the last ``window_s`` seconds (monotonic clock, no skew)."""
+    """Samples (or regenerated rows) and their tokens per second over the last ``window_s`` seconds (monotonic
+    clock, no skew)."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
@@ -70,12 +71,15 @@ class Heartbeat:
         keys: Keys,
         settings: WorkerSettings,
         meter: RateMeter,
+        generation: RateMeter,
         name: str,
         extra: Callable[[], dict[str, str | int]] | None = None,
     ) -> None:
-        """``extra`` adds fields to the published record (the worker's state and free space)."""
+        """``meter`` counts committed samples, ``generation`` regenerated rows (their new tokens); ``extra`` adds
+        fields to the published record (the worker's state and free space)."""
         self.redis, self.keys, self.settings, self.meter, self.name = redis, keys, settings, meter, name
         self.extra = extra
+        self.generation = generation
         self._held: Held | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="layertap-heartbeat", daemon=True)
@@ -104,6 +108,7 @@ class Heartbeat:
             "shard": "" if held is None or held.shard is None else held.shard,
             "samples_per_s": round(samples_per_s, 3),
             "tokens_per_s": round(tokens_per_s, 1),
+            "generated_tokens_per_s": round(self.generation.rates()[1], 1),
             "engine": self.settings.engine,
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -29,6 +29,14 @@ SAMPLES = Counter(
     ["worker", "status"],
 )  # fmt: skip
 TOKENS = Counter("layertap_worker_tokens", "Tokens of the samples this worker committed.", ["worker"])
+GENERATED = Counter(
+    "layertap_worker_generated_tokens",
+    "New tokens this worker's server generated for regenerated rows (each regeneration, a redone one included).",
+    ["worker"],
+)
+CUT = Counter(
+    "layertap_worker_cut_turns", "Regenerated turns cut at max_new_tokens (finish_reason length).", ["worker"]
+)
 WRITTEN = Counter("layertap_worker_written_bytes", "Bytes of sample files this worker committed.", ["worker"])
 ERRORS = Counter(
     "layertap_worker_errors",
@@ -89,6 +97,8 @@ class WorkerMetrics:
         self.committed = SAMPLES.labels(worker, "committed")
         self.failed = SAMPLES.labels(worker, "failed")
         self.tokens = TOKENS.labels(worker)
+        self.generated_tokens = GENERATED.labels(worker)
+        self.cut_turns = CUT.labels(worker)
         self.written_bytes = WRITTEN.labels(worker)
         self.errors = {kind: ERRORS.labels(worker, kind) for kind in ERROR_KINDS}
         self.stages = {stage: STAGE.labels(worker, stage) for stage in STAGES}

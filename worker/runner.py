@@ -59,10 +59,18 @@ class RedisEvents:
     shard moves on, and wait while the output volume is below the free-space floor."""
 
     def __init__(
-        self, attempt: ShardAttempt, meter: RateMeter, metrics: WorkerMetrics, guard: DiskGuard, out: Path
+        self,
+        attempt: ShardAttempt,
+        meter: RateMeter,
+        generation: RateMeter,
+        metrics: WorkerMetrics,
+        guard: DiskGuard,
+        out: Path,
     ) -> None:
+        """``meter`` counts committed samples, ``generation`` regenerated rows (the heartbeat publishes both rates)."""
         self.attempt = attempt
         self.meter = meter
+        self.generation = generation
         self.metrics = metrics
         self.guard = guard
         self.out = out
@@ -79,6 +87,12 @@ class RedisEvents:
         self.metrics.committed.inc()
         self.metrics.tokens.inc(sample.num_tokens)
         self.job_state = self.attempt.sample_done(sample.num_tokens)
+
+    def generated(self, *, row: int, tokens: int, cut_turns: int) -> None:
+        self.generation.add(tokens)
+        self.metrics.generated_tokens.inc(tokens)
+        self.metrics.cut_turns.inc(cut_turns)
+        self.job_state = self.attempt.row_generated(row, tokens, cut_turns)
 
     def retired(self, record: SampleRecord) -> None:
         self.already_tokens -= record.num_tokens
@@ -114,6 +128,7 @@ class WorkerContext:
         self.keys = Keys(settings.key_prefix)
         self.engines = EngineCache(settings)
         self.meter = RateMeter()
+        self.generation = RateMeter()
         self.metrics = WorkerMetrics(self.name)
         self.status = WorkerStatus(self.metrics)
         self.guard = DiskGuard(
@@ -122,7 +137,9 @@ class WorkerContext:
             resume_free_bytes=settings.resume_free_bytes or settings.min_free_bytes,
             check_s=settings.disk_check_s,
         )
-        self.heartbeat = Heartbeat(self.redis, self.keys, settings, self.meter, self.name, extra=self.status.record)
+        self.heartbeat = Heartbeat(
+            self.redis, self.keys, settings, self.meter, self.generation, self.name, extra=self.status.record
+        )
         self.status.on_change = self.heartbeat.beat  # a pause shows in Redis at once, not at the next beat
         if settings.metrics_port:
             serve(settings.metrics_port, settings.metrics_host)
@@ -146,7 +163,7 @@ class WorkerContext:
         assert spec is not None and spec.out is not None
         if (waited := queue_wait_s(self.redis, self.keys, job_id, shard)) is not None:
             self.metrics.stages["queue_wait"].observe(waited)
-        events = RedisEvents(attempt, self.meter, self.metrics, self.guard, spec.out)
+        events = RedisEvents(attempt, self.meter, self.generation, self.metrics, self.guard, spec.out)
         with self.heartbeat.holding(job_id, shard, token), self.status.working():
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
