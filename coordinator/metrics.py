@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
@@ -51,6 +51,9 @@ class _Families:
     progress: GaugeMetricFamily
     samples_rate: GaugeMetricFamily
     tokens_rate: GaugeMetricFamily
+    generated: CounterMetricFamily
+    generated_rate: GaugeMetricFamily
+    cut_turns: GaugeMetricFamily
     eta: GaugeMetricFamily
     shards: GaugeMetricFamily
     audit: GaugeMetricFamily
@@ -77,9 +80,26 @@ class _Families:
             tokens_rate=g(
                 "layertap_job_tokens_per_second", "Tokens/s over the live workers' last minute.", labels=["job_id"]
             ),
+            generated=CounterMetricFamily(
+                "layertap_job_generated_tokens",
+                "New tokens of the job's regenerated rows (the latest regeneration of each row; rate() it for the "
+                "job's generation rate); only jobs that regenerate.",
+                labels=["job_id"],
+            ),
+            generated_rate=g(
+                "layertap_job_generated_tokens_per_second",
+                "Generated tokens/s over the live workers' last minute; only jobs that regenerate.",
+                labels=["job_id"],
+            ),
+            cut_turns=g(
+                "layertap_job_cut_turns",
+                "Regenerated turns cut at max_new_tokens (kept, finish_reason length); only jobs that regenerate.",
+                labels=["job_id"],
+            ),
             eta=g(
                 "layertap_job_eta_seconds",
-                "Seconds left at the recent rate (absent while nothing moves).",
+                "Seconds left at the recent rates (absent while nothing moves); a regenerating job's is the later of "
+                "its generation's and its capture's.",
                 labels=["job_id"],
             ),
             shards=g("layertap_job_shards", "Shards by state.", labels=["job_id", "state"]),
@@ -150,6 +170,10 @@ class StateCollector(Collector):
             fam.progress.add_metric([job_id], handled / view.num_rows if view.num_rows else 1.0)
             fam.samples_rate.add_metric([job_id], view.samples_per_s)
             fam.tokens_rate.add_metric([job_id], view.tokens_per_s)
+            if view.regenerates:
+                fam.generated.add_metric([job_id], view.generated_tokens)
+                fam.generated_rate.add_metric([job_id], view.generated_tokens_per_s)
+                fam.cut_turns.add_metric([job_id], view.cut_turns)
             if view.eta_s is not None:
                 fam.eta.add_metric([job_id], view.eta_s)
             for state in SHARD_STATES:

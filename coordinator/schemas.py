@@ -49,6 +49,32 @@ class WorkerPublic(BaseModel):
     shard: int | None
     samples_per_s: float
     tokens_per_s: float
+    generated_tokens_per_s: float
+
+
+class GenerationPublic(BaseModel):
+    """A regenerating job's generation (the latest regeneration of each row): rows regenerated, their new tokens,
+    turns cut at max_new_tokens (kept, ``finish_reason: length``), the live rate, and the seconds until every row is
+    regenerated (None while that cannot be told). The job's ``eta_s`` is the later of this and its capture's."""
+
+    rows: int
+    tokens: int
+    cut_turns: int
+    tokens_per_s: float
+    eta_s: float | None
+
+    @classmethod
+    def of(cls, view: JobView) -> GenerationPublic | None:
+        """None for a job that does not regenerate."""
+        if not view.regenerates:
+            return None
+        return cls(
+            rows=view.generated_rows,
+            tokens=view.generated_tokens,
+            cut_turns=view.cut_turns,
+            tokens_per_s=view.generated_tokens_per_s,
+            eta_s=view.generation_eta_s,
+        )
 
 
 class AuditPublic(BaseModel):
@@ -70,8 +96,9 @@ class AuditPublic(BaseModel):
 
 
 class JobPublic(BaseModel):
-    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker; its audit, if asked; what
-    it has stored (tokens done x its store's bytes per token, in its store dtype: fp8 keeps about half of bf16's)."""
+    """A job's progress: samples and tokens done/failed/total, live rate, ETA, per-worker; its generation, if it
+    regenerates; its audit, if asked; what it has stored (tokens done x its store's bytes per token, in its store
+    dtype: fp8 keeps about half of bf16's)."""
 
     job_id: str
     state: str
@@ -93,6 +120,7 @@ class JobPublic(BaseModel):
     shards: dict[str, int]
     workers: list[WorkerPublic]
     error: str | None
+    generation: GenerationPublic | None
     audit: AuditPublic | None
 
     @classmethod
@@ -121,6 +149,7 @@ class JobPublic(BaseModel):
             shards=view.shards,
             workers=[WorkerPublic(**asdict(w)) for w in view.workers],
             error=view.error,
+            generation=GenerationPublic.of(view),
             audit=AuditPublic(**asdict(view.audit)) if view.audit else None,
         )
 
@@ -155,6 +184,7 @@ class WorkerStatePublic(BaseModel):
     shard: int | None
     samples_per_s: float
     tokens_per_s: float
+    generated_tokens_per_s: float
     free_bytes: int | None
     host: str | None
     engine: str | None
@@ -175,6 +205,7 @@ class WorkerStatePublic(BaseModel):
             shard=number("shard"),
             samples_per_s=float(record.get("samples_per_s") or 0),
             tokens_per_s=float(record.get("tokens_per_s") or 0),
+            generated_tokens_per_s=float(record.get("generated_tokens_per_s") or 0),
             free_bytes=number("free_bytes"),
             host=text("host"),
             engine=text("engine"),

@@ -69,6 +69,8 @@ def _show(job: dict[str, Any]) -> None:
     estimate = job["tokens_total_estimate"]
     table.add_row("tokens", f"{job['tokens_done']:,} done" + (f" of ~{estimate:,}" if estimate else ""))
     table.add_row("rate", f"{job['samples_per_s']:.1f} samples/s, {job['tokens_per_s']:,.0f} tokens/s")
+    if gen := job.get("generation"):
+        table.add_row("generation", _generation(gen))
     table.add_row("ETA", _duration(job["eta_s"]))
     table.add_row("shards", ", ".join(f"{n} {state}" for state, n in sorted(job["shards"].items())))
     table.add_row("output", job["out"])
@@ -81,6 +83,14 @@ def _show(job: dict[str, Any]) -> None:
         live = f"shard {w['shard']}, {w['samples_per_s']:.1f} samples/s" if w["alive"] else "not working on it now"
         table.add_row(f"worker {w['name']}", f"{w['samples']:,} samples, {w['tokens']:,} tokens; {live}")
     Console().print(table)
+
+
+def _generation(gen: dict[str, Any]) -> str:
+    """A regenerating job's generation: rows and new tokens so far, turns cut at max_new_tokens, rate and time left."""
+    return (
+        f"{gen['rows']:,} rows regenerated, {gen['tokens']:,} new tokens, {gen['cut_turns']:,} turns cut at "
+        f"max_new_tokens; {gen['tokens_per_s']:,.0f} tokens/s, done in {_duration(gen['eta_s'])}"
+    )
 
 
 def _audit_state(audit: dict[str, Any]) -> str:
@@ -99,7 +109,9 @@ def _follow(api: str, token: str | None, job_id: str, every: float) -> dict[str,
         audit = job.get("audit")
         console.print(
             f"{job['state']}: {job['samples_done']:,}/{job['samples_total']:,} samples, "
-            f"{job['samples_failed']:,} failed, {job['tokens_per_s']:,.0f} tok/s, ETA {_duration(job['eta_s'])}"
+            f"{job['samples_failed']:,} failed, {job['tokens_per_s']:,.0f} tok/s"
+            + (f", {gen['tokens_per_s']:,.0f} generated tok/s" if (gen := job.get("generation")) else "")
+            + f", ETA {_duration(job['eta_s'])}"
             + (f"; audit {_audit_state(audit)}" if audit else "")
         )
         if _settled(job):

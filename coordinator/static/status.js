@@ -81,6 +81,7 @@ function jobCard(job, errors) {
       stat("stored", job.bytes_done_estimate == null ? "-" : `~${fmt.bytes(job.bytes_done_estimate)} (${job.store_dtype})`),
       stat("samples/s", fmt.rate(job.samples_per_s)),
       stat("tokens/s", fmt.rate(job.tokens_per_s)),
+      ...generationStats(job.generation),
       stat("ETA", job.state === "running" ? fmt.duration(job.eta_s) : "-"),
       stat("shards", shards)));
   if (job.error) card.append(el("div", { class: "error" }, `error: ${job.error}`));
@@ -100,6 +101,17 @@ function jobCard(job, errors) {
     ).join(" · ") + (live.length ? "" : " (none working on it now)")));
   }
   return card;
+}
+
+// A regenerating job's generation (none for a job that does not regenerate): the rows regenerated, the new tokens and
+// their rate beside the capture's, and the turns cut at max_new_tokens (kept, finish_reason length).
+function generationStats(gen) {
+  if (!gen) return [];
+  return [
+    stat("regenerated", `${fmt.int(gen.rows)} rows, ${fmt.int(gen.tokens)} tokens`),
+    stat("generated/s", fmt.rate(gen.tokens_per_s)),
+    el("div", { "data-cut-turns": gen.cut_turns }, "cut at max_new_tokens ", el("b", {}, fmt.int(gen.cut_turns))),
+  ];
 }
 
 // The job's audit of its own store: a FAIL leaves the job done, so it is shown in red beside the state. While it
@@ -125,6 +137,7 @@ function workerRow(w) {
     el("td", {}, w.name), state,
     el("td", {}, w.job ? `${w.job} / ${w.shard ?? "finalize"}` : "-"),
     el("td", {}, fmt.rate(w.samples_per_s)), el("td", {}, fmt.rate(w.tokens_per_s)),
+    el("td", {}, fmt.rate(w.generated_tokens_per_s)),
     el("td", {}, fmt.bytes(w.free_bytes)), el("td", {}, w.host || "-"));
   if (w.reason) state.append(el("div", { class: "reason" }, w.reason));
   return row;
@@ -142,7 +155,7 @@ async function refresh() {
                                            : [el("p", { class: "muted" }, "No jobs yet.")]));
     const body = document.querySelector("#workers tbody");
     body.replaceChildren(...(workers.count ? workers.workers.map(workerRow)
-                                           : [el("tr", {}, el("td", { colspan: "7", class: "muted" }, "No live workers."))]));
+                                           : [el("tr", {}, el("td", { colspan: "8", class: "muted" }, "No live workers."))]));
     problem.hidden = true;
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (err) {

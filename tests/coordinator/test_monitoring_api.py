@@ -4,8 +4,10 @@ Progress is made through the same state functions a worker calls (claim, start, 
 publish_worker), so what the metrics read is what a real worker would have written.
 """
 
+import json
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from layertap.diskspace import bytes_per_token, free_bytes
@@ -133,3 +135,36 @@ def test_the_status_page_and_its_assets_are_served_without_a_token(make_api) -> 
     assert api.get("/status/status.css").headers["content-type"].startswith("text/css")
     assert api.get("/status/../config.py").status_code == 404
     assert api.get("/status/secrets.txt").status_code == 404
+
+
+def test_a_regenerating_jobs_generation_shows_in_its_view_and_metrics_and_a_plain_jobs_does_not(
+    api, tiny_llama, dataset, redis_client
+) -> None:
+    plain = api.post("/jobs", json=job_body(tiny_llama, dataset)).json()["job_id"]
+    job_id = api.post("/jobs", json=job_body(tiny_llama, dataset, out="regen")).json()["job_id"]
+    token = redis_client.hget(KEYS.shard(job_id, 0), "token")
+    attempt = ShardAttempt(redis_client, KEYS, job_id, 0, token, "w1")
+    assert attempt.claim(30_000).status == "ok" and attempt.start(0, 0)
+    spec = json.loads(redis_client.hget(KEYS.job(job_id), "spec"))
+    redis_client.hset(KEYS.job(job_id), "spec", json.dumps(spec | {"regenerate": "all"}))  # as `regenerate` stores it
+    for row, (new, cut) in enumerate([(120, 0), (256, 1), (80, 0)]):
+        assert attempt.row_generated(row, new, cut) == "running"
+    assert attempt.sample_done(400) == "running"
+    record = {"job": job_id, "shard": 0, "samples_per_s": 0.5, "tokens_per_s": 200.0, "generated_tokens_per_s": 60.0}
+    publish_worker(redis_client, KEYS, "w1", record, 30_000)
+
+    job = api.get(f"/jobs/{job_id}").json()
+    # 44 rows left, 2 regenerated rows wait for their capture: 42 to regenerate at 152 new tokens a row.
+    assert job["generation"] == {"rows": 3, "tokens": 456, "cut_turns": 1, "tokens_per_s": 60.0,
+                                 "eta_s": pytest.approx(42 * 152 / 60.0)}  # fmt: skip
+    assert job["eta_s"] == pytest.approx(42 * 152 / 60.0)  # the slower stream: capture would take 44 / 0.5
+    assert job["workers"][0]["generated_tokens_per_s"] == 60.0
+    assert api.get(f"/jobs/{plain}").json()["generation"] is None
+
+    m = scrape(api)
+    assert value(m, "layertap_job_generated_tokens_total", job_id=job_id) == 456
+    assert value(m, "layertap_job_generated_tokens_per_second", job_id=job_id) == 60.0
+    assert value(m, "layertap_job_cut_turns", job_id=job_id) == 1
+    assert value(m, "layertap_job_eta_seconds", job_id=job_id) == pytest.approx(42 * 152 / 60.0)
+    assert value(m, "layertap_job_generated_tokens_total", job_id=plain) is None
+    assert value(m, "layertap_job_cut_turns", job_id=plain) is None

