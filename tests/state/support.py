@@ -22,6 +22,6 @@ def new_job(redis: Redis, rows: int = 25, job_id: str = "j1") -> dict[int, str]:
     return {args[1]: args[2] for _, args in sent}
 
 
-def regenerating(redis: Redis, job_id: str = "j1") -> None:
+def regenerating(redis: Redis, job_id: str = "j1", keys: Keys = KEYS) -> None:
     """Make the job one that regenerates its responses, as a job submitted with ``regenerate`` stores its spec."""
-    redis.hset(KEYS.job(job_id), "spec", json.dumps(SPEC.model_dump(mode="json") | {"regenerate": "all"}))
+    redis.hset(keys.job(job_id), "spec", json.dumps(SPEC.model_dump(mode="json") | {"regenerate": "all"}))
