@@ -18,6 +18,7 @@ import pytest
 from layertap.data.chat import ChatTokenizer
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import TurnFormat
+from layertap.store.index import load_index_candidates
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.regenerate.test_sglang_regenerate import ROWS, hf_greedy, model_eos
@@ -156,6 +157,7 @@ def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     after = stored_rows(out)
     assert sorted(after) == sorted(r["id"] for r in rows)  # every sample once
     assert all(after[sid] == row for sid, row in before.items())  # committed text never regenerated
+    assert all(len(load_index_candidates(out)[sid]) == 1 for sid in before)  # nor committed again
     store = OutputStore.open_existing(out)
     assert len(store.records()) == len(rows) and not store.errors()
     check = verify_store(out, data=data)
