@@ -58,10 +58,6 @@ class ShardEvents(Protocol):
         """A sample counted done at ``start`` that its row no longer gives: no longer done (its row comes next)."""
         ...
 
-    def generated(self, tokens: int) -> None:
-        """A row's responses were regenerated: ``tokens`` new tokens (before its capture)."""
-        ...
-
     def keep_going(self) -> bool:
         """False once the run should stop at the next sample (job cancelled, shard taken away)."""
         ...
@@ -88,9 +84,6 @@ class ProgressEvents:
     def retired(self, record: SampleRecord) -> None:
         if self.progress is not None:
             self.progress.advance(-1, 0)
-
-    def generated(self, tokens: int) -> None:
-        pass  # the bar counts captured samples and tokens
 
     def keep_going(self) -> bool:
         return True
@@ -467,8 +460,8 @@ def _regenerated(
             _row_failed(store, report, events, out)
             continue
         number = rows.pop(out.sample_id)
-        events.generated(out.generated_tokens)
         cut = sum(t.finish_reason == "length" for t in out.turns)
+        events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
         try:
             if cut and planner.spec.drop_truncated:
                 raise RowError(f"{cut} regenerated turns were cut at max_new_tokens={planner.spec.max_new_tokens} "
