@@ -54,6 +54,12 @@ class ShardEvents(Protocol):
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None: ...
 
+    def generated(self, *, row: int, tokens: int, cut_turns: int) -> None:
+        """Row ``row`` (its dataset row number) was regenerated: ``tokens`` new tokens over its turns, ``cut_turns`` of
+        them cut at max_new_tokens (finish_reason ``length``); called once per regeneration, before its capture. A row
+        regenerated again (a resumed shard) is told again: the latest regeneration of a row is the one that counts."""
+        ...
+
     def retired(self, record: SampleRecord) -> None:
         """A sample counted done at ``start`` that its row no longer gives: no longer done (its row comes next)."""
         ...
@@ -80,6 +86,9 @@ class ProgressEvents:
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         if self.progress is not None:
             self.progress.advance(1, 0)
+
+    def generated(self, *, row: int, tokens: int, cut_turns: int) -> None:
+        pass  # the bar counts stored samples; the run report counts cut turns
 
     def retired(self, record: SampleRecord) -> None:
         if self.progress is not None:
