@@ -111,6 +111,13 @@ def test_truncated_turns_are_kept_and_counted_or_dropped(layertap_cli, sglang_se
     assert report["turns_cut"] == 5 and report["generated_tokens"] == 10 and len(report["computed"]) == 3
     assert all(m.get("finish_reason") in (None, "length") for r in stored_rows(tmp_path / "kept").values()
                for m in r["messages"])  # fmt: skip
+    # verify holds each sample to its stored row: a row whose text is not the sample's is reported.
+    (log,) = (tmp_path / "kept" / "regenerated").glob("*.jsonl")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    lines[0]["row"]["messages"][-1]["content"] += " edited"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    check = verify_store(tmp_path / "kept")
+    assert [p for p in check.problems if "not its regenerated row" in p] and len(check.problems) == 1, check.problems
     dropped = extract(layertap_cli, tiny_llama, server, data, tmp_path / "dropped", "--regenerate", "all",
                       "--max-new-tokens", "2", "--drop-truncated")  # fmt: skip
     assert dropped.returncode == 1, dropped.stderr[-3000:]
