@@ -4,8 +4,9 @@ The same function serves the CLI (one process, the whole dataset) and a Celery w
 ``rows[start:stop]``): ``run_shard`` follows the row planner (`layertap.row_plan`, one stream of the dataset):
 it skips what the store verifiably holds and its rows still give, retires what they no longer give, under
 ``regenerate`` regenerates the rest's responses on the capture server (`layertap.regenerate`, many rows in flight in
-threads while the engine captures the rows regenerated before), streams them through the engine, retries failing samples alone a bounded number of times, and reports each outcome to a
-``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
+threads while the engine captures the rows regenerated before), streams them through the engine, retries failing
+samples alone a bounded number of times, and reports each outcome to a ``ShardEvents`` (a progress bar, or Redis
+counters). ``run_extraction`` is the CLI's whole run.
 """
 
 from __future__ import annotations
@@ -466,6 +467,7 @@ def _regenerated(
 
     for out in regenerator.regenerate_many(jobs()):
         if isinstance(out, RowError):
+            rows.pop(out.sample_id or "", None)
             _row_failed(store, report, events, out)
             continue
         number = rows.pop(out.sample_id)
@@ -473,8 +475,10 @@ def _regenerated(
         events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
         try:
             if cut and planner.spec.drop_truncated:
-                raise RowError(f"{cut} regenerated turns were cut at max_new_tokens={planner.spec.max_new_tokens} "
-                               "(drop_truncated)", row=number, sample_id=out.sample_id, kind="generation_truncated")  # fmt: skip
+                reason = (
+                    f"{cut} regenerated turns were cut at max_new_tokens={planner.spec.max_new_tokens} (drop_truncated)"
+                )
+                raise RowError(reason, row=number, sample_id=out.sample_id, kind="generation_truncated")
             turns = [t.index for t in out.turns]
             sample = planner.regenerated_sample(number, out.sample_id, out.conversation, turns, planner.spec.max_length)
         except RowError as err:

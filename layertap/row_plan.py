@@ -20,8 +20,8 @@ the chat template there: under ``regenerate``, `RowPlanner.outcome` stops after 
 turns to regenerate) with a `RowJob`; the regenerated conversation goes through the template in
 `RowPlanner.regenerated_sample`, masked on its regenerated turns only. A committed sample's text is never regenerated:
 under ``regenerate``, a record is ``done`` when its stored regenerated row (``regenerated``) answers the row's given
-turns as they are now and still tokenizes to the record. The model folder's facts and its tokenizer are read once per run, by the caller, and passed
-in.
+turns as they are now and still tokenizes to the record. The model folder's facts and its tokenizer are read once
+per run, by the caller, and passed in.
 """
 
 from __future__ import annotations
