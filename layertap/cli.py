@@ -59,6 +59,8 @@ def extract(out: Path, **options: Any) -> None:
     try:
         with failing_on_errors():
             if settings.engine == "hf":
+                if spec.regenerate is not None:
+                    fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
                 factory = hf_engine_factory(spec.model, settings)
             else:
                 dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
@@ -75,6 +77,11 @@ def extract(out: Path, **options: Any) -> None:
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
+    if spec.regenerate is not None:
+        console.print(
+            f"regenerated: {report.generated_tokens:,} tokens generated, {report.turns_cut} turns cut at"
+            f" --max-new-tokens, {report.retokenization_mismatches} turns whose text re-tokenizes to other ids"
+        )
     ok, verdict = report.verdict(spec.max_bad_rows)
     if not ok:
         fail(verdict, Exit.FAILED)
@@ -93,7 +100,11 @@ def extract(out: Path, **options: Any) -> None:
     default=None,
     help="Also check every stored sample against this dataset, re-tokenized as the store's run did.",
 )
-@click.option("--trust-remote-code", is_flag=True, help="With --data: run the tokenizer code the model folder ships.")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="With --data or a regenerated store: run the tokenizer code the model folder ships.",
+)
 def verify(out: Path, quick: bool, rewrite_token_freq: bool, data: Path | None, trust_remote_code: bool) -> None:
     """Re-read every sample in OUT and report problems (exit 1 if any); print and rewrite OUT/TRAIN.md."""
     from layertap.verify import verify_store

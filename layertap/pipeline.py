@@ -2,9 +2,11 @@
 
 The same function serves the CLI (one process, the whole dataset) and a Celery worker (one shard,
 ``rows[start:stop]``): ``run_shard`` follows the row planner (`layertap.row_plan`, one stream of the dataset):
-it skips what the store verifiably holds and its rows still give, retires what they no longer give, streams the
-rest through the engine, retries failing samples alone a bounded number of times, and reports each outcome to a
-``ShardEvents`` (a progress bar, or Redis counters). ``run_extraction`` is the CLI's whole run.
+it skips what the store verifiably holds and its rows still give, retires what they no longer give, under
+``regenerate`` regenerates the rest's responses on the capture server (`layertap.regenerate`, many rows in flight in
+threads while the engine captures the rows regenerated before), streams them through the engine, retries failing
+samples alone a bounded number of times, and reports each outcome to a ``ShardEvents`` (a progress bar, or Redis
+counters). ``run_extraction`` is the CLI's whole run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +26,7 @@ from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
 from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
+from layertap.regenerate import Regenerator, RowJob, retokenization_mismatches
 from layertap.row_plan import PlannedRow, RowPlanner
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
@@ -154,6 +157,9 @@ class RunReport:
     computed: list[str] = field(default_factory=list)
     tokens: int = 0
     truncated: int = 0
+    generated_tokens: int = 0  # under regenerate: tokens the server generated for the samples captured
+    turns_cut: int = 0  # regenerated turns cut at max_new_tokens, kept (finish_reason "length")
+    retokenization_mismatches: int = 0  # regenerated turns whose generated ids differ from the stored (re-tokenized)
     skipped_overlong: int = 0
     row_errors: int = 0
     failed: int = 0
@@ -371,13 +377,25 @@ def run_shard(
     report.already_done = len(done)  # less what the planner finds changed, as it goes
     log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), check_level)
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    planner = RowPlanner(
-        spec, folder or ModelFolder.read(spec.model), duplicates=load_duplicates(store.root), server_limit=server_limit
-    )
+    regenerated = store.regenerated_rows(done) if spec.regenerate is not None else None
+    planner = RowPlanner(spec, folder or ModelFolder.read(spec.model), duplicates=load_duplicates(store.root),
+                         server_limit=server_limit, regenerated=regenerated)  # fmt: skip
     why: list[str] = []
-    samples = _to_capture(planner.plan(done, start=start, stop=stop), store, report, events, why)
-    _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
+    todo = _todo(planner.plan(done, start=start, stop=stop), store, report, events, why)
+    regenerator = _regenerator(spec, engine, planner, store.writer_id)
+    try:
+        samples = _given(todo, report) if regenerator is None else _regenerated(todo, regenerator, planner, store,
+                                                                                report, events)  # fmt: skip
+        _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
+    finally:
+        if regenerator is not None:
+            regenerator.close()
     report.stopped = not events.keep_going()
+    if report.retokenization_mismatches:
+        log.warning(
+            "%d regenerated turns were generated as other ids than their text tokenizes to; the store holds the text "
+            "re-tokenized, as a trainer reads it", report.retokenization_mismatches,
+        )  # fmt: skip
     if report.changed:
         log.warning(
             "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
@@ -387,11 +405,11 @@ def run_shard(
     return report
 
 
-def _to_capture(
+def _todo(
     planned: Iterator[PlannedRow], store: OutputStore, report: RunReport, events: ShardEvents, why: list[str]
-) -> Iterator[TokenizedSample]:
-    """The samples to capture of ``planned``; a changed record is retired (why it changed added to ``why``), a
-    row's error recorded, as met."""
+) -> Iterator[PlannedRow]:
+    """The ``todo`` items of ``planned``; a changed record is retired (why it changed added to ``why``), a row's
+    error recorded, as met."""
     for item in planned:
         if item.status == "changed":
             assert item.record is not None
@@ -404,9 +422,76 @@ def _to_capture(
             assert item.error is not None
             _row_failed(store, report, events, item.error)
         elif item.status == "todo":
-            assert item.sample is not None
-            report.truncated += item.sample.truncated
-            yield item.sample
+            yield item
+
+
+def _given(todo: Iterator[PlannedRow], report: RunReport) -> Iterator[TokenizedSample]:
+    """The samples of rows captured as given."""
+    for item in todo:
+        assert item.sample is not None
+        report.truncated += item.sample.truncated
+        yield item.sample
+
+
+def _regenerator(spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job: str) -> Regenerator | None:
+    """The run's Regenerator on the engine's own server (None when the run does not regenerate); SpecError for an
+    engine that cannot generate (the in-process HF engine)."""
+    if (settings := spec.generation) is None:
+        return None
+    if engine.generation_server is None:
+        raise SpecError(
+            f"regenerate needs an SGLang capture server to generate on; the {engine.describe().get('name')} engine "
+            "cannot (run with --engine sglang)"
+        )
+    return Regenerator(engine.generation_server, planner.chat, settings, job=job)
+
+
+def _regenerated(
+    todo: Iterator[PlannedRow],
+    regenerator: Regenerator,
+    planner: RowPlanner,
+    store: OutputStore,
+    report: RunReport,
+    events: ShardEvents,
+) -> Iterator[TokenizedSample]:
+    """The samples of the ``todo`` rows regenerated (`Regenerator.regenerate_many`: its threads keep generating
+    while the engine captures what this yielded), each through the template with its regenerated row attached;
+    a row refused, cut under ``drop_truncated`` or over the server's limit is recorded as its error."""
+    rows: dict[str, int] = {}
+
+    def jobs() -> Iterator[RowJob]:
+        for item in todo:
+            assert item.job is not None
+            rows[item.job.sample_id] = item.row
+            yield item.job
+
+    for out in regenerator.regenerate_many(jobs()):
+        if isinstance(out, RowError):
+            rows.pop(out.sample_id or "", None)
+            _row_failed(store, report, events, out)
+            continue
+        number = rows.pop(out.sample_id)
+        cut = sum(t.finish_reason == "length" for t in out.turns)
+        events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
+        try:
+            if cut and planner.spec.drop_truncated:
+                reason = (
+                    f"{cut} regenerated turns were cut at max_new_tokens={planner.spec.max_new_tokens} (drop_truncated)"
+                )
+                raise RowError(reason, row=number, sample_id=out.sample_id, kind="generation_truncated")
+            turns = [t.index for t in out.turns]
+            sample = planner.regenerated_sample(number, out.sample_id, out.conversation, turns, planner.spec.max_length)
+        except RowError as err:
+            _row_failed(store, report, events, err)
+            continue
+        if isinstance(sample := planner.within_server_limit(sample), RowError):
+            _row_failed(store, report, events, sample)
+            continue
+        report.generated_tokens += out.generated_tokens
+        report.turns_cut += cut
+        report.retokenization_mismatches += len(retokenization_mismatches(planner.chat, out))
+        report.truncated += sample.truncated
+        yield replace(sample, regenerated=out.record())
 
 
 def run_extraction(

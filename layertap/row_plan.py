@@ -9,28 +9,34 @@ row no longer gives:
 - ``changed``: a committed record its row no longer gives, with why (the row was edited, fails now, or is
   gone); a run retires it (`OutputStore.retire`), then handles the row's own item, so the row is stored
   anew or becomes its error;
-- ``todo``: the row's sample, tokenized, to capture;
+- ``todo``: the row's sample, tokenized, to capture; under ``regenerate``, the row to regenerate first (``job``:
+  the caller regenerates it, then `RowPlanner.regenerated_sample` gives its sample);
 - ``error``: the row's `RowError` (unreadable, a repeated id, no chat template fits, too long...).
 
 A row becomes a sample through small stages composed in one place, `RowPlanner.outcome`: its id
 (`RowPlanner.sample_id`), then `RowPlanner.sample`: ``parse_row``, the chat template (``ChatTokenizer.tokenize``),
 the loss-mask check. A stage that rewrites a conversation (e.g. regenerated assistant turns) goes between parse and
-the chat template there. The model folder's facts and its tokenizer are read once per run, by the caller, and passed
-in.
+the chat template there: under ``regenerate``, `RowPlanner.outcome` stops after parse (and the check that the row has
+turns to regenerate) with a `RowJob`; the regenerated conversation goes through the template in
+`RowPlanner.regenerated_sample`, masked on its regenerated turns only. A committed sample's text is never regenerated:
+under ``regenerate``, a record is ``done`` when its stored regenerated row (``regenerated``) answers the row's given
+turns as they are now and still tokenizes to the record. The model folder's facts and its tokenizer are read once
+per run, by the caller, and passed in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from layertap.data.chat import ChatTokenizer, check_loss_mask
 from layertap.data.reader import Row, iter_rows
-from layertap.data.rows import parse_row, sample_id_of
+from layertap.data.rows import Conversation, parse_row, sample_id_of
 from layertap.errors import LayertapError, RowError
 from layertap.models.folder import ModelFolder
+from layertap.regenerate import RowJob, stored_conversation, turns_to_regenerate
 from layertap.sample import TokenizedSample
 from layertap.spec import ExtractionSpec
 from layertap.store.index import SampleRecord
@@ -41,14 +47,15 @@ Status = Literal["done", "changed", "todo", "error"]
 
 @dataclass(frozen=True, slots=True)
 class PlannedRow:
-    """One row's plan: ``record`` for ``done`` and ``changed`` (with ``why``), ``sample`` for ``todo``,
-    ``error`` for ``error``."""
+    """One row's plan: ``record`` for ``done`` and ``changed`` (with ``why``), ``sample`` for ``todo`` (``job``
+    instead under ``regenerate``), ``error`` for ``error``."""
 
     row: int
     status: Status
     sample: TokenizedSample | None = None
     record: SampleRecord | None = None
     error: RowError | None = None
+    job: RowJob | None = None
     why: str = ""
 
 
@@ -60,7 +67,8 @@ class RowPlanner:
     an error of kind ``duplicate_id``. A new sample longer than ``server_limit`` (a job's ``max_length`` above its
     server's limit, accepted before a worker told it) is an error of kind ``server_limit``. Only a dataset-wide
     problem (a chat template that cannot mask any conversation, no template at all) raises; whatever one row does
-    costs that row only.
+    costs that row only. ``regenerated`` maps a sample id to its stored regenerated row (`Regenerated.record`), for
+    the ``done`` check under ``spec.regenerate``.
     """
 
     def __init__(
@@ -70,11 +78,13 @@ class RowPlanner:
         *,
         duplicates: Mapping[int, int] | None = None,
         server_limit: int | None = None,
+        regenerated: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self.spec = spec
         self.chat = ChatTokenizer(folder.load_tokenizer(spec.trust_remote_code))
         self.duplicates = duplicates or {}
         self.server_limit = server_limit
+        self.regenerated = regenerated or {}
 
     def plan(
         self,
@@ -111,9 +121,11 @@ class RowPlanner:
             yield PlannedRow(number, "done", record=kept)
             return
         if isinstance(outcome, TokenizedSample):
-            outcome = self._within_server_limit(outcome)
+            outcome = self.within_server_limit(outcome)
         if isinstance(outcome, RowError):
             yield PlannedRow(number, "error", error=outcome)
+        elif isinstance(outcome, RowJob):
+            yield PlannedRow(number, "todo", job=outcome)
         else:
             yield PlannedRow(number, "todo", sample=outcome)
 
@@ -123,6 +135,18 @@ class RowPlanner:
         parsed = parse_row(number, row)
         sample = self.chat.tokenize(number, sample_id, parsed, max_length=max_length, overlong=self.spec.overlong)
         check_loss_mask(parsed, sample)
+        return sample
+
+    def regenerated_sample(
+        self, number: int, sample_id: str, conversation: Conversation, turns: Collection[int], max_length: int | None
+    ) -> TokenizedSample:
+        """The sample of a regenerated ``conversation`` (row ``number``): the folder's chat template applied to it,
+        as a trainer tokenizes the regenerated text, the loss mask on its regenerated ``turns`` only; raises
+        RowError. A new one (not a stored one's check) is then held to the server's limit by the caller."""
+        sample = self.chat.tokenize(
+            number, sample_id, conversation, max_length=max_length, overlong=self.spec.overlong, turns=turns
+        )
+        check_loss_mask(conversation, sample)
         return sample
 
     def sample_id(self, number: int, row: Row) -> str:
@@ -137,13 +161,19 @@ class RowPlanner:
             )
         return sample_id
 
-    def outcome(self, number: int, row: Row | RowError, max_length: int | None) -> TokenizedSample | RowError:
-        """`sample`, or the RowError that row ``number`` is: a bug met on one row is that row's error (kind
+    def outcome(self, number: int, row: Row | RowError, max_length: int | None) -> TokenizedSample | RowJob | RowError:
+        """`sample` (under ``regenerate``: the `RowJob` of the parsed row, refused when it has no turn to
+        regenerate), or the RowError that row ``number`` is: a bug met on one row is that row's error (kind
         ``internal``); a dataset-wide `LayertapError` raises."""
         if isinstance(row, RowError):  # unreadable
             return row
         try:
-            return self.sample(number, row, self.sample_id(number, row), max_length)
+            sample_id = self.sample_id(number, row)
+            if self.spec.regenerate is not None:
+                parsed = parse_row(number, row)
+                turns_to_regenerate(parsed, self.spec.regenerate, row_number=number, sample_id=sample_id)
+                return RowJob(number, sample_id, parsed)
+            return self.sample(number, row, sample_id, max_length)
         except RowError as err:
             return err
         except LayertapError:
@@ -153,15 +183,20 @@ class RowPlanner:
             return RowError(f"unexpected {type(exc).__name__}: {exc}", row=number, kind="internal")
 
     def _why_changed(
-        self, number: int, row: Row | RowError, rec: SampleRecord, outcome: TokenizedSample | RowError
+        self, number: int, row: Row | RowError, rec: SampleRecord, outcome: TokenizedSample | RowJob | RowError
     ) -> str | None:
         """Why row ``number`` no longer gives ``rec`` (None: it does), given the row's ``outcome`` under the run's
         limit; a truncated record is compared with its row truncated at the record's length (stored under another
-        limit, by a server with another input limit, it is still what its row gives)."""
-        at = outcome
-        if rec.truncated and not (isinstance(outcome, TokenizedSample) and outcome.num_tokens == rec.num_tokens):
-            at = self.outcome(number, row, rec.num_tokens)
+        limit, by a server with another input limit, it is still what its row gives). Under ``regenerate`` the
+        record is compared with its stored regenerated row (`_stored_sample`)."""
         where = f"row {number} of {self.spec.data}"
+        at = outcome
+        if isinstance(outcome, RowJob):
+            at = self._stored_sample(outcome, rec)
+            if isinstance(at, str):
+                return f"{where}: {at}"
+        elif rec.truncated and not (isinstance(outcome, TokenizedSample) and outcome.num_tokens == rec.num_tokens):
+            at = self.outcome(number, row, rec.num_tokens)
         if isinstance(at, RowError):
             return (
                 f"{where} fails: {at.reason}"
@@ -174,7 +209,28 @@ class RowPlanner:
             return f"{where} gives other tokens or another loss mask than the stored sample"
         return None
 
-    def _within_server_limit(self, sample: TokenizedSample) -> TokenizedSample | RowError:
+    def _stored_sample(self, job: RowJob, rec: SampleRecord) -> TokenizedSample | RowError | str:
+        """The sample of ``rec``'s stored regenerated row, re-tokenized (at the record's length when it was
+        truncated), or why that row no longer answers ``job``'s row (a str): none stored, or the row's given turns
+        or the turns to regenerate differ from those the stored row kept and regenerated."""
+        stored = self.regenerated.get(rec.sample_id)
+        if stored is None:
+            return "no regenerated row is stored for its sample"
+        conversation, turns = stored_conversation(stored)
+        assert isinstance(job.row, Conversation) and self.spec.regenerate is not None  # the job's row was checked
+        wanted = turns_to_regenerate(job.row, self.spec.regenerate, row_number=job.row_number, sample_id=job.sample_id)
+        kept = [m for i, m in enumerate(job.row.messages) if i not in turns]
+        if (turns, job.row.tools) != (wanted, conversation.tools) or kept != [
+            m for i, m in enumerate(conversation.messages) if i not in turns
+        ]:
+            return "its given turns (or the turns to regenerate) differ from those its stored regenerated row answered"
+        max_length = rec.num_tokens if rec.truncated else self.spec.max_length
+        try:
+            return self.regenerated_sample(job.row_number, job.sample_id, conversation, turns, max_length)
+        except RowError as err:
+            return err
+
+    def within_server_limit(self, sample: TokenizedSample) -> TokenizedSample | RowError:
         """``sample``, or the error it is when the server would refuse it (only a new sample: one stored before is
         what its server took)."""
         if self.server_limit is None or sample.num_tokens <= self.server_limit:

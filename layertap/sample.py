@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +16,8 @@ class TokenizedSample:
 
     ``index`` is the row's position in the dataset (0-based); output files are named by it.
     ``input_ids`` long [T]; ``loss_mask`` uint8 [T], 1 exactly on assistant-produced tokens.
+    ``regenerated``: the regenerated row these ids are the text of (`Regenerated.record`), committed with the
+    sample; None for a row captured as given.
     """
 
     sample_id: str
@@ -22,6 +25,7 @@ class TokenizedSample:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     truncated: bool = False
+    regenerated: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ FinalKind = Literal["post", "pre", "both"]
 Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32", "fp8"]
 OverlongPolicy = Literal["truncate", "skip"]
+RegenerateMode = Literal["last", "all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,29 @@ def allowed_bad_rows(limit: str, rows: int) -> int:
     except ValueError:
         pass
     raise SpecError(f"max_bad_rows must be a count (e.g. 100) or a share of the rows (e.g. 5%), got {limit!r}")
+
+
+class GenerationSettings(BaseModel):
+    """How responses are regenerated (`layertap.regenerate`): which turns, the sampling settings, and the run's seed
+    (a turn's own seed derives from it, the sample id and the turn: `turn_seed`). Its fields are also
+    `ExtractionSpec`'s, so they are defined here once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: RegenerateMode = Field(description="last: the final assistant turn; all: every assistant turn, in order.")
+    max_new_tokens: int = Field(
+        default=2048, gt=0, description="Longest regenerated response per turn; a longer one is cut (finish: length)."
+    )
+    temperature: float = Field(default=0.0, ge=0.0, description="Regeneration's sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Regeneration's nucleus sampling share.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        description="Regeneration's seed: a sample's turns sample with seeds derived from it and its id.",
+    )
+
+
+_GENERATION = GenerationSettings.model_fields
 
 
 class CaptureSpec(BaseModel):
@@ -169,6 +193,21 @@ class ExtractionSpec(BaseModel):
         "stored, the run ends non-zero (a job: failed).",
     )
 
+    regenerate: RegenerateMode | None = Field(
+        default=None,
+        description="Regenerate the assistant responses with the target on the capture server first, then capture "
+        "the regenerated conversations: last (the final assistant turn) or all (every one, in order). SGLang only.",
+    )
+    max_new_tokens: int = _GENERATION["max_new_tokens"]
+    temperature: float = _GENERATION["temperature"]
+    top_p: float = _GENERATION["top_p"]
+    seed: int = _GENERATION["seed"]
+    drop_truncated: bool = Field(
+        default=False,
+        description="With regenerate: a sample with a turn cut at max_new_tokens is a bad row (kind "
+        "generation_truncated) instead of being captured.",
+    )
+
     @field_validator("max_bad_rows", mode="before")
     @classmethod
     def _bad_rows_limit(cls, v: object) -> object:
@@ -203,6 +242,14 @@ class ExtractionSpec(BaseModel):
                 f"SpecForge 0.2.0 reads no FP8 hidden states: use bfloat16 for format {self.format!r}"
             )
         return self
+
+    @property
+    def generation(self) -> GenerationSettings | None:
+        """The regeneration settings, or None when the run captures its rows as given."""
+        if self.regenerate is None:
+            return None
+        return GenerationSettings(mode=self.regenerate, max_new_tokens=self.max_new_tokens,
+                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed)  # fmt: skip
 
     @property
     def final_kind(self) -> FinalKind:

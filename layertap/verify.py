@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layertap.data.scan import scan_dataset
+from layertap.errors import RowError
 from layertap.models.folder import ModelFolder
+from layertap.regenerate import stored_conversation
 from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import write_training_guide
 from layertap.store.index import SampleRecord
-from layertap.store.manifest import model_facts
-from layertap.store.store import CheckLevel, OutputStore
+from layertap.store.manifest import Manifest, model_facts
+from layertap.store.store import REGENERATED, CheckLevel, OutputStore
 from layertap.store.token_freq import read_token_freq, recount, write_token_freq
 from layertap.trainers import TOKEN_FREQ_FILE
 
@@ -71,6 +73,8 @@ def verify_store(
     report.warnings += [
         f"{p.relative_to(root)}: temp file of an interrupted writer" for p in root.rglob(f"{TMP_MARK}*") if p.is_file()
     ]
+    if store.manifest.generation is not None:
+        report.problems += regenerated_problems(store, records, trust_remote_code=trust_remote_code)
     if data is not None:
         data_problems(store, data, report, trust_remote_code=trust_remote_code)
     if store.manifest.complete:
@@ -98,6 +102,43 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
     return []
 
 
+def _store_spec(manifest: Manifest, data: Path, trust_remote_code: bool) -> ExtractionSpec:
+    """The spec a store's run tokenized rows of ``data`` with, as its manifest records it (its effective max length,
+    overlong policy and, for a regenerated store, its generation settings)."""
+    generation = dict(manifest.generation or {})
+    regenerate = {"regenerate": generation.pop("mode"), **generation} if generation else {}
+    return ExtractionSpec(model=Path(manifest.model_path), data=data, layers=tuple(manifest.capture_indices),
+                          format=manifest.format, max_length=manifest.effective_max_length, overlong=manifest.overlong,
+                          trust_remote_code=trust_remote_code, **regenerate)  # fmt: skip
+
+
+def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, trust_remote_code: bool) -> list[str]:
+    """Each committed sample of a regenerated store against its regenerated row: one is stored, and the folder's
+    chat template applied to it gives the sample's ids and loss mask (at its stored length when truncated)."""
+    spec = _store_spec(store.manifest, Path(store.manifest.dataset_path), trust_remote_code)
+    planner = RowPlanner(spec, ModelFolder.read(spec.model))
+    rows = store.regenerated_rows({r.sample_id: r for r in records})
+    problems = []
+    for rec in records:
+        where = f"{rec.file} ({rec.sample_id})"
+        if (row := rows.get(rec.sample_id)) is None:
+            problems.append(f"{where}: no regenerated row is stored with it")
+            continue
+        conversation, turns = stored_conversation(row)
+        try:
+            sample = planner.regenerated_sample(rec.index, rec.sample_id, conversation, turns,
+                                                rec.num_tokens if rec.truncated else spec.max_length)  # fmt: skip
+        except RowError as err:
+            problems.append(f"{where}: its regenerated row no longer tokenizes: {err.reason}")
+            continue
+        if not rec.describes(sample):
+            problems.append(f"{where}: its ids or loss mask are not its regenerated row through the chat template")
+    path = store.root / REGENERATED
+    if store.manifest.complete and (n := len(path.read_text().splitlines()) if path.exists() else 0) != len(rows):
+        problems.append(f"{REGENERATED} holds {n} rows, the store {len(rows)} regenerated samples")
+    return problems
+
+
 def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust_remote_code: bool = False) -> None:
     """Add to ``report`` what differs between the store and dataset ``data`` tokenized as the store's run
     tokenized it (the manifest's model folder, effective max length and overlong policy; a truncated sample at its
@@ -111,15 +152,15 @@ def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust
     for key in ("tokenizer_sha256", "chat_template_sha256"):
         if now[key] != getattr(manifest, key):
             report.problems.append(f"{model}: {key} is {now[key]}, the store was made with {getattr(manifest, key)}")
-    spec = ExtractionSpec(model=model, data=data, layers=tuple(manifest.capture_indices), format=manifest.format,
-                          max_length=manifest.effective_max_length, overlong=manifest.overlong,
-                          trust_remote_code=trust_remote_code)  # fmt: skip
+    spec = _store_spec(manifest, data, trust_remote_code)
     scan = scan_dataset(data)
     if scan.sha256 != manifest.dataset_sha256:
         report.warnings.append(f"{data} (sha256 {scan.sha256[:12]}) is not the dataset the manifest names "
                                f"({manifest.dataset_path}, sha256 {str(manifest.dataset_sha256)[:12]})")  # fmt: skip
     records = store.records()
-    planned = RowPlanner(spec, folder, duplicates=scan.duplicates).plan(records, unrecorded=False)
+    regenerated = store.regenerated_rows(records) if manifest.generation is not None else None
+    planner = RowPlanner(spec, folder, duplicates=scan.duplicates, regenerated=regenerated)
+    planned = planner.plan(records, unrecorded=False)
     report.problems += [
         f"{p.record.file} ({p.record.sample_id}): {p.why}" for p in planned if p.status == "changed" and p.record
     ]

@@ -15,7 +15,7 @@ with the offsets of one tokenisation of the full text, so the ids are exactly th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -82,13 +82,15 @@ class ChatTokenizer:
         *,
         max_length: int | None,
         overlong: OverlongPolicy,
+        turns: Collection[int] | None = None,
     ) -> TokenizedSample:
         """One row -> TokenizedSample (``input_ids`` long [T], ``loss_mask`` uint8 [T], ``index`` = row number).
 
         Preformatted text is tokenised as it is (``add_special_tokens=False``: the text already
         carries what the template rendered, BOS included) with the mask all 1: its roles cannot be
         told apart any more, so every token is a target, as in pretraining-style drafter data.
-        Pretokenized rows keep their ids and mask (all 1 when absent).
+        Pretokenized rows keep their ids and mask (all 1 when absent). ``turns`` (indices into a conversation's
+        messages) limits the mask to those assistant turns (regenerated ones; the others are context as given).
 
         Longer than ``max_length``: ``truncate`` keeps the first ``max_length`` tokens and flags the
         sample; ``skip`` raises RowError. Raises RowError (with its kind) for an empty result, a
@@ -101,7 +103,7 @@ class ChatTokenizer:
 
         if isinstance(row, Conversation):
             self._check_template()
-            ids, mask = self._conversation(row, row_number, sample_id)
+            ids, mask = self._conversation(row, row_number, sample_id, turns)
         elif isinstance(row, Preformatted):
             ids = self._encode(row.text, row_number, sample_id)["input_ids"]
             mask = [1] * len(ids)
@@ -173,8 +175,11 @@ class ChatTokenizer:
 
         return self._render(conv.messages[:upto], conv, generation_prompt, fail)
 
-    def render(self, conv: Conversation, *, row_number: int, sample_id: str | None) -> tuple[str, list[Span]]:
-        """The rendered conversation and the character spans ``[start, end)`` of its assistant turns.
+    def render(
+        self, conv: Conversation, *, row_number: int, sample_id: str | None, turns: Collection[int] | None = None
+    ) -> tuple[str, list[Span]]:
+        """The rendered conversation and the character spans ``[start, end)`` of its assistant turns (of those
+        among ``turns``, indices into its messages, when given).
 
         A span runs from the end of the generation prompt to the end of the assistant's turn,
         whitespace the template puts after the end-of-turn token excluded (the model stops at the
@@ -189,7 +194,7 @@ class ChatTokenizer:
         full = self._render(msgs, conv, False, fail)
         spans: list[Span] = []
         for k, msg in enumerate(msgs):
-            if msg["role"] != "assistant":
+            if msg["role"] != "assistant" or (turns is not None and k not in turns):
                 continue
             before = self._render(msgs[:k], conv, True, fail)
             through = self._render(msgs[: k + 1], conv, False, fail)
@@ -210,8 +215,10 @@ class ChatTokenizer:
                 spans.append((len(before), end))
         return full, spans
 
-    def _conversation(self, conv: Conversation, row_number: int, sample_id: str) -> tuple[list[int], list[int]]:
-        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id)
+    def _conversation(
+        self, conv: Conversation, row_number: int, sample_id: str, turns: Collection[int] | None
+    ) -> tuple[list[int], list[int]]:
+        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id, turns=turns)
         enc = self._encode(text, row_number, sample_id, offsets=True)
         return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], spans)
 

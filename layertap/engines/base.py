@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
+
+if TYPE_CHECKING:
+    from layertap.engines.sglang_server import SGLangServer
 
 
 class Engine(ABC):
@@ -24,6 +27,8 @@ class Engine(ABC):
     compute_dtype: str  # torch's name of the dtype the states are computed in: the manifest's compute_dtype
     # The server the states come from, as it described itself (checked before any sample); None in process.
     provenance: ServerFacts | None = None
+    # The server that writes a regenerated run's responses: the capture server itself; None: this engine cannot.
+    generation_server: SGLangServer | None = None
 
     @abstractmethod
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:

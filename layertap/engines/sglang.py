@@ -124,6 +124,11 @@ class SGLangEngine(Engine):
         return self.facts
 
     @property
+    def generation_server(self) -> SGLangServer:
+        """The capture server generates a regenerated run's responses too (the plugin captures none of them)."""
+        return self.server
+
+    @property
     def compute_dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
         makes of the model folder's own dtype (the server serves ``model``: checked)."""

@@ -7,13 +7,14 @@ that the template gives back the ids the generation saw; `client.py`: the SGLang
 from layertap.regenerate.client import Regenerator, RowJob
 from layertap.regenerate.turns import (
     GeneratedTurn,
-    GenerationSettings,
     Regenerated,
     TurnFormat,
     retokenization_mismatches,
+    stored_conversation,
     turn_seed,
     turns_to_regenerate,
 )
+from layertap.spec import GenerationSettings
 
 __all__ = [
     "GeneratedTurn",
@@ -23,6 +24,7 @@ __all__ = [
     "RowJob",
     "TurnFormat",
     "retokenization_mismatches",
+    "stored_conversation",
     "turn_seed",
     "turns_to_regenerate",
 ]

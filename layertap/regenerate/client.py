@@ -32,12 +32,12 @@ from layertap.engines.sglang_server import SGLangServer
 from layertap.errors import RowError, SampleError, ServerError
 from layertap.regenerate.turns import (
     GeneratedTurn,
-    GenerationSettings,
     Regenerated,
     TurnFormat,
     turn_seed,
     turns_to_regenerate,
 )
+from layertap.spec import GenerationSettings
 from sglang_patch.contract import generation_rid
 
 

@@ -19,32 +19,17 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
 from layertap.errors import RowError
+from layertap.spec import RegenerateMode as Mode
 
-Mode = Literal["last", "all"]
 FinishReason = Literal["stop", "length"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 # A plain chat whose assistant turn the template renders as this content, then its end of turn.
 _PROBE_CONTENT = "Hi."
 _PROBE = Conversation([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _PROBE_CONTENT}])
-
-
-class GenerationSettings(BaseModel):
-    """How responses are regenerated: which turns, the sampling settings, and the run's seed (a turn's own seed
-    derives from it, the sample id and the turn: `turn_seed`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    mode: Mode = Field(description="last: the final assistant turn; all: every assistant turn, in order.")
-    max_new_tokens: int = Field(gt=0, description="Longest response per turn; a longer one is cut (finish: length).")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int = Field(default=0, ge=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +68,14 @@ class Regenerated:
     @property
     def generated_tokens(self) -> int:
         return sum(len(t.output_ids) for t in self.turns)
+
+
+def stored_conversation(record: dict[str, Any]) -> tuple[Conversation, list[int]]:
+    """A stored row (`Regenerated.record`) as the conversation it renders and the indices of its regenerated turns
+    (those with a ``finish_reason``)."""
+    messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in record["messages"]]
+    turns = [i for i, m in enumerate(record["messages"]) if "finish_reason" in m]
+    return Conversation(messages, record.get("tools")), turns
 
 
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:

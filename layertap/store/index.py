@@ -22,6 +22,7 @@ from sglang_patch.sample_files import ids_sha256, mask_from_runs, mask_runs
 
 INDEX_DIR = "index"
 ERRORS_DIR = "errors"
+REGENERATED_DIR = "regenerated"  # a regenerated run's rows: {"sample_id", "ids_sha256", "row"}, before the index record
 RETIRED_DIR = "retired"  # samples taken out again: {"sample_id", "sha256"} of the record retired
 
 

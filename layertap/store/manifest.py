@@ -67,6 +67,9 @@ class Manifest(BaseModel):
     dataset_rows: int
     dataset_sha256: str | None = None  # None in stores made before it was recorded
     engine: dict[str, Any]
+    # A regenerated run's generation settings (`GenerationSettings`, with drop_truncated); None: rows captured as given.
+    # The servers that generated are the capturing ones (``servers``).
+    generation: dict[str, Any] | None = None
     # Which server made which rows: each writer's record (`OutputStore.note_server`: its rows, the server's facts),
     # gathered when the store is finalized; a job's shards each name their worker's server here.
     servers: list[dict[str, Any]] = []
@@ -156,6 +159,9 @@ def build_manifest(
         dataset_rows=dataset_rows,
         dataset_sha256=dataset_sha256,
         engine=engine,
+        generation=(
+            None if (gen := spec.generation) is None else {**gen.model_dump(), "drop_truncated": spec.drop_truncated}
+        ),
         **model_facts(folder),
     )
 

@@ -1,7 +1,9 @@
 """``OutputStore``: where a captured sample is validated, written, and committed.
 
 A sample is *done* only when its file was renamed into place AND its index record was appended
-after that. Resume trusts neither alone: it re-checks each indexed file (size, sha256, keys, shapes,
+after that. A regenerated sample's row (its text) is appended to ``regenerated/<writer>.jsonl`` before the index
+record, so a row without one never counts; `finalize` gathers the committed samples' rows in
+``regenerated.jsonl``. Resume trusts neither alone: it re-checks each indexed file (size, sha256, keys, shapes,
 dtypes, token ids) before skipping it, so a truncated or corrupted file is redone. A sample its row no
 longer gives is *retired* (`OutputStore.retire`): a line in ``retired/``, then its file removed.
 """
@@ -28,6 +30,7 @@ from layertap.store.guide import write_training_guide
 from layertap.store.index import (
     ERRORS_DIR,
     INDEX_DIR,
+    REGENERATED_DIR,
     RETIRED_DIR,
     JsonlLog,
     SampleRecord,
@@ -40,6 +43,7 @@ from layertap.store.validate import all_finite, state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
 CheckLevel = Literal["quick", "full"]
+REGENERATED = "regenerated.jsonl"  # the regenerated dataset: one {"id", "messages"} row per committed sample
 SERVERS_DIR = "servers"  # which server each writer's samples come from: <writer>.json, before its first sample
 
 
@@ -106,6 +110,9 @@ class OutputStore:
             written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
         record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
         self._log(TOKEN_FREQ_DIR).append(count_line(sample, record.ids_sha256))  # counted as committed
+        if sample.regenerated is not None:
+            line = {"sample_id": sample.sample_id, "ids_sha256": record.ids_sha256, "row": sample.regenerated}
+            self._log(REGENERATED_DIR).append(json.dumps(line, ensure_ascii=False))
         self._log(INDEX_DIR).append(record.to_json())
         return record
 
@@ -178,6 +185,16 @@ class OutputStore:
             out[sample_id] = latest
         return out
 
+    def regenerated_rows(self, records: dict[str, SampleRecord]) -> dict[str, dict[str, Any]]:
+        """sample_id -> the regenerated row committed with the sample of ``records`` (the one logged with its ids);
+        samples with none are left out."""
+        rows = {}
+        for line in read_jsonl_dir(self.root / REGENERATED_DIR):
+            rec = records.get(line["sample_id"])
+            if rec is not None and rec.ids_sha256 == line["ids_sha256"]:
+                rows[rec.sample_id] = line["row"]
+        return rows
+
     def _file_sha256(self, rel: str) -> str | None:
         try:
             return sha256_file(self.root / rel)
@@ -232,8 +249,13 @@ class OutputStore:
 
     def finalize(self, *, complete: bool) -> list[SampleRecord]:
         """Build the format's extra files from the index and rewrite the manifest with the count."""
-        records = sorted(self.records().values(), key=lambda r: r.index)
+        by_id = self.records()
+        records = sorted(by_id.values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
+        if self.manifest.generation is not None:
+            rows = self.regenerated_rows(by_id)
+            lines = (json.dumps(rows[r.sample_id], ensure_ascii=False) + "\n" for r in records if r.sample_id in rows)
+            atomic_write(self.root / REGENERATED, lambda f: f.write("".join(lines).encode()))
         write_token_freq(self.root, committed_counts(self.root, records, self.format.ids_key))
         self.manifest = self.manifest.model_copy(
             update={"complete": complete, "samples_committed": len(records), "servers": self.servers()}
