@@ -85,7 +85,7 @@ def verify_store(
 
 def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrite: bool) -> list[str]:
     """``token_freq.pt`` against counts taken again from every stored sample (rewritten from them if asked)."""
-    counts = recount(store.root, records, store.format.ids_key)
+    counts = recount(store.root, records, store.layout.ids_key)
     if rewrite:
         write_token_freq(store.root, counts)
     stored = read_token_freq(store.root)

@@ -210,7 +210,7 @@ class OutputStore:
         except Exception as exc:
             return [f"unreadable: {exc}"]
         out = self.format.problems(tensors, record, self.layout)
-        ids = tensors.get(self.format.ids_key)
+        ids = tensors.get(self.layout.ids_key)
         if ids is not None and ids_sha256(ids) != record.ids_sha256:
             out.append("input_ids differ from the index record")
         if level == "full":
@@ -234,7 +234,7 @@ class OutputStore:
         """Build the format's extra files from the index and rewrite the manifest with the count."""
         records = sorted(self.records().values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
-        write_token_freq(self.root, committed_counts(self.root, records, self.format.ids_key))
+        write_token_freq(self.root, committed_counts(self.root, records, self.layout.ids_key))
         self.manifest = self.manifest.model_copy(
             update={"complete": complete, "samples_committed": len(records), "servers": self.servers()}
         )
