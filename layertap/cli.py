@@ -59,7 +59,7 @@ def extract(out: Path, **options: Any) -> None:
     try:
         with failing_on_errors():
             if settings.engine == "hf":
-                factory = hf_engine_factory(spec.model, settings)
+                factory = hf_engine_factory(settings)
             else:
                 dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
                 factory = sglang_engine_factory(

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,16 +22,16 @@ from typing import Protocol
 
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
+from layertap.engines.factory import EngineFactory
 from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.row_plan import PlannedRow, RowPlanner
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
-from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
+from layertap.spec import ExtractionSpec, allowed_bad_rows
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import REPORTS_DIR, build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
-EngineFactory = Callable[[CaptureSpec], Engine]
 log = logging.getLogger(__name__)
 
 
@@ -416,7 +416,7 @@ def run_extraction(
     capture = spec.resolve(folder.num_layers)
     scan = scan_dataset(spec.data)
     log.info("dataset %s: %d rows, sha256 %s", spec.data, scan.num_rows, scan.sha256)
-    engine = engine_factory(capture)
+    engine = engine_factory(capture, folder)
     try:
         kept = within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
         manifest = build_manifest(
@@ -433,7 +433,7 @@ def run_extraction(
         save_duplicates(out, scan)
         store.sweep_temp_files()
         report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level, folder=folder)
-        store.finalize(complete=True)
+        store.finalize(complete=True, target=folder)
         store.close()
     finally:
         engine.close()

@@ -11,7 +11,7 @@ from layertap.models.folder import ModelFolder
 from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
-from layertap.store.guide import write_training_guide
+from layertap.store.guide import target_folder, write_training_guide
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import model_facts
 from layertap.store.store import CheckLevel, OutputStore
@@ -77,7 +77,7 @@ def verify_store(
         report.problems += store.format.finalized_problems(root, records)
         if not unreadable:  # a recount needs every sample file as committed
             report.problems += _token_freq_problems(store, records, rewrite_token_freq)
-        report.guide = write_training_guide(root, store.manifest, records)
+        report.guide = write_training_guide(root, store.manifest, records, target_folder(store.manifest))
     else:
         report.warnings.append("the run has not completed yet (manifest complete=false)")
     return report

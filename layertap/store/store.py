@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.errors import SampleError, StoreError
+from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
@@ -230,8 +231,9 @@ class OutputStore:
 
     # -- finishing -------------------------------------------------------------------------------
 
-    def finalize(self, *, complete: bool) -> list[SampleRecord]:
-        """Build the format's extra files from the index and rewrite the manifest with the count."""
+    def finalize(self, *, complete: bool, target: ModelFolder | None) -> list[SampleRecord]:
+        """Build the format's extra files from the index and rewrite the manifest with the count; the training
+        guide from ``target``, the model folder as the run read it (`guide.target_folder` where none did)."""
         records = sorted(self.records().values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
         write_token_freq(self.root, committed_counts(self.root, records, self.layout.ids_key))
@@ -239,5 +241,5 @@ class OutputStore:
             update={"complete": complete, "samples_committed": len(records), "servers": self.servers()}
         )
         atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
-        write_training_guide(self.root, self.manifest, records)
+        write_training_guide(self.root, self.manifest, records, target)
         return records

@@ -14,6 +14,7 @@ import pytest
 from layertap.engines.server_facts import ServerFacts
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.state.shards import input_limit
@@ -87,9 +88,9 @@ def test_a_run_records_the_servers_limit_as_its_effective_max_length_and_verify_
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, overlong="skip")  # no max_length
 
-    def engine(capture: CaptureSpec) -> SGLangEngine:
-        return SGLangEngine(SGLangServer(url=server.url), capture, model=tiny_llama, dump_root=server.dump_root,
-                            job="limit")  # fmt: skip
+    def engine(capture: CaptureSpec, folder: ModelFolder) -> SGLangEngine:
+        return SGLangEngine(SGLangServer(url=server.url), capture, folder=folder, dump_root=server.dump_root,
+                            job="limit", in_flight=4)  # fmt: skip
 
     out = tmp_path / "out"
     first = run_extraction(spec, out, engine)
