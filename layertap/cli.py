@@ -65,7 +65,14 @@ def extract(out: Path, **options: Any) -> None:
                 factory = sglang_engine_factory(
                     spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
                 )
-            report = run_extraction(spec, out, factory, progress=progress, check_level=settings.resume_check)
+            report = run_extraction(
+                spec,
+                out,
+                factory,
+                progress=progress,
+                check_level=settings.resume_check,
+                commit_threads=settings.commit_threads,
+            )
     finally:
         progress.stop()
     console.print(

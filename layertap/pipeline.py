@@ -27,6 +27,7 @@ from layertap.errors import LayertapError, RowError, SampleError, ServerError, S
 from layertap.models.folder import ModelFolder
 from layertap.row_plan import PlannedRow, RowPlanner
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
+from layertap.settings import COMMIT_THREADS
 from layertap.spec import ExtractionSpec, allowed_bad_rows
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import REPORTS_DIR, build_manifest
@@ -208,15 +209,14 @@ class _Capture:
         report: RunReport,
         events: ShardEvents,
         attempts: int,
-        commit_threads: int = 8,
+        commit_threads: int,
     ) -> None:
         self.store, self.engine, self.report, self.events = store, engine, report, events
         self.attempts = attempts
         self.tries: Counter[str] = Counter()
         self.alone: list[TokenizedSample] = []
         # Commits (check finiteness, hash, write or rename, fsync) release the GIL, so threads keep the
-        # disk busy while the engine runs; at most 2 x threads captured samples wait in memory. 8
-        # validate ~10 GB/s of native dumps on an H200 host (sha256 ~1.5 GB/s per thread).
+        # disk busy while the engine runs; at most 2 x threads captured samples wait in memory.
         self.commits = ThreadPoolExecutor(commit_threads, thread_name_prefix="commit")
         self.max_pending = 2 * commit_threads
 
@@ -332,7 +332,7 @@ def run_shard(
     events: ShardEvents | None = None,
     attempts: int = 1,
     check_level: CheckLevel = "full",
-    commit_threads: int = 8,
+    commit_threads: int = COMMIT_THREADS,
     folder: ModelFolder | None = None,
 ) -> RunReport:
     """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``, as the row planner plans them
@@ -407,6 +407,7 @@ def run_extraction(
     *,
     progress: ProgressSink | None = None,
     check_level: CheckLevel = "full",
+    commit_threads: int = COMMIT_THREADS,
 ) -> RunReport:
     """Run (or resume) a whole extraction in this process and finalize the store; the model folder is read once, and
     after the dataset's scan (`scan_dataset`: row count, duplicate ids, content hash) its rows are streamed once."""
@@ -432,7 +433,8 @@ def run_extraction(
         store = OutputStore.create_or_resume(out, manifest)
         save_duplicates(out, scan)
         store.sweep_temp_files()
-        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level, folder=folder)
+        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level,
+                           commit_threads=commit_threads, folder=folder)  # fmt: skip
         store.finalize(complete=True, target=folder)
         store.close()
     finally:
