@@ -134,7 +134,7 @@ class WorkerContext:
     def run_shard(self, job_id: str, shard: int, token: str) -> str:
         """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
         t0 = time.monotonic()
-        self.prepare_engine(job_id)
+        folder = self.prepare_engine(job_id)
         attempt = self.attempt(job_id, shard, token)
         claim = attempt.claim(self.settings.lease_ms)
         if claim.status != "ok":
@@ -152,7 +152,7 @@ class WorkerContext:
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             try:
-                folder = ModelFolder.read(spec.model)  # this attempt's one read, for its engine and its rows
+                folder = folder or ModelFolder.read(spec.model)  # the attempt's one read: its engine's, its rows'
                 engine = self._engine(spec, store, folder)
                 report = run_shard(
                     spec.extraction(),
@@ -207,14 +207,16 @@ class WorkerContext:
             )
         return engine
 
-    def prepare_engine(self, job_id: str) -> None:
+    def prepare_engine(self, job_id: str) -> ModelFolder | None:
         """Start (or keep) the engine for a running job before claiming one of its shards: a server that takes
         minutes to start (a restarted worker's, a 1T model's) then holds no shard meanwhile, and the watchdog
         hands the shard, still queued, to a worker that is ready (``LAYERTAP_QUEUED_GRACE_S``). A failure here
-        is left to the claimed attempt, which reports it the usual way."""
+        is left to the claimed attempt, which reports it the usual way. Returns the job's model folder as read here
+        (None when it was not), for the attempt."""
         state, raw = self.redis.hmget(self.keys.job(job_id), "state", "spec")
         if state != "running" or raw is None:
-            return
+            return None
+        folder = None
         try:
             spec = JobSpec.model_validate_json(raw)
             self.check_remote_code(spec)
@@ -222,6 +224,7 @@ class WorkerContext:
             self.engine_for(spec, spec.resolve(folder.num_layers), folder)
         except Exception as exc:  # reported by the attempt that claims the shard
             log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
+        return folder
 
     def engine_for(self, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
         """This process's engine for ``spec`` (`EngineCache`; ``folder`` is ``spec.model`` as read for it); its

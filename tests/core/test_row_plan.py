@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import pytest
 
 from layertap.data.scan import scan_dataset
 from layertap.models.folder import ModelFolder
@@ -22,6 +19,7 @@ from layertap.store.manifest import MANIFEST, read_manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.folder_reads import counting_folder_reads
 from tests.hf_engines import cpu_hf
 
 _opens: dict[str, int] = {}  # path -> times opened, for the paths being watched
@@ -75,21 +73,6 @@ def test_a_resume_streams_its_dataset_once_after_the_hash_scan(tiny_llama, tmp_p
     assert report.changed == ["conv-4"] and report.computed == ["conv-4"] and report.already_done == len(rows) - 1
     assert (bar.completed, bar.total) == (len(rows), len(rows))  # the retired sample counted once, when redone
     assert verify_store(out, data=data).ok
-
-
-@contextmanager
-def counting_folder_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
-    """Every `ModelFolder.read` inside the block, by the module that called it."""
-    reads: Counter[str] = Counter()
-    read = ModelFolder.read.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[ModelFolder], path: Path) -> ModelFolder:
-        reads[sys._getframe(1).f_globals["__name__"]] += 1
-        return read(cls, path)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(ModelFolder, "read", classmethod(counted))
-        yield reads
 
 
 def test_a_run_reads_the_model_folders_facts_once_for_its_engine_its_rows_and_its_guide(

@@ -17,6 +17,7 @@ from layertap.state.views import job_view
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.folder_reads import counting_folder_reads
 from tests.hf_engines import hf_engine
 from worker.config import WorkerSettings
 from worker.runner import WorkerContext
@@ -166,3 +167,26 @@ def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_
     report = json.loads(max((planned.spec.out / "reports").glob("run-*.json"), key=os.path.getmtime).read_text())
     assert (report["changed"], report["computed"], report["already_done"]) == (["conv-4"], ["conv-4"], len(rows) - 1)
     assert job_view(redis_client, keys, "jc").samples_done == len(rows)
+
+
+def test_a_shard_attempt_reads_the_model_folder_once_for_its_engine_and_its_rows(
+    context, tiny_llama, tmp_path, redis_client, monkeypatch
+):
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=2, max_words=12))
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jr")
+    keys = Keys()
+    create_job(redis_client, keys, "jr", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+    reap(redis_client, keys, lambda task, args: sent.append((task, args)), queue_len=0, queued_grace_ms=0, lease_ms=1)
+
+    with counting_folder_reads(monkeypatch) as reads:
+        context.prepare_engine("jr")  # the engine built before the claim
+    assert reads == {"worker.runner": 1}, reads
+    with counting_folder_reads(monkeypatch) as reads:
+        assert context.run_shard(*sent[0][1]) == "done"
+    assert reads == {"worker.runner": 1}, reads  # one read for the engine (kept) and the shard's rows
+    with counting_folder_reads(monkeypatch) as reads:
+        assert context.run_shard(*sent[1][1]) == "finalized"
+    assert reads == {"worker.runner": 1, "layertap.store.guide": 1}, reads  # and its finalize's guide
+    assert verify_store(planned.spec.out).samples == 12
