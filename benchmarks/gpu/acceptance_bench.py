@@ -519,8 +519,15 @@ def stage_report(run: Run) -> None:
                   "```yaml", trained["correct"]["run_yaml"].rstrip()]  # fmt: skip
     lines += ["```", "", "TRAIN.md the drafters were trained from:", "", "````markdown", extract["train_md"], "````"]
     run.out.parent.mkdir(parents=True, exist_ok=True)
-    run.out.write_text("\n".join(lines) + "\n")
+    run.out.write_text(portable("\n".join(lines) + "\n", run, corpus["root"]))
     log(f"report: {run.out}")
+
+
+def portable(text: str, run: Run, corpus_root: str) -> str:
+    """``text`` with the machine's paths named by what they are: the work folder ``$WORK``, the corpus root
+    ``$SITE_PACKAGES``, any Python interpreter ``python3`` (a report is read on other machines)."""
+    text = text.replace(str(run.work), "$WORK").replace(corpus_root, "$SITE_PACKAGES")
+    return re.sub(r"[^\s`'\"]*/bin/python3?\b", "python3", text)
 
 
 def paired_lines(served: dict[str, dict[str, Any]]) -> list[str]:

@@ -26,3 +26,23 @@ def test_a_passing_control_makes_a_state_inconclusive_not_pass_and_far_errors_st
     ]
     far = judge("final", True, [sample(1.0, layer=0.15)])
     assert far.verdict == "fail" and far.failed_samples == {"s": "matches no hypothesis"}
+
+
+def spread_sample(errors: float, layer: float) -> SampleState:
+    """A sample whose floor spreads (median 0.1, its 90% quantile 0.6: deep bf16 chaos), its error ``errors`` on every
+    token and its layer control ``layer``; the shift control far away."""
+    floor = torch.tensor([0.1] * 30 + [0.6] * 10)
+    flat = torch.zeros(40, dtype=torch.bool)
+    controls = {"shift": torch.full((39,), 5.0), "layer": torch.full((40,), layer)}
+    return SampleState("s", torch.full((40,), errors), floor, flat, flat, controls, "matches no hypothesis")
+
+
+def test_a_sample_whose_error_and_a_control_lie_within_its_floors_reach_is_undecided_not_failed() -> None:
+    undecided = judge("final", True, [spread_sample(0.25, layer=1.0)])
+    assert undecided.verdict == "inconclusive" and not undecided.failed_samples and not undecided.causes
+    assert list(undecided.undecided_samples) == ["s"] and abs(undecided.undecided_samples["s"] - 2.5) < 1e-6
+    assert "noise and a wrong state look alike" in undecided.doubts[-1]
+    beyond = judge("final", True, [spread_sample(1.5, layer=1.0)])  # its error beyond 2 x the reach (1.2)
+    assert beyond.verdict == "fail" and beyond.failed_samples == {"s": "matches no hypothesis"}
+    told = judge("final", True, [spread_sample(0.25, layer=3.0)])  # every control beyond the reach
+    assert told.verdict == "fail" and told.failed_samples == {"s": "matches no hypothesis"}

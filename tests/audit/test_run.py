@@ -210,26 +210,30 @@ def test_fp8_and_bf16_stores_of_one_run_pass_side_by_side(layertap_cli, tiny_kim
     assert len(failed) == 4 and all("shifted one token" in s.failed_samples[victim.sample_id] for s in failed)
 
 
-def test_a_deep_bf16_final_state_is_inconclusive_where_the_controls_cannot_tell(layertap_cli, tmp_path: Path) -> None:
+def test_a_deep_bf16_final_state_is_never_failed_with_a_made_up_cause(layertap_cli, tmp_path: Path) -> None:
     """The issue's case, small: an INT4 Kimi-K2.5 folder of 12 random layers stored by the HF engine in bf16 (its
-    experts summed in another order than the audit's). Deep random bf16 is chaotic: in the final state a correct
-    sample's median error strays past 2 x its floor's (2.2 x), where its floor's 90% quantile is ~6 x its median and
-    its layer control within 2 x that. The audit says INCONCLUSIVE (exit 3), naming the sample and what would decide
-    it, not FAIL with a made-up cause; its captures PASS. A float32 store of the same rows PASSes, and another
-    sample's states still FAIL, in the final state too: far beyond the floor's reach."""
+    experts summed in another order than the audit's). Deep random bf16 is chaotic, and how chaotic depends on the
+    CPU's bf16 kernels (with AMX the final state stays within its floor; on another CPU a correct sample's median
+    error strayed to 2.2 x its floor's, where the floor's 90% quantile is ~6 x its median). What must hold on any CPU:
+    the correct store is never FAILed; its captures PASS; where the final state cannot be told from noise the audit
+    says INCONCLUSIVE (exit 3), naming the sample and what would decide it. A float32 store of the same rows PASSes,
+    and another sample's states still FAIL, in the final state too: far beyond the floor's reach. (The verdict rules
+    themselves are tested on errors laid out by hand in test_compare.py.)"""
     folder = build_tiny_model("kimi-k2.5", tmp_path / "int4-12", quantize="int4", num_hidden_layers=12)
     store = extract(layertap_cli, folder, tmp_path / "bf16", KIMI_LAYERS, "--trust-remote-code")
     run = layertap_cli("audit", store, "--samples", "6", "--trust-remote-code", timeout=900)
-    assert run.returncode == 3 and "# Audit of" in run.stdout and ": INCONCLUSIVE" in run.stdout, (
-        run.stdout + run.stderr
-    )
     report = json.loads(next((store / "reports").glob("audit-*.json")).read_text())
-    assert report["verdict"] == "inconclusive" and not report["passed"] and "--dtype float32" in report["to_decide"]
     *captures, final = report["states"]
     assert [s["verdict"] for s in captures] == ["pass"] * 3, run.stdout
-    assert final["verdict"] == "inconclusive" and not final["causes"] and not final["failed_samples"], run.stdout
-    assert final["undecided_samples"] and "noise and a wrong state look alike" in final["doubts"][-1], run.stdout
-    assert "## Why it cannot tell" in run.stdout and "What would decide it" in run.stdout
+    assert report["verdict"] in ("pass", "inconclusive") and not final["failed_samples"], run.stdout + run.stderr
+    if report["verdict"] == "pass":
+        assert run.returncode == 0 and final["verdict"] == "pass", run.stdout + run.stderr
+    else:
+        assert run.returncode == 3 and ": INCONCLUSIVE" in run.stdout, run.stdout + run.stderr
+        assert not report["passed"] and "--dtype float32" in report["to_decide"]
+        assert final["verdict"] == "inconclusive" and not final["causes"], run.stdout
+        assert final["undecided_samples"] and "noise and a wrong state look alike" in final["doubts"][-1], run.stdout
+        assert "## Why it cannot tell" in run.stdout and "What would decide it" in run.stdout
 
     assert_passes(extract(layertap_cli, folder, tmp_path / "f32", KIMI_LAYERS, "--trust-remote-code", "--dtype", "float32"),
                   trust_remote_code=True)  # fmt: skip
