@@ -61,13 +61,20 @@ def extract(out: Path, **options: Any) -> None:
             if settings.engine == "hf":
                 if spec.regenerate is not None:
                     fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
-                factory = hf_engine_factory(spec.model, settings)
+                factory = hf_engine_factory(settings)
             else:
                 dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
                 factory = sglang_engine_factory(
                     spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
                 )
-            report = run_extraction(spec, out, factory, progress=progress, check_level=settings.resume_check)
+            report = run_extraction(
+                spec,
+                out,
+                factory,
+                progress=progress,
+                check_level=settings.resume_check,
+                commit_threads=settings.commit_threads,
+            )
     finally:
         progress.stop()
     console.print(

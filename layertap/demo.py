@@ -89,7 +89,7 @@ def run_demo(out: Path, fmt: str, console: Console) -> bool:
     spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5), format=fmt)  # type: ignore[arg-type]
     progress = RichProgress(console)
     try:
-        report = run_extraction(spec, states, hf_engine_factory(model, RunSettings(device="cpu")), progress=progress)
+        report = run_extraction(spec, states, hf_engine_factory(RunSettings(device="cpu")), progress=progress)
     finally:
         progress.stop()
     check = verify_store(states)

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,17 +24,18 @@ from typing import Protocol
 
 from layertap.data.scan import load_duplicates, save_duplicates, scan_dataset
 from layertap.engines.base import Engine
+from layertap.engines.factory import EngineFactory
 from layertap.errors import LayertapError, RowError, SampleError, ServerError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import Regenerator, RowJob, retokenization_mismatches
 from layertap.row_plan import PlannedRow, RowPlanner
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
-from layertap.spec import CaptureSpec, ExtractionSpec, allowed_bad_rows
+from layertap.settings import COMMIT_THREADS
+from layertap.spec import ExtractionSpec, allowed_bad_rows
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import REPORTS_DIR, build_manifest
 from layertap.store.store import CheckLevel, OutputStore
 
-EngineFactory = Callable[[CaptureSpec], Engine]
 log = logging.getLogger(__name__)
 
 
@@ -223,15 +224,14 @@ class _Capture:
         report: RunReport,
         events: ShardEvents,
         attempts: int,
-        commit_threads: int = 8,
+        commit_threads: int,
     ) -> None:
         self.store, self.engine, self.report, self.events = store, engine, report, events
         self.attempts = attempts
         self.tries: Counter[str] = Counter()
         self.alone: list[TokenizedSample] = []
         # Commits (check finiteness, hash, write or rename, fsync) release the GIL, so threads keep the
-        # disk busy while the engine runs; at most 2 x threads captured samples wait in memory. 8
-        # validate ~10 GB/s of native dumps on an H200 host (sha256 ~1.5 GB/s per thread).
+        # disk busy while the engine runs; at most 2 x threads captured samples wait in memory.
         self.commits = ThreadPoolExecutor(commit_threads, thread_name_prefix="commit")
         self.max_pending = 2 * commit_threads
 
@@ -347,7 +347,7 @@ def run_shard(
     events: ShardEvents | None = None,
     attempts: int = 1,
     check_level: CheckLevel = "full",
-    commit_threads: int = 8,
+    commit_threads: int = COMMIT_THREADS,
     folder: ModelFolder | None = None,
 ) -> RunReport:
     """Capture rows ``[start, stop)`` of ``spec.data`` into ``store`` with ``engine``, as the row planner plans them
@@ -501,6 +501,7 @@ def run_extraction(
     *,
     progress: ProgressSink | None = None,
     check_level: CheckLevel = "full",
+    commit_threads: int = COMMIT_THREADS,
 ) -> RunReport:
     """Run (or resume) a whole extraction in this process and finalize the store; the model folder is read once, and
     after the dataset's scan (`scan_dataset`: row count, duplicate ids, content hash) its rows are streamed once."""
@@ -510,7 +511,7 @@ def run_extraction(
     capture = spec.resolve(folder.num_layers)
     scan = scan_dataset(spec.data)
     log.info("dataset %s: %d rows, sha256 %s", spec.data, scan.num_rows, scan.sha256)
-    engine = engine_factory(capture)
+    engine = engine_factory(capture, folder)
     try:
         kept = within_engine_limit(spec, engine.max_input_tokens)  # a max_length the server refuses: before the store
         manifest = build_manifest(
@@ -526,8 +527,9 @@ def run_extraction(
         store = OutputStore.create_or_resume(out, manifest)
         save_duplicates(out, scan)
         store.sweep_temp_files()
-        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level, folder=folder)
-        store.finalize(complete=True)
+        report = run_shard(spec, store, engine, events=ProgressEvents(progress), check_level=check_level,
+                           commit_threads=commit_threads, folder=folder)  # fmt: skip
+        store.finalize(complete=True, target=folder)
         store.close()
     finally:
         engine.close()

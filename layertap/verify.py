@@ -13,7 +13,7 @@ from layertap.regenerate import stored_conversation
 from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
-from layertap.store.guide import write_training_guide
+from layertap.store.guide import target_folder, write_training_guide
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import Manifest, model_facts
 from layertap.store.store import REGENERATED, CheckLevel, OutputStore
@@ -81,7 +81,7 @@ def verify_store(
         report.problems += store.format.finalized_problems(root, records)
         if not unreadable:  # a recount needs every sample file as committed
             report.problems += _token_freq_problems(store, records, rewrite_token_freq)
-        report.guide = write_training_guide(root, store.manifest, records)
+        report.guide = write_training_guide(root, store.manifest, records, target_folder(store.manifest))
     else:
         report.warnings.append("the run has not completed yet (manifest complete=false)")
     return report
@@ -89,7 +89,7 @@ def verify_store(
 
 def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrite: bool) -> list[str]:
     """``token_freq.pt`` against counts taken again from every stored sample (rewritten from them if asked)."""
-    counts = recount(store.root, records, store.format.ids_key)
+    counts = recount(store.root, records, store.layout.ids_key)
     if rewrite:
         write_token_freq(store.root, counts)
     stored = read_token_freq(store.root)

@@ -33,9 +33,6 @@ class WorkerSettings(BaseSettings, RunSettings):
     allow_remote_code: bool = Field(
         default=False, description="Run jobs with trust_remote_code (the Python a model folder ships)."
     )
-    commit_threads: int = Field(
-        default=8, gt=0, description="Threads validating (sha256, finiteness) and committing samples in parallel."
-    )
 
     lease_ttl_s: float = Field(
         default=30.0, gt=0, description="A shard is requeued this long after its last heartbeat."

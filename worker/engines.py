@@ -12,6 +12,7 @@ import logging
 from layertap.engines.base import Engine
 from layertap.engines.factory import hf_engine_factory
 from layertap.errors import ServerError
+from layertap.models.folder import ModelFolder
 from layertap.spec import CaptureSpec
 from layertap.state.model import JobSpec
 from worker.config import WorkerSettings
@@ -19,13 +20,14 @@ from worker.config import WorkerSettings
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> Engine:
-    """A new engine of ``settings.engine``'s type for ``spec``'s model, tuned by the job's options."""
+def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
+    """A new engine of ``settings.engine``'s type for ``spec``'s model (``folder``, as read for it), tuned by the
+    job's options."""
     if settings.engine == "hf":
-        return hf_engine_factory(spec.model, settings.tuned(spec.engine))(capture)
+        return hf_engine_factory(settings.tuned(spec.engine))(capture, folder)
     from worker import sglang_engine
 
-    return sglang_engine.build_engine(settings, spec, capture)
+    return sglang_engine.build_engine(settings, spec, capture, folder)
 
 
 class EngineCache:
@@ -36,13 +38,13 @@ class EngineCache:
         self._key: tuple | None = None
         self._engine: Engine | None = None
 
-    def get(self, spec: JobSpec, capture: CaptureSpec) -> Engine:
+    def get(self, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
         key = (str(spec.model), capture, spec.engine)
         if self._engine is None or key != self._key:
             self.close()
             log.info("loading %s engine for %s (capture indices %s)", self.settings.engine, spec.model, capture.layers)
             try:
-                self._engine = build_engine(self.settings, spec, capture)
+                self._engine = build_engine(self.settings, spec, capture, folder)
             except ServerError:
                 raise
             except Exception as exc:  # a model this worker cannot load: retry, maybe on another worker

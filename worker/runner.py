@@ -30,6 +30,7 @@ from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
 from layertap.state.shards import FinalizeAttempt, ShardAttempt, publish_input_limit
 from layertap.state.views import job_errors
+from layertap.store.guide import target_folder
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
@@ -150,7 +151,7 @@ class WorkerContext:
     def run_shard(self, job_id: str, shard: int, token: str) -> str:
         """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
         t0 = time.monotonic()
-        self.prepare_engine(job_id)
+        folder = self.prepare_engine(job_id)
         attempt = self.attempt(job_id, shard, token)
         claim = attempt.claim(self.settings.lease_ms)
         if claim.status != "ok":
@@ -168,7 +169,8 @@ class WorkerContext:
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             try:
-                engine = self._engine(spec, store)
+                folder = folder or ModelFolder.read(spec.model)  # the attempt's one read: its engine's, its rows'
+                engine = self._engine(spec, store, folder)
                 report = run_shard(
                     spec.extraction(),
                     store,
@@ -179,6 +181,7 @@ class WorkerContext:
                     attempts=spec.sample_attempts,
                     check_level=self.settings.resume_check,
                     commit_threads=self.settings.commit_threads,
+                    folder=folder,
                 )
             except ServerError:
                 self.engines.close()  # the next task starts a fresh engine (and server)
@@ -209,11 +212,11 @@ class WorkerContext:
             return self.finalize(job_id, token)
         return outcome
 
-    def _engine(self, spec: JobSpec, store: OutputStore) -> Engine:
+    def _engine(self, spec: JobSpec, store: OutputStore, folder: ModelFolder) -> Engine:
         """This process's engine for the job, refused if it would not compute in the manifest's dtype or the
         job wants model code run that this worker was not allowed to run."""
         self.check_remote_code(spec)
-        engine = self.engine_for(spec, spec.resolve(store.manifest.num_layers))
+        engine = self.engine_for(spec, spec.resolve(store.manifest.num_layers), folder)
         if (dtype := engine.compute_dtype) != store.manifest.compute_dtype:
             raise ServerError(
                 f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
@@ -221,25 +224,29 @@ class WorkerContext:
             )
         return engine
 
-    def prepare_engine(self, job_id: str) -> None:
+    def prepare_engine(self, job_id: str) -> ModelFolder | None:
         """Start (or keep) the engine for a running job before claiming one of its shards: a server that takes
         minutes to start (a restarted worker's, a 1T model's) then holds no shard meanwhile, and the watchdog
         hands the shard, still queued, to a worker that is ready (``LAYERTAP_QUEUED_GRACE_S``). A failure here
-        is left to the claimed attempt, which reports it the usual way."""
+        is left to the claimed attempt, which reports it the usual way. Returns the job's model folder as read here
+        (None when it was not), for the attempt."""
         state, raw = self.redis.hmget(self.keys.job(job_id), "state", "spec")
         if state != "running" or raw is None:
-            return
+            return None
+        folder = None
         try:
             spec = JobSpec.model_validate_json(raw)
             self.check_remote_code(spec)
-            self.engine_for(spec, spec.resolve(ModelFolder.read(spec.model).num_layers))
+            folder = ModelFolder.read(spec.model)
+            self.engine_for(spec, spec.resolve(folder.num_layers), folder)
         except Exception as exc:  # reported by the attempt that claims the shard
             log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
+        return folder
 
-    def engine_for(self, spec: JobSpec, capture: CaptureSpec) -> Engine:
-        """This process's engine for ``spec`` (`EngineCache`); its server's input limit is told to Redis, where the
-        coordinator refuses a job whose max_length is above it."""
-        engine = self.engines.get(spec, capture)
+    def engine_for(self, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
+        """This process's engine for ``spec`` (`EngineCache`; ``folder`` is ``spec.model`` as read for it); its
+        server's input limit is told to Redis, where the coordinator refuses a job whose max_length is above it."""
+        engine = self.engines.get(spec, capture, folder)
         publish_input_limit(self.redis, self.keys, str(spec.model), self.name, engine.max_input_tokens)
         return engine
 
@@ -268,7 +275,7 @@ class WorkerContext:
             try:
                 store = OutputStore.open_existing(spec.out)
                 swept = store.sweep_temp_files()  # every shard is done: temp files are from killed writers
-                records = store.finalize(complete=True)
+                records = store.finalize(complete=True, target=target_folder(store.manifest))
             except Exception as exc:
                 log.exception("job %s: finalize failed", job_id)
                 attempt.note_error(f"finalize failed: {type(exc).__name__}: {exc}")

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from layertap.engines.base import Engine
 from layertap.engines.factory import sglang_engine_factory
+from layertap.models.folder import ModelFolder
 from layertap.spec import CaptureSpec
 from layertap.state.model import JobSpec
 from worker.config import WorkerSettings
 from worker.metrics import WorkerMetrics
 
 
-def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) -> Engine:
-    """The worker's SGLang engine, on the server its settings name or launch (its log beside the dump root)."""
+def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
+    """The worker's SGLang engine for ``folder`` (``spec.model`` as read), on the server its settings name or launch
+    (its log beside the dump root)."""
     assert settings.dump_root is not None  # WorkerSettings requires it for the sglang engine
     metrics = WorkerMetrics(settings.process_name())
     make = sglang_engine_factory(
@@ -24,4 +26,4 @@ def build_engine(settings: WorkerSettings, spec: JobSpec, capture: CaptureSpec) 
         observe=metrics.observe_stage,
         on_writer=metrics.observe_writer,
     )
-    return make(capture)
+    return make(capture, folder)

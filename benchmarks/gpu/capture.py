@@ -141,7 +141,7 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     folder = ModelFolder.read(bench.model)
     cap = spec.resolve(folder.num_layers)
     writer: list[dict[str, float]] = []
-    engine = SGLangEngine(bench.server, cap, model=bench.model, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
+    engine = SGLangEngine(bench.server, cap, folder=folder, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
                           on_writer=writer.append)  # fmt: skip
     manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
                               compute_dtype="bfloat16", dataset_rows=len(batch),

@@ -68,7 +68,7 @@ def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Pat
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
     folder = ModelFolder.read(model)
     cap = spec.resolve(folder.num_layers)
-    engine = SGLangEngine(server, cap, model=model, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
+    engine = SGLangEngine(server, cap, folder=folder, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
     manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
                               compute_dtype="bfloat16",
                               dataset_rows=sum(1 for _ in data.open()), dataset_sha256=dataset_sha256(data),
@@ -78,7 +78,7 @@ def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Pat
     report = run_shard(spec, store, engine, check_level="quick")
     seconds = time.perf_counter() - t0
     assert report.failed == 0 and report.row_errors == 0, report
-    store.finalize(complete=True)
+    store.finalize(complete=True, target=folder)
     ids = [store.format.load(out / r.file)["input_ids"].tolist() for r in store.records().values()]
     store.close()
     return seconds, report.tokens, ids

@@ -129,7 +129,7 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
     folder = ModelFolder.read(model)
     cap = spec.resolve(folder.num_layers)
-    engine = SGLangEngine(server, cap, model=model, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
+    engine = SGLangEngine(server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
                           allow_dummy_weights=True)  # fmt: skip
     manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
                               compute_dtype="bfloat16", dataset_rows=len(batch),
@@ -140,7 +140,7 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     t0 = time.perf_counter()
     report = run_shard(spec, store, engine, check_level="quick", commit_threads=8)
     assert len(report.computed) == len(batch) and report.failed == 0, report
-    store.finalize(complete=True)
+    store.finalize(complete=True, target=folder)
     store.close()
     if not keep:
         shutil.rmtree(root / f"store-{tag}")

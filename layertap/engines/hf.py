@@ -11,7 +11,6 @@ kept, so padding is never stored.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,17 +130,19 @@ class HFEngine(Engine):
 
     def __init__(
         self,
-        model_dir: Path,
+        folder: ModelFolder,
         spec: CaptureSpec,
         *,
-        device: str = "cpu",
-        dtype: torch.dtype | None = None,
-        max_batch_tokens: int = 8192,
-        max_batch_size: int = 16,
+        device: str,
+        dtype: torch.dtype | None,
+        max_batch_tokens: int,
+        max_batch_size: int,
     ) -> None:
+        """The language model of ``folder`` (as the run read it) on ``device``, computing in ``dtype`` (None: the
+        folder's own); the settings come from `RunSettings` (`hf_engine_factory`), which holds their defaults."""
         self.spec = spec
         self.device = pick_device(device)
-        causal = load_language_model(ModelFolder.read(model_dir), dtype, self.device)
+        causal = load_language_model(folder, dtype, self.device)
         # The base model skips the LM head: we only need hidden states.
         self.model = causal.get_decoder().to(self.device).eval()
         self.compute_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")

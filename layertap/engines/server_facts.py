@@ -175,10 +175,9 @@ def check_server(facts: ServerFacts, expected: ServerExpectation, pinned: Server
 
 
 def expectation_for(
-    model: Path, capture: CaptureSpec, *, rid_prefix: str, dump_root: Path, allow_dummy_weights: bool = False
+    folder: ModelFolder, capture: CaptureSpec, *, rid_prefix: str, dump_root: Path, allow_dummy_weights: bool = False
 ) -> ServerExpectation:
-    """The expectation of a run on ``model`` (its folder read once here)."""
-    folder = ModelFolder.read(model)
+    """The expectation of a run on the model ``folder`` (as the run read it)."""
     return ServerExpectation(
         model=folder.path,
         capture=capture,

@@ -71,19 +71,19 @@ class SGLangEngine(Engine):
         server: SGLangServer,
         spec: CaptureSpec,
         *,
-        model: Path,
+        folder: ModelFolder,
         dump_root: Path,
         job: str,
+        in_flight: int,
         allow_dummy_weights: bool = False,
         rid_prefix: str = DEFAULT_RID_PREFIX,
-        in_flight: int = 16,
         dump_timeout_s: float = 120.0,
         request_timeout_s: float = 3600.0,
         max_server_restarts: int = 3,
         observe: Callable[[str, float], None] | None = None,
         on_writer: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
-        """``model`` is the folder the server must serve (`server_facts`: checked here, before any sample, and
+        """``folder`` is the model folder (as the run read it) the server must serve (`server_facts`: checked here, before any sample, and
         after every restart; ``allow_dummy_weights`` lets a benchmark's random-weight server through).
         ``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times;
         ``on_writer(stats)`` the server's writer stats each dump carries (`DumpMeta.writer`: how long
@@ -101,7 +101,8 @@ class SGLangEngine(Engine):
         self.on_writer = on_writer
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
-        self.expected = expectation_for(model, spec, rid_prefix=rid_prefix, dump_root=dump_root,
+        self.folder = folder
+        self.expected = expectation_for(folder, spec, rid_prefix=rid_prefix, dump_root=dump_root,
                                         allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
         self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
@@ -131,8 +132,8 @@ class SGLangEngine(Engine):
     @property
     def compute_dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
-        makes of the model folder's own dtype (the server serves ``model``: checked)."""
-        return sglang_compute_dtype(self.facts.dtype, ModelFolder.read(self.expected.model).dtype)
+        makes of the model folder's own dtype (the server serves ``folder``: checked)."""
+        return sglang_compute_dtype(self.facts.dtype, self.folder.dtype)
 
     @property
     def max_input_tokens(self) -> int | None:
@@ -413,7 +414,7 @@ def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remo
 
 def start_server(
     capture: CaptureSpec,
-    model: Path,
+    folder: ModelFolder,
     *,
     dump_root: Path,
     server_url: str | None,
@@ -433,8 +434,8 @@ def start_server(
     if server_url:
         server = SGLangServer(url=server_url)
     else:
-        args = server_model_args(ModelFolder.read(model), shlex.split(sglang_args), trust_remote_code=trust_remote_code)
-        config = ServerConfig(python=python, model=model, dump_root=dump_root, layers=capture.layers,
+        args = server_model_args(folder, shlex.split(sglang_args), trust_remote_code=trust_remote_code)
+        config = ServerConfig(python=python, model=folder.path, dump_root=dump_root, layers=capture.layers,
                               final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
                               sglang_args=tuple(args), layout=(layout := dump_layout(store_format, capture)),
                               quantize=dump_quantize(layout, store_dtype))  # fmt: skip

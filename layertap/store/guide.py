@@ -28,9 +28,9 @@ from layertap.trainers import (
 from sglang_patch.contract import SPECFORGE
 
 
-def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecord]) -> str:
+def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecord], target: ModelFolder | None) -> str:
     """The text of ``TRAIN.md``: exactly how to train on the output at ``root`` (holding ``records``) with its
-    format's trainer."""
+    format's trainer, from the ``target`` model folder's facts (None: not here, `target_folder`)."""
     root = Path(root).resolve()
     samples, tokens = len(records), sum(r.num_tokens for r in records)
     longest = max((r.num_tokens for r in records), default=0)
@@ -52,7 +52,6 @@ def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecor
         f"- Token frequencies over the loss-masked tokens: `{TOKEN_FREQ_FILE}`.",
         "",
     ]
-    target = _target(Path(manifest.model_path))
     if target is not None and target.wrapped:
         lines += [
             f"- The target is a multimodal wrapper: its language model's config is `text_config` and its weights "
@@ -66,10 +65,11 @@ def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecor
     return "\n".join(lines) + "\n"
 
 
-def _target(model: Path) -> ModelFolder | None:
-    """The target folder's facts, or None where it is not here (a store verified on another machine)."""
+def target_folder(manifest: Manifest) -> ModelFolder | None:
+    """The manifest's target folder's facts, or None where it is not here (a store verified on another machine),
+    for a guide written outside the run that read the folder (verify, a worker's finalize)."""
     try:
-        return ModelFolder.read(model)
+        return ModelFolder.read(Path(manifest.model_path))
     except (SpecError, OSError):
         return None
 
@@ -217,8 +217,10 @@ def _speculators_section(
     ]
 
 
-def write_training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecord]) -> str:
-    """Write ``TRAIN.md`` beside the manifest (atomically) and return its text."""
-    text = training_guide(root, manifest, records)
+def write_training_guide(
+    root: Path, manifest: Manifest, records: Sequence[SampleRecord], target: ModelFolder | None
+) -> str:
+    """Write ``TRAIN.md`` beside the manifest (atomically) and return its text (`training_guide`)."""
+    text = training_guide(root, manifest, records, target)
     atomic_write(Path(root) / GUIDE, lambda f: f.write(text.encode()))
     return text

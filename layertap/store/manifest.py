@@ -59,8 +59,8 @@ class Manifest(BaseModel):
     max_length: int | None
     # The length rows were kept within: max_length, or the engine's input limit below it (an SGLang server's, a few
     # tokens below its context length); None with neither. A store made before it was recorded has max_length's
-    # value here; so has a job's (planned before its workers' servers are known: a worker keeps a job without
-    # max_length within its own server's limit, and its truncated samples' records say so).
+    # value here. A job is planned before its workers' servers are known: a worker keeps a job without max_length
+    # within its own server's limit, and the job's finalize records the servers' limit (`store.served_max_length`).
     effective_max_length: int | None = None
     overlong: str
     dataset_path: str

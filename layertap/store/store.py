@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.errors import SampleError, StoreError
+from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
@@ -227,7 +228,7 @@ class OutputStore:
         except Exception as exc:
             return [f"unreadable: {exc}"]
         out = self.format.problems(tensors, record, self.layout)
-        ids = tensors.get(self.format.ids_key)
+        ids = tensors.get(self.layout.ids_key)
         if ids is not None and ids_sha256(ids) != record.ids_sha256:
             out.append("input_ids differ from the index record")
         if level == "full":
@@ -247,8 +248,9 @@ class OutputStore:
 
     # -- finishing -------------------------------------------------------------------------------
 
-    def finalize(self, *, complete: bool) -> list[SampleRecord]:
-        """Build the format's extra files from the index and rewrite the manifest with the count."""
+    def finalize(self, *, complete: bool, target: ModelFolder | None) -> list[SampleRecord]:
+        """Build the format's extra files from the index and rewrite the manifest with the count; the training
+        guide from ``target``, the model folder as the run read it (`guide.target_folder` where none did)."""
         by_id = self.records()
         records = sorted(by_id.values(), key=lambda r: r.index)
         self.format.finalize(self.root, records)
@@ -256,10 +258,20 @@ class OutputStore:
             rows = self.regenerated_rows(by_id)
             lines = (json.dumps(rows[r.sample_id], ensure_ascii=False) + "\n" for r in records if r.sample_id in rows)
             atomic_write(self.root / REGENERATED, lambda f: f.write("".join(lines).encode()))
-        write_token_freq(self.root, committed_counts(self.root, records, self.format.ids_key))
-        self.manifest = self.manifest.model_copy(
-            update={"complete": complete, "samples_committed": len(records), "servers": self.servers()}
-        )
+        write_token_freq(self.root, committed_counts(self.root, records, self.layout.ids_key))
+        servers = self.servers()
+        update = {"complete": complete, "samples_committed": len(records), "servers": servers}
+        if self.manifest.effective_max_length is None and (limit := served_max_length(servers)) is not None:
+            update["effective_max_length"] = limit  # a job without max_length: its workers' servers' limit
+        self.manifest = self.manifest.model_copy(update=update)
         atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
-        write_training_guide(self.root, self.manifest, records)
+        write_training_guide(self.root, self.manifest, records, target)
         return records
+
+
+def served_max_length(servers: list[dict[str, Any]]) -> int | None:
+    """The length rows were kept within by the servers of ``servers`` (`OutputStore.servers`): the largest of their
+    input limits (each kept its rows within its own; a sample its server truncated says so in its record), None
+    when none is recorded or one server stated no limit."""
+    limits = [entry["engine"]["server"].get("max_input_tokens") for entry in servers]
+    return None if not limits or None in limits else max(limits)

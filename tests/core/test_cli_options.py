@@ -53,6 +53,6 @@ def test_a_worker_runs_with_extracts_defaults(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.delenv(f"LAYERTAP_{name.upper()}", raising=False)
     worker = WorkerSettings(redis_url="redis://127.0.0.1:1")
     shared = set(options(extract)) & set(WorkerSettings.model_fields)
-    assert {"in_flight", "device", "batch_tokens", "sglang_args", "resume_check"} <= shared
+    assert {"in_flight", "device", "batch_tokens", "sglang_args", "resume_check", "commit_threads"} <= shared
     ext = options(extract)
     assert {name: ext[name]["default"] for name in shared} == {name: getattr(worker, name) for name in shared}

@@ -5,13 +5,12 @@ import os
 import pytest
 
 from layertap.diskspace import bytes_per_token, free_bytes, job_bytes_estimate
-from layertap.engines.factory import hf_engine_factory
 from layertap.models.folder import model_dims
 from layertap.pipeline import run_extraction
-from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.hf_engines import cpu_hf
 
 
 @pytest.mark.parametrize(
@@ -21,7 +20,7 @@ from tests.core.datasets import conversation_rows, write_jsonl
 def test_bytes_per_token_matches_what_the_store_writes(tiny_llama, tmp_path, fmt, final, dtype) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=3))
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=[1, 3, 5], format=fmt, final=final, store_dtype=dtype)
-    run_extraction(spec, tmp_path / "out", hf_engine_factory(tiny_llama, RunSettings(device="cpu", batch_tokens=4096)))
+    run_extraction(spec, tmp_path / "out", cpu_hf(batch_tokens=4096))
     records = OutputStore.open_existing(tmp_path / "out").records().values()
     tokens = sum(r.num_tokens for r in records)
     files = {

@@ -6,16 +6,15 @@ from collections import Counter
 
 import pytest
 
-from layertap.engines.factory import hf_engine_factory
 from layertap.errors import DatasetError
 from layertap.pipeline import run_extraction
-from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.store.index import ERRORS_DIR, INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
 from tests.core.trainer_reads import masked_token_counts
+from tests.hf_engines import cpu_hf
 
 
 def test_bad_rows_get_per_row_errors_and_the_rest_completes(layertap_cli, tiny_llama, tmp_path) -> None:
@@ -51,7 +50,7 @@ def test_bad_rows_get_per_row_errors_and_the_rest_completes(layertap_cli, tiny_l
 def test_overlong_truncate_and_skip_are_counted(tiny_llama, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=2, max_words=80))
     base = {"model": tiny_llama, "data": data, "layers": (1, 2, 3), "max_length": 240}
-    factory = hf_engine_factory(tiny_llama, RunSettings(device="cpu", batch_tokens=4096))
+    factory = cpu_hf(batch_tokens=4096)
 
     skipped = run_extraction(ExtractionSpec(**base, overlong="skip"), tmp_path / "skip", factory)
     truncated = run_extraction(ExtractionSpec(**base, overlong="truncate"), tmp_path / "trunc", factory)
@@ -80,7 +79,7 @@ def test_broken_template_stops_the_run(tiny_llama, tmp_path) -> None:
         run_extraction(
             ExtractionSpec(model=model, data=data, layers=(1, 2, 3)),
             tmp_path / "out",
-            hf_engine_factory(model, RunSettings(device="cpu", batch_tokens=4096)),
+            cpu_hf(batch_tokens=4096),
         )
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.hf import HFEngine
 from layertap.errors import StoreError
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
@@ -21,6 +20,7 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import masked_token_counts
+from tests.hf_engines import cpu_hf
 
 
 def _cmd(cli, model: Path, data: Path, out: Path) -> list[str]:
@@ -175,13 +175,13 @@ def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path)
     data = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
     spec = ExtractionSpec(model=model, data=data, layers=(1, 2, 4), trust_remote_code=True)
     out = tmp_path / "out"
-    run_extraction(spec, out, lambda capture: HFEngine(model, capture))
+    run_extraction(spec, out, cpu_hf())
     ranks = model / "tiktoken.model"
     lines = ranks.read_text().splitlines()
     ranks.write_text("\n".join([*lines[:-2], lines[-1], lines[-2]]) + "\n")  # two tokens' ranks swapped
 
     with pytest.raises(StoreError, match="output folder belongs to a different run; tokenizer_sha256: store has"):
-        run_extraction(spec, out, lambda capture: HFEngine(model, capture))
+        run_extraction(spec, out, cpu_hf())
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])

@@ -6,21 +6,21 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from layertap.data.scan import scan_dataset
-from layertap.engines.hf import HFEngine
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.row_plan import RowPlanner
-from layertap.spec import CaptureSpec, ExtractionSpec
+from layertap.spec import ExtractionSpec
 from layertap.store.manifest import MANIFEST, read_manifest
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.folder_reads import counting_folder_reads
+from tests.hf_engines import cpu_hf
 
 _opens: dict[str, int] = {}  # path -> times opened, for the paths being watched
 _hooked: list[bool] = []
@@ -54,16 +54,12 @@ class Bar:
         self.completed += samples
 
 
-def _hf(model: Path) -> Callable[[CaptureSpec], HFEngine]:
-    return lambda capture: HFEngine(model, capture, max_batch_size=1)
-
-
 def test_a_resume_streams_its_dataset_once_after_the_hash_scan(tiny_llama, tmp_path) -> None:
     rows = conversation_rows(12, seed=5, max_words=20)
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5))
     out = tmp_path / "out"
-    run_extraction(spec, out, _hf(tiny_llama))
+    run_extraction(spec, out, cpu_hf(batch_size=1))
     rows[4]["messages"][-1]["content"] += " edited"  # one stored sample its row no longer gives
     write_jsonl(data, rows)
 
@@ -71,7 +67,7 @@ def test_a_resume_streams_its_dataset_once_after_the_hash_scan(tiny_llama, tmp_p
     with counting_opens(data) as opens:
         scan_dataset(data)
         scan = opens()
-        report = run_extraction(spec, out, _hf(tiny_llama), progress=bar)
+        report = run_extraction(spec, out, cpu_hf(batch_size=1), progress=bar)
         resume = opens() - scan
     assert scan >= 1 and resume == scan + 1, (scan, resume)  # the scan's reads, then the rows once
     assert report.changed == ["conv-4"] and report.computed == ["conv-4"] and report.already_done == len(rows) - 1
@@ -79,27 +75,18 @@ def test_a_resume_streams_its_dataset_once_after_the_hash_scan(tiny_llama, tmp_p
     assert verify_store(out, data=data).ok
 
 
-# Who else reads the folder in a run, for their own part: the HF engine loads the weights it names, the training
-# guide (written at finalize, and by verify on any machine) reads the wrapper's keys.
-OWN_READERS = {"layertap.engines.hf", "layertap.store.guide"}
-
-
-def test_a_run_reads_the_model_folders_facts_once(tiny_llama, tmp_path, monkeypatch) -> None:
-    reads: Counter[str] = Counter()  # caller module -> ModelFolder.read calls
-    read = ModelFolder.read.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[ModelFolder], path: Path) -> ModelFolder:
-        reads[sys._getframe(1).f_globals["__name__"]] += 1
-        return read(cls, path)
-
-    monkeypatch.setattr(ModelFolder, "read", classmethod(counted))
+def test_a_run_reads_the_model_folders_facts_once_for_its_engine_its_rows_and_its_guide(
+    tiny_llama, tmp_path, monkeypatch
+) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(6, seed=2, max_words=12))
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5))
     for _ in ("fresh", "resumed"):
-        reads.clear()
-        run_extraction(spec, tmp_path / "out", _hf(tiny_llama))
-        assert {m: n for m, n in reads.items() if m not in OWN_READERS} == {"layertap.pipeline": 1}, reads
-        assert set(reads) > OWN_READERS  # the count sees every read
+        with counting_folder_reads(monkeypatch) as reads:
+            run_extraction(spec, tmp_path / "out", cpu_hf(batch_size=1))
+        assert reads == {"layertap.pipeline": 1}, reads
+    with counting_folder_reads(monkeypatch) as reads:
+        verify_store(tmp_path / "out")
+    assert reads == {"layertap.store.guide": 1}, reads  # the count sees a read outside the pipeline
 
 
 def test_each_row_is_planned_done_changed_todo_or_error_as_a_resume_handles_it(tiny_llama, tmp_path) -> None:
@@ -108,7 +95,7 @@ def test_each_row_is_planned_done_changed_todo_or_error_as_a_resume_handles_it(t
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5))
     out = tmp_path / "out"
-    run_extraction(spec, out, _hf(tiny_llama))
+    run_extraction(spec, out, cpu_hf(batch_size=1))
     rows[2]["messages"][-1]["content"] += " edited"
     rows[5]["id"] = rows[0]["id"]  # a repeated id: the first row keeps it
     write_jsonl(data, [*rows[:7], rows[7] | {"id": "new-7"}])  # row 7 gives a sample under another id
@@ -138,7 +125,7 @@ def test_a_store_made_before_the_effective_max_length_was_recorded_opens_and_ver
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(5, seed=3, max_words=30))
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5), max_length=40)
     out = tmp_path / "out"
-    first = run_extraction(spec, out, _hf(tiny_llama))
+    first = run_extraction(spec, out, cpu_hf(batch_size=1))
     stored = len(first.computed)
     assert stored and first.truncated, first  # truncated samples too, compared at their stored length
     manifest = json.loads((out / MANIFEST).read_text())
@@ -148,4 +135,4 @@ def test_a_store_made_before_the_effective_max_length_was_recorded_opens_and_ver
     assert read_manifest(out).effective_max_length == 40
     check = verify_store(out, data=data)
     assert check.ok and check.samples == stored, check.problems
-    assert run_extraction(spec, out, _hf(tiny_llama)).already_done == stored  # and a resume takes it as it is
+    assert run_extraction(spec, out, cpu_hf(batch_size=1)).already_done == stored  # and a resume takes it as it is

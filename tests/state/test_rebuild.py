@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.hf import HFEngine
 from layertap.errors import StoreError
 from layertap.pipeline import ProgressEvents, run_shard
 from layertap.sample import TokenizedSample
@@ -14,6 +13,7 @@ from layertap.state.rebuild import rebuild_job
 from layertap.state.views import job_errors, job_view
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.hf_engines import hf_engine
 from tests.state.support import KEYS
 
 
@@ -38,7 +38,7 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
     spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), out=Path("job"), shard_size=10)
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="job7")
     store = OutputStore.open_existing(planned.spec.out)
-    engine = HFEngine(tiny_llama, spec.resolve(6), max_batch_size=1)
+    engine = hf_engine(tiny_llama, spec.resolve(6), batch_size=1)
     run_shard(spec.extraction(), store, engine, start=0, stop=10)
     run_shard(spec.extraction(), store, engine, start=10, stop=20)  # row 13 is bad
     partial = run_shard(spec.extraction(), store, engine, start=20, stop=30, events=StopAfter(4))

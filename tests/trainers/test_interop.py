@@ -28,14 +28,13 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from layertap.engines.factory import hf_engine_factory
 from layertap.models import ModelFolder
 from layertap.pipeline import run_extraction
-from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.tiny import build_tiny_model
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import token_freq_file
+from tests.hf_engines import cpu_hf
 
 HERE = Path(__file__).parent
 EPOCHS = 3
@@ -62,7 +61,7 @@ def _extract(
     spec = ExtractionSpec(
         model=model, data=data, layers=layers, format=fmt, store_dtype=dtype, trust_remote_code=remote
     )  # type: ignore[arg-type]
-    run_extraction(spec, out, hf_engine_factory(model, RunSettings(device="cpu", batch_tokens=4096)))
+    run_extraction(spec, out, cpu_hf(batch_tokens=4096))
     return out
 
 
@@ -129,7 +128,7 @@ def test_stock_specforge_cannot_train_on_2_aux_layers_which_layertap_refuses(
     data = write_jsonl(tmp_path / "two.jsonl", conversation_rows(3, seed=22))
     out = tmp_path / "states-two"
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3), allow_any_aux_layers=True)
-    run_extraction(spec, out, hf_engine_factory(tiny_llama, RunSettings(device="cpu", batch_tokens=4096)))
+    run_extraction(spec, out, cpu_hf(batch_tokens=4096))
     _, path = _specforge_run(out, tmp_path)
     run = subprocess.run([str(trainers_python), str(HERE / "run_specforge.py"), "train", "--config", str(path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip

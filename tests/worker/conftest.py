@@ -21,7 +21,6 @@ import httpx
 import pytest
 from redis import Redis
 
-from layertap.engines.hf import HFEngine
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.state.keys import Keys
@@ -30,6 +29,7 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import masked_token_counts, token_freq_file
+from tests.hf_engines import cpu_hf
 from tests.service_fixtures import REPO_ROOT, Coordinator, Proc, RedisServer, Services, wait_for
 
 LAYERS = (1, 3, 5)
@@ -51,7 +51,7 @@ def reference_store(tiny_llama: Path, corpus: Path, tmp_path_factory: pytest.Tem
     """The output of an uninterrupted single-process run (``layertap extract``'s path) over the corpus."""
     out = tmp_path_factory.mktemp("reference") / "out"
     spec = ExtractionSpec(model=tiny_llama, data=corpus, layers=LAYERS)
-    run_extraction(spec, out, lambda capture: HFEngine(tiny_llama, capture, max_batch_size=1))
+    run_extraction(spec, out, cpu_hf(batch_size=1))
     return out
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from layertap.engines.hf import HFEngine
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.state.plan import plan_shards
@@ -18,6 +17,7 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from sglang_patch.identity import model_identity
 from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
+from tests.hf_engines import cpu_hf
 from tests.service_fixtures import REPO_ROOT
 from tests.worker.conftest import LAYERS, NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
@@ -84,7 +84,7 @@ def test_every_kind_of_bad_row_through_two_workers_gives_what_one_process_gives(
     limits = {"max_length": bad.max_length, "overlong": "skip"}
     alone = tmp_path / "alone"
     spec = ExtractionSpec(model=model, data=bad.data, layers=LAYERS, **limits)
-    run_extraction(spec, alone, lambda capture: HFEngine(model, capture, max_batch_size=1))
+    run_extraction(spec, alone, cpu_hf(batch_size=1))
     one = OutputStore.open_existing(alone)
 
     cluster = start_cluster()

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layertap.engines.hf import HFEngine
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import write_jsonl
+from tests.hf_engines import cpu_hf
 from tests.worker.conftest import layertap
 
 KIMI_CHATS = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
@@ -31,7 +31,7 @@ def test_submit_runs_a_remote_code_job_to_done_and_a_job_storing_nothing_fails(
     assert verify_store(out).ok
     alone = tmp_path / "alone"
     spec = ExtractionSpec(model=tiny_kimi25, data=KIMI_CHATS, layers=(1, 2, 4), trust_remote_code=True)
-    run_extraction(spec, alone, lambda capture: HFEngine(tiny_kimi25, capture, max_batch_size=1))
+    run_extraction(spec, alone, cpu_hf(batch_size=1))
     stored = {sid: r.sha256 for sid, r in OutputStore.open_existing(out).records().items()}
     assert stored == {sid: r.sha256 for sid, r in OutputStore.open_existing(alone).records().items()}
 

@@ -17,6 +17,7 @@ from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.hf_engines import hf_engine
 
 
 class PoisonedEngine(Engine):
@@ -47,7 +48,7 @@ def store(tiny_llama: Path, tmp_path: Path) -> tuple[ExtractionSpec, OutputStore
 
 def test_poison_samples_fail_alone_after_n_attempts_and_the_rest_is_committed(store, tiny_llama) -> None:
     spec, out = store
-    engine = PoisonedEngine(HFEngine(tiny_llama, spec.resolve(6), max_batch_size=8), {"conv-7", "conv-20"})
+    engine = PoisonedEngine(hf_engine(tiny_llama, spec.resolve(6), batch_size=8), {"conv-7", "conv-20"})
     report = run_shard(spec, out, engine, attempts=3)
 
     assert report.failed == 2 and len(report.computed) == 28 and not report.stopped
@@ -63,7 +64,7 @@ def test_poison_samples_fail_alone_after_n_attempts_and_the_rest_is_committed(st
 
 def test_a_server_error_is_not_blamed_on_samples_but_fails_the_shard(store, tiny_llama) -> None:
     spec, out = store
-    engine = PoisonedEngine(HFEngine(tiny_llama, spec.resolve(6), max_batch_size=8), {"conv-3"}, error=ServerError)
+    engine = PoisonedEngine(hf_engine(tiny_llama, spec.resolve(6), batch_size=8), {"conv-3"}, error=ServerError)
     with pytest.raises(ServerError, match="conv-3"):
         run_shard(spec, out, engine, attempts=3)
     assert out.errors() == [] and engine.raised == {"conv-3": 1}

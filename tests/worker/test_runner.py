@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.hf import HFEngine
 from layertap.pipeline import run_shard
 from layertap.state.jobs import create_job, reap
 from layertap.state.keys import FINALIZE_TASK, Keys
@@ -18,6 +17,8 @@ from layertap.state.views import job_view
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.folder_reads import counting_folder_reads
+from tests.hf_engines import hf_engine
 from worker.config import WorkerSettings
 from worker.runner import WorkerContext
 
@@ -120,12 +121,12 @@ def test_a_worker_starts_its_engine_before_it_claims_a_shard(context, tiny_llama
     seen: dict[str, object] = {}
     build = context.engines.get
 
-    def starting(job_spec, capture):  # the real engine, watched while it starts
+    def starting(job_spec, capture, folder):  # the real engine, watched while it starts
         seen["state"] = redis_client.hget(keys.shard("je", 0), "state")
         seen["lease"] = redis_client.exists(keys.lease("je", 0))
         reap(redis_client, keys, send, queue_len=0, queued_grace_ms=0, lease_ms=1)  # its grace is over
         context.engines.get = build
-        return build(job_spec, capture)
+        return build(job_spec, capture, folder)
 
     context.engines.get = starting
     assert context.run_shard(*first) != "done"  # the watchdog gave the shard on while this worker started
@@ -143,7 +144,7 @@ def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_
     spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jc")
     store = OutputStore.open_existing(planned.spec.out)
-    run_shard(planned.spec.extraction(), store, HFEngine(tiny_llama, planned.spec.resolve(6)))  # an earlier attempt's
+    run_shard(planned.spec.extraction(), store, hf_engine(tiny_llama, planned.spec.resolve(6)))  # an earlier attempt's
     store.close()
     rows[4]["messages"][-1]["content"] += " edited"
     write_jsonl(data, rows)
@@ -166,3 +167,26 @@ def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_
     report = json.loads(max((planned.spec.out / "reports").glob("run-*.json"), key=os.path.getmtime).read_text())
     assert (report["changed"], report["computed"], report["already_done"]) == (["conv-4"], ["conv-4"], len(rows) - 1)
     assert job_view(redis_client, keys, "jc").samples_done == len(rows)
+
+
+def test_a_shard_attempt_reads_the_model_folder_once_for_its_engine_and_its_rows(
+    context, tiny_llama, tmp_path, redis_client, monkeypatch
+):
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=2, max_words=12))
+    spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jr")
+    keys = Keys()
+    create_job(redis_client, keys, "jr", planned.spec, planned.shards)
+    sent: list[tuple[str, list]] = []
+    reap(redis_client, keys, lambda task, args: sent.append((task, args)), queue_len=0, queued_grace_ms=0, lease_ms=1)
+
+    with counting_folder_reads(monkeypatch) as reads:
+        context.prepare_engine("jr")  # the engine built before the claim
+    assert reads == {"worker.runner": 1}, reads
+    with counting_folder_reads(monkeypatch) as reads:
+        assert context.run_shard(*sent[0][1]) == "done"
+    assert reads == {"worker.runner": 1}, reads  # one read for the engine (kept) and the shard's rows
+    with counting_folder_reads(monkeypatch) as reads:
+        assert context.run_shard(*sent[1][1]) == "finalized"
+    assert reads == {"worker.runner": 1, "layertap.store.guide": 1}, reads  # and its finalize's guide
+    assert verify_store(planned.spec.out).samples == 12

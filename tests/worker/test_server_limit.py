@@ -1,8 +1,8 @@
 """A job's max_length above the prompt limit of the workers' SGLang servers: before any worker has said its
 server's limit the job is accepted and only its longer rows fail, each with its own error (the shard completes);
-once a worker has said it, the coordinator refuses such a job at submit, naming both numbers. A run without
-max_length keeps its rows within the server's limit, records it in the manifest, and `verify --data` judges rows by
-it."""
+once a worker has said it, the coordinator refuses such a job at submit, naming both numbers. A run or a job
+without max_length keeps its rows within the server's limit, records it in the manifest, and `verify --data` judges
+rows by it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from layertap.engines.server_facts import ServerFacts
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.state.shards import input_limit
@@ -68,6 +69,12 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
         assert accepted.status_code == 201, accepted.text
         api.post(f"/jobs/{accepted.json()['job_id']}/cancel")
 
+    # A job without max_length: the worker keeps its rows within its server's limit, and its manifest says so.
+    unbounded = cluster.wait_state(cluster.submit(tiny_llama, data), "done")
+    manifest = read_manifest(Path(unbounded["out"]))
+    assert (manifest.effective_max_length, manifest.max_length) == (limit, None)
+    assert verify_store(Path(unbounded["out"]), data=data).ok  # row 5 truncated at it, judged by it
+
     # A worker counts while it lives: once its record has expired, no limit is known and the job is accepted.
     cluster.workers["w1"].kill()
     wait_for(lambda: input_limit(cluster.state, cluster.keys, str(tiny_llama)) is None, timeout=30,
@@ -87,9 +94,9 @@ def test_a_run_records_the_servers_limit_as_its_effective_max_length_and_verify_
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, overlong="skip")  # no max_length
 
-    def engine(capture: CaptureSpec) -> SGLangEngine:
-        return SGLangEngine(SGLangServer(url=server.url), capture, model=tiny_llama, dump_root=server.dump_root,
-                            job="limit")  # fmt: skip
+    def engine(capture: CaptureSpec, folder: ModelFolder) -> SGLangEngine:
+        return SGLangEngine(SGLangServer(url=server.url), capture, folder=folder, dump_root=server.dump_root,
+                            job="limit", in_flight=4)  # fmt: skip
 
     out = tmp_path / "out"
     first = run_extraction(spec, out, engine)

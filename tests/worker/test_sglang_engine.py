@@ -16,7 +16,7 @@ import torch
 
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
-from layertap.models.folder import model_dims
+from layertap.models.folder import ModelFolder, model_dims
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
@@ -48,7 +48,9 @@ def _samples(model_dir: Path, n: int, seed: int) -> list[TokenizedSample]:
 def _engine(server_url: str, dump_root: Path, model_dir: Path, layers, **kw: Any) -> SGLangEngine:
     num_layers, _ = model_dims(model_dir)
     spec = resolve_capture(list(layers), convention="capture", num_layers=num_layers, final="both")
-    return SGLangEngine(SGLangServer(url=server_url), spec, model=model_dir, dump_root=dump_root, job="test", **kw)
+    return SGLangEngine(
+        SGLangServer(url=server_url), spec, folder=ModelFolder.read(model_dir), dump_root=dump_root, job="test", **kw
+    )
 
 
 @pytest.mark.parametrize(("arch", "model_fixture", "n"), [("llama", "tiny_llama", 200), ("kimi-k2", "tiny_kimi", 40)])
@@ -95,7 +97,9 @@ def test_prefix_cache_hit_is_caught_and_never_stored(sglang_servers, tiny_llama,
     data = _dataset(tmp_path / "d.jsonl", [{"id": "first", "input_ids": ids}, {"id": "again", "input_ids": ids}])
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=DEFAULT_LAYERS["llama"], store_dtype="float32")
     report = run_extraction(
-        spec, tmp_path / "out", lambda cap: _engine(server.url, server.dump_root, tiny_llama, cap.layers, in_flight=1)
+        spec,
+        tmp_path / "out",
+        lambda cap, _folder: _engine(server.url, server.dump_root, tiny_llama, cap.layers, in_flight=1),
     )
     assert report.computed == ["first"] and report.failed == 1
     errors = OutputStore.open_existing(tmp_path / "out").errors()
@@ -151,8 +155,8 @@ def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=layers, store_dtype="float32")
     engines: list[_KillWhileWritersHoldDumps] = []
 
-    def engine(cap):
-        engines.append(_KillWhileWritersHoldDumps(server, cap, model=tiny_llama, dump_root=config.dump_root, job="kill",
+    def engine(cap, folder):
+        engines.append(_KillWhileWritersHoldDumps(server, cap, folder=folder, dump_root=config.dump_root, job="kill",
                                                   in_flight=16, out=out, after=30))  # fmt: skip
         return engines[0]
 

@@ -12,6 +12,7 @@ import torch
 from layertap.audit import audit_store
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample
 from layertap.spec import ExtractionSpec, resolve_capture
@@ -46,7 +47,12 @@ class _Inspecting(SGLangEngine):
 def test_the_server_quantizes_and_its_dumps_are_within_fp8_of_hf(fp8_server, tiny_llama, hf_reference) -> None:
     spec = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="pre")
     engine = _Inspecting(
-        SGLangServer(url=fp8_server.url), spec, model=tiny_llama, dump_root=fp8_server.dump_root, job="fp8", in_flight=4
+        SGLangServer(url=fp8_server.url),
+        spec,
+        folder=ModelFolder.read(tiny_llama),
+        dump_root=fp8_server.dump_root,
+        job="fp8",
+        in_flight=4,
     )
     samples = _samples(tiny_llama, 12, seed=7)  # 1 to 2000 tokens: prompts over many 64-token passes
     results = list(engine.capture(samples))
@@ -70,10 +76,9 @@ def test_an_fp8_store_made_through_the_server_verifies_and_passes_the_audit(fp8_
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="speculators", store_dtype="fp8")
     capture = spec.resolve(6)
 
-    def engine(_capture):
-        return SGLangEngine(
-            SGLangServer(url=fp8_server.url), capture, model=tiny_llama, dump_root=fp8_server.dump_root, job="fp8s"
-        )
+    def engine(_capture, folder):
+        return SGLangEngine(SGLangServer(url=fp8_server.url), capture, folder=folder, dump_root=fp8_server.dump_root,
+                            job="fp8s", in_flight=4)  # fmt: skip
 
     report = run_extraction(spec, tmp_path / "out", engine)
     assert len(report.computed) == 12 and report.failed == 0
@@ -95,8 +100,8 @@ def test_an_fp8_store_quantizes_what_a_server_dumps_unquantized(sglang_llama, ti
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="speculators", final="both",
                           store_dtype="fp8")  # fmt: skip
     capture = spec.resolve(6)
-    make = lambda _c: SGLangEngine(SGLangServer(url=sglang_llama.url), capture, model=tiny_llama,  # noqa: E731
-                                   dump_root=sglang_llama.dump_root, job="fp8-states")  # fmt: skip
+    make = lambda _c, folder: SGLangEngine(SGLangServer(url=sglang_llama.url), capture, folder=folder,  # noqa: E731
+                                           dump_root=sglang_llama.dump_root, job="fp8-states", in_flight=4)  # fmt: skip
     report = run_extraction(spec, tmp_path / "out", make)
     assert len(report.computed) == 3 and verify_store(tmp_path / "out").ok
     store = OutputStore.open_existing(tmp_path / "out")

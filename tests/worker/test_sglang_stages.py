@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
-from layertap.models.folder import model_dims
+from layertap.models.folder import ModelFolder, model_dims
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import resolve_capture
 from worker.metrics import WorkerMetrics
@@ -38,7 +38,7 @@ def test_each_sample_reports_its_prefill_dump_wait_and_validate_times(sglang_lla
 
     spec = resolve_capture(list(sglang_llama.layers), convention="capture", num_layers=model_dims(tiny_llama)[0],
                            final="both")  # fmt: skip
-    engine = SGLangEngine(SGLangServer(url=sglang_llama.url), spec, model=tiny_llama, dump_root=sglang_llama.dump_root,
+    engine = SGLangEngine(SGLangServer(url=sglang_llama.url), spec, folder=ModelFolder.read(tiny_llama), dump_root=sglang_llama.dump_root,
                           job="stages", in_flight=4, observe=observe, on_writer=metrics.observe_writer)  # fmt: skip
     t0 = time.perf_counter()
     results = list(engine.capture(samples))

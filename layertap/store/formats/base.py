@@ -27,7 +27,6 @@ class SampleFormat(ABC):
 
     name: str
     sample_glob: str  # matches every sample file this format writes, relative to the root
-    ids_key: str  # the tensor holding input_ids [T]
     state_keys: tuple[str, ...]  # the hidden-state tensors (checked for finiteness)
 
     @abstractmethod

@@ -24,7 +24,6 @@ ROWS_PER_DIR = 2000
 class SpecForgeFormat(SampleFormat):
     name = SPECFORGE
     sample_glob = "rows_*/data_*.ckpt"
-    ids_key = "input_ids"
     state_keys = ("hidden_state", "aux_hidden_state")
 
     def relpath(self, index: int) -> str:

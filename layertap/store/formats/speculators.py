@@ -37,7 +37,6 @@ PUBLISHED = "hidden_states"
 class SpeculatorsFormat(SampleFormat):
     name = SPECULATORS
     sample_glob = "samples/hs_*.safetensors"
-    ids_key = "token_ids"
     state_keys = ("hidden_states", FP8_SCALES)  # the scales only in an FP8 store
 
     def relpath(self, index: int) -> str:

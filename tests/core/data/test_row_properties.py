@@ -27,13 +27,15 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from layertap.engines.hf import HFEngine
+from layertap.engines.base import Engine
+from layertap.engines.factory import EngineFactory
 from layertap.errors import ROW_KINDS
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.index import ERRORS_DIR, INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
+from tests.hf_engines import cpu_hf
 
 MAX_LENGTH = 1024
 HUGE = "drafter " * 4000  # far over MAX_LENGTH tokens
@@ -279,16 +281,17 @@ def write(rows: list[Case], fmt: str, folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine_factory(tiny_llama: Path) -> Iterator[Callable[[CaptureSpec], HFEngine]]:
+def engine_factory() -> Iterator[EngineFactory]:
     """One tiny-model engine for every example (loading it is most of a small run's time), on the session's one
     thread (tests/service_fixtures.py): a 64-wide model gains nothing from more, and on a busy 2-core box their spinning
     costs 10x."""
-    engines: dict[tuple, HFEngine] = {}
+    engines: dict[tuple, Engine] = {}
+    build = cpu_hf()
 
-    def make(capture: CaptureSpec) -> HFEngine:
-        key = (capture.layers, capture.final_kind)
+    def make(capture: CaptureSpec, folder: ModelFolder) -> Engine:
+        key = (folder.path, capture.layers, capture.final_kind)
         if key not in engines:
-            engines[key] = HFEngine(tiny_llama, capture)
+            engines[key] = build(capture, folder)
         return engines[key]
 
     yield make

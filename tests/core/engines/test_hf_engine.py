@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from layertap.engines.hf import HFEngine, token_batches
+from layertap.engines.hf import token_batches
 from layertap.models.folder import model_dims
 from layertap.sample import TokenizedSample
 from layertap.spec import resolve_capture
+from tests.hf_engines import hf_engine
 
 LENGTHS = [1, 7, 64, 3, 129, 40, 2, 300]
 
@@ -35,7 +36,7 @@ def test_every_layer_and_both_finals_match_reference_in_mixed_batches(arch, requ
     num_layers, _ = model_dims(model_dir)
     spec = resolve_capture(list(range(1, num_layers)), convention="capture", num_layers=num_layers, final="both")
     # max_batch_tokens 1200 forces batches of several mixed-length samples (300-token one pads others).
-    engine = HFEngine(model_dir, spec, max_batch_tokens=1200, max_batch_size=8)
+    engine = hf_engine(model_dir, spec, batch_tokens=1200, batch_size=8)
     samples = _samples(LENGTHS, vocab=500)
     assert max(len(b) for b in token_batches(samples, max_tokens=1200, max_size=8)) > 1
     ref = hf_reference(model_dir)
@@ -57,8 +58,8 @@ def test_batching_does_not_change_states(tiny_llama) -> None:
     num_layers, _ = model_dims(tiny_llama)
     spec = resolve_capture([1, 3, 5], convention="capture", num_layers=num_layers, final="post")
     samples = _samples(LENGTHS, vocab=500, seed=1)
-    alone = {c.sample.sample_id: c for c in HFEngine(tiny_llama, spec, max_batch_size=1).capture(samples)}
-    batched = {c.sample.sample_id: c for c in HFEngine(tiny_llama, spec, max_batch_tokens=4096).capture(samples)}
+    alone = {c.sample.sample_id: c for c in hf_engine(tiny_llama, spec, batch_size=1).capture(samples)}
+    batched = {c.sample.sample_id: c for c in hf_engine(tiny_llama, spec, batch_tokens=4096).capture(samples)}
     for sid, a in alone.items():
         b = batched[sid]
         assert b.aux.shape == a.aux.shape  # no padded rows kept

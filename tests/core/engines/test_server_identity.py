@@ -19,6 +19,7 @@ from layertap.engines.server_facts import ServerFacts, check_server, expectation
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang_server import SGLangServer
 from layertap.errors import ServerError
+from layertap.models.folder import ModelFolder
 from layertap.spec import resolve_capture
 from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
@@ -65,10 +66,10 @@ def test_attaching_to_a_server_of_another_folder_of_the_same_shape_is_refused_an
 def test_a_dummy_weight_server_is_refused_unless_a_benchmark_allows_it(sglang_servers, tiny_llama) -> None:
     server = sglang_servers(tiny_llama, layers=LAYERS, extra_args=["--load-format", "dummy"])
     capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="both")
-    attach = SGLangServer(url=server.url)
+    attach, folder = SGLangServer(url=server.url), ModelFolder.read(tiny_llama)
     with pytest.raises(ServerError, match=r"it makes random weights \(--load-format dummy\); pass --allow-dummy-w"):
-        SGLangEngine(attach, capture, model=tiny_llama, dump_root=server.dump_root, job="t")
-    bench = SGLangEngine(attach, capture, model=tiny_llama, dump_root=server.dump_root, job="t",
+        SGLangEngine(attach, capture, folder=folder, dump_root=server.dump_root, job="t", in_flight=4)
+    bench = SGLangEngine(attach, capture, folder=folder, dump_root=server.dump_root, job="t", in_flight=4,
                          allow_dummy_weights=True)  # fmt: skip
     assert bench.describe()["server"]["load_format"] == "dummy"  # recorded in the manifest's engine
 
@@ -87,7 +88,7 @@ def _info(tiny_llama: Path, dump_root: Path, **overrides) -> dict:
 
 def test_each_difference_is_named_with_both_sides(tiny_llama, tmp_path) -> None:
     capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="post")
-    expected = expectation_for(tiny_llama, capture, rid_prefix="hscap", dump_root=tmp_path)
+    expected = expectation_for(ModelFolder.read(tiny_llama), capture, rid_prefix="hscap", dump_root=tmp_path)
     good = ServerFacts.from_info("http://s", _info(tiny_llama, tmp_path))
     assert expected.problems(good) == [] and good.max_input_tokens == 4089  # SGLang refuses max_req_input_len
     elsewhere = {"dump_root": "/elsewhere", "layers": list(LAYERS), "finals": ["post"], "rid_prefix": "hscap"}

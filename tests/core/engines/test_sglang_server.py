@@ -20,6 +20,7 @@ import pytest
 import sglang_patch
 from layertap.engines.sglang_server import CPU_SERVER_ARGS, PluginFolder, ServerConfig, SGLangServer, cpu_server_env
 from layertap.errors import ServerError
+from layertap.models.folder import ModelFolder
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
 
@@ -227,9 +228,10 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
     owned.start()
     try:
         # Both engines check the server before any sample (each is refused unless it serves tiny_llama).
-        attached = SGLangEngine(SGLangServer(url=owned.url), capture, model=tiny_llama, dump_root=config.dump_root,
-                                job="t")  # fmt: skip
-        engine = SGLangEngine(owned, capture, model=tiny_llama, dump_root=config.dump_root, job="t",
+        folder = ModelFolder.read(tiny_llama)
+        attached = SGLangEngine(SGLangServer(url=owned.url), capture, folder=folder, dump_root=config.dump_root,
+                                job="t", in_flight=4)  # fmt: skip
+        engine = SGLangEngine(owned, capture, folder=folder, dump_root=config.dump_root, job="t", in_flight=4,
                               max_server_restarts=1)  # fmt: skip
         # Attached by URL: the server dies and the one message says it is not restarted (nothing says it is).
         with caplog.at_level(logging.INFO), pytest.raises(ServerError) as info:

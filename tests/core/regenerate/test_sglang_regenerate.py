@@ -184,7 +184,8 @@ def test_regenerated_rows_capture_equal_hf_while_others_generate(served, hf_refe
                for i, r in enumerate(results) if isinstance(r, Regenerated)]  # fmt: skip
     more = [{**row, "id": f"{row['id']}-{n}"} for n in range(8) for row in ROWS]
     spec = resolve_capture(list(server.layers), convention="capture", num_layers=model_dims(folder)[0], final="both")
-    engine = SGLangEngine(SGLangServer(url=server.url), spec, model=folder, dump_root=server.dump_root, job="regen")
+    engine = SGLangEngine(SGLangServer(url=server.url), spec, folder=ModelFolder.read(folder), dump_root=server.dump_root, job="regen",
+                          in_flight=4)  # fmt: skip
     with ThreadPoolExecutor(1) as pool:
         generating = pool.submit(regenerate, server, chat, more, mode="all", max_new_tokens=32)
         captured = list(engine.capture(samples))

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from layertap.engines.hf import HFEngine
 from layertap.engines.sglang import captured_from_dump
 from layertap.sample import TokenizedSample
 from layertap.spec import resolve_capture
@@ -28,6 +27,7 @@ from layertap.verify import verify_store
 from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, SPECULATORS, format_rid, read_dump
 from sglang_patch.sample_files import stack_aux_final
 from sglang_patch.writer import build_meta, write_dump
+from tests.hf_engines import hf_engine
 
 LAYERS, NUM_LAYERS, HIDDEN = (2, 4), 6, 64  # the tiny Llama's
 FINAL = {"specforge": "post", "speculators": "pre"}
@@ -119,7 +119,7 @@ def test_a_written_sample_is_hashed_as_written_and_never_read_back(
     tmp_path: Path, fmt: str, tiny_llama: Path, inotify: Inotify, digests: list[str]
 ) -> None:
     spec = resolve_capture(list(LAYERS), convention="capture", num_layers=NUM_LAYERS, final=FINAL[fmt])
-    first, second = HFEngine(tiny_llama, spec).capture(_samples())
+    first, second = hf_engine(tiny_llama, spec).capture(_samples())
     store = _store(tmp_path / "out", fmt)
     store.commit(first)  # makes the folder the second sample goes into
     folder = (tmp_path / "out" / store.format.relpath(1)).parent

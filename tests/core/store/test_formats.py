@@ -9,11 +9,10 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
-from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.hf_engines import cpu_hf
 
 LAYERS = (1, 3, 5)
 BF16 = {"rtol": 1.6e-2, "atol": 1e-2}
@@ -26,7 +25,7 @@ def _extract(model: Path, tmp_path: Path, fmt: str):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format=fmt)
     out = tmp_path / fmt
-    report = run_extraction(spec, out, hf_engine_factory(model, RunSettings(device="cpu", batch_tokens=2048)))
+    report = run_extraction(spec, out, cpu_hf(batch_tokens=2048))
     assert report.row_errors == 1 and len(report.computed) == 11
     tok = AutoTokenizer.from_pretrained(model)
     expected_ids = {

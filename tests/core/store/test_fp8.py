@@ -14,10 +14,8 @@ import torch
 from pydantic import ValidationError
 
 from layertap.audit.compare import token_errors
-from layertap.engines.factory import hf_engine_factory
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample
-from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from layertap.store.validate import all_finite, state_problems
@@ -25,6 +23,7 @@ from layertap.verify import verify_store
 from sglang_patch.contract import FP8_DTYPE
 from sglang_patch.sample_files import FP8, FP8_SCALES, dequantize_fp8, quantize_fp8
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.hf_engines import cpu_hf
 
 LAYERS = (1, 3, 5)
 
@@ -75,7 +74,7 @@ def stores(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     out = {}
     for dtype in ("bfloat16", "fp8"):
         spec = ExtractionSpec(model=tiny_llama, data=data, layers=LAYERS, format="speculators", store_dtype=dtype)
-        run_extraction(spec, tmp / dtype, hf_engine_factory(tiny_llama, RunSettings(device="cpu", batch_tokens=4096)))
+        run_extraction(spec, tmp / dtype, cpu_hf(batch_tokens=4096))
         out[dtype] = tmp / dtype
     return out
 
