@@ -59,22 +59,23 @@ class Sizes:
     max_new_tokens: int
     drafter_epochs: int
     drafter_lr: float
+    regen_tokens: int  # arm d: the most new tokens of a regenerated turn
     drafter_batch: int  # SpecForge's training.batch_size (its default 1 leaves a GPU idle on a drafter this small)
 
 
 GPU = Sizes(corpus_files=12000, held_out=0.05, tokenizer_chars=20_000_000, vocab=32000, layers=8, hidden=512,
             heads=8, kv_heads=4, intermediate=1536, seq_len=1024, batch=32, steps=1200, lr=1e-3, head_chars=900,
             reply_chars=1200, conversations=5000, prompts=200, capture=(2, 4, 6), max_new_tokens=128,
-            drafter_epochs=2, drafter_lr=1e-3, drafter_batch=4)  # fmt: skip
+            drafter_epochs=2, drafter_lr=1e-3, drafter_batch=4, regen_tokens=256)  # fmt: skip
 # The H200 path end to end at a tenth of the work, in one device call: proves the stages run there, not a result.
 PROBE = Sizes(corpus_files=2000, held_out=0.05, tokenizer_chars=3_000_000, vocab=8000, layers=8, hidden=512, heads=8,
               kv_heads=4, intermediate=1536, seq_len=512, batch=32, steps=200, lr=1e-3, head_chars=900, reply_chars=900,
               conversations=600, prompts=40, capture=(2, 4, 6), max_new_tokens=64, drafter_epochs=1,
-              drafter_lr=1e-3, drafter_batch=4)  # fmt: skip
+              drafter_lr=1e-3, drafter_batch=4, regen_tokens=128)  # fmt: skip
 SMOKE = Sizes(corpus_files=160, held_out=0.1, tokenizer_chars=600_000, vocab=1024, layers=5, hidden=64, heads=4,
               kv_heads=2, intermediate=128, seq_len=128, batch=4, steps=12, lr=3e-3, head_chars=300, reply_chars=300,
               conversations=16, prompts=4, capture=(1, 2, 3), max_new_tokens=16, drafter_epochs=1,
-              drafter_lr=3e-3, drafter_batch=2)  # fmt: skip
+              drafter_lr=3e-3, drafter_batch=2, regen_tokens=16)  # fmt: skip
 
 
 def _stable_rank(seed: int, key: str) -> int:
