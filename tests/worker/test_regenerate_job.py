@@ -85,7 +85,8 @@ def test_a_worker_sigkilled_mid_generation_leaves_every_sample_once_and_no_row_w
 ) -> None:
     cluster, env = regenerating_cluster
     job_id = submit_regenerating(cluster, tiny_llama, chats)
-    victim = cluster.freeze_mid_shard(job_id)  # its generation threads run ahead of its commits: mid-generation
+    victim = cluster.freeze_mid_shard(job_id)
+    assert int(victim.get("generated_rows", 0)) < SHARD_SIZE, victim  # frozen with rows still to generate
     cluster.workers[victim["worker"]].kill(signal.SIGKILL)
     cluster.add_worker("w3", **env)
 
