@@ -32,6 +32,12 @@ GIVEN: dict[str, Any] = {
     "in_flight": 3,
     "sample_attempts": 5,
     "audit_samples": 2,
+    "regenerate": "last",
+    "max_new_tokens": 64,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "seed": 7,
+    "drop_truncated": True,
     "expected_tokens": 1000,
 }
 ENGINE = ("batch_tokens", "batch_size", "in_flight")
