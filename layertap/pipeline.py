@@ -480,7 +480,7 @@ def _regenerated(
                 )
                 raise RowError(reason, row=number, sample_id=out.sample_id, kind="generation_truncated")
             turns = [t.index for t in out.turns]
-            sample = planner.regenerated_sample(number, out.sample_id, out.conversation, turns, planner.spec.max_length)
+            sample = planner.tokenized(number, out.sample_id, out.conversation, planner.spec.max_length, turns)
         except RowError as err:
             _row_failed(store, report, events, err)
             continue

@@ -10,15 +10,15 @@ row no longer gives:
   gone); a run retires it (`OutputStore.retire`), then handles the row's own item, so the row is stored
   anew or becomes its error;
 - ``todo``: the row's sample, tokenized, to capture; under ``regenerate``, the row to regenerate first (``job``:
-  the caller regenerates it, then `RowPlanner.regenerated_sample` gives its sample);
+  the caller regenerates it, then `RowPlanner.tokenized` gives its sample);
 - ``error``: the row's `RowError` (unreadable, a repeated id, no chat template fits, too long...).
 
 A row becomes a sample through small stages composed in one place, `RowPlanner.outcome`: its id
-(`RowPlanner.sample_id`), then `RowPlanner.sample`: ``parse_row``, the chat template (``ChatTokenizer.tokenize``),
+(`RowPlanner.sample_id`), then `RowPlanner.sample`: ``parse_row``, then `RowPlanner.tokenized`: the chat template (``ChatTokenizer.tokenize``),
 the loss-mask check. A stage that rewrites a conversation (e.g. regenerated assistant turns) goes between parse and
 the chat template there: under ``regenerate``, `RowPlanner.outcome` stops after parse (and the check that the row has
 turns to regenerate) with a `RowJob`; the regenerated conversation goes through the template in
-`RowPlanner.regenerated_sample`, masked on its regenerated turns only. A committed sample's text is never regenerated:
+`RowPlanner.tokenized`, masked on its regenerated turns only. A committed sample's text is never regenerated:
 under ``regenerate``, a record is ``done`` when its stored regenerated row (``regenerated``) answers the row's given
 turns as they are now and still tokenizes to the record. The model folder's facts and its tokenizer are read once
 per run, by the caller, and passed in.
@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from layertap.data.chat import ChatTokenizer, check_loss_mask
 from layertap.data.reader import Row, iter_rows
-from layertap.data.rows import Conversation, parse_row, sample_id_of
+from layertap.data.rows import Conversation, ParsedRow, parse_row, sample_id_of
 from layertap.errors import LayertapError, RowError
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import RowJob, stored_conversation, turns_to_regenerate
@@ -130,23 +130,25 @@ class RowPlanner:
             yield PlannedRow(number, "todo", sample=outcome)
 
     def sample(self, number: int, row: Row, sample_id: str, max_length: int | None) -> TokenizedSample:
-        """Row ``number`` (id ``sample_id``) -> its sample within ``max_length``: the stages, in order; raises
+        """Row ``number`` (id ``sample_id``) -> its sample within ``max_length``: parsed, then `tokenized`; raises
         RowError."""
-        parsed = parse_row(number, row)
-        sample = self.chat.tokenize(number, sample_id, parsed, max_length=max_length, overlong=self.spec.overlong)
-        check_loss_mask(parsed, sample)
-        return sample
+        return self.tokenized(number, sample_id, parse_row(number, row), max_length)
 
-    def regenerated_sample(
-        self, number: int, sample_id: str, conversation: Conversation, turns: Collection[int], max_length: int | None
+    def tokenized(
+        self,
+        number: int,
+        sample_id: str,
+        parsed: ParsedRow,
+        max_length: int | None,
+        turns: Collection[int] | None = None,
     ) -> TokenizedSample:
-        """The sample of a regenerated ``conversation`` (row ``number``): the folder's chat template applied to it,
-        as a trainer tokenizes the regenerated text, the loss mask on its regenerated ``turns`` only; raises
-        RowError. A new one (not a stored one's check) is then held to the server's limit by the caller."""
+        """The sample of row ``number``'s ``parsed`` form: the folder's chat template applied to it, as a trainer
+        tokenizes it, and the loss mask checked; with ``turns`` (a regenerated conversation) the mask on those turns
+        only. Raises RowError. A new sample is then held to the server's limit by the caller."""
         sample = self.chat.tokenize(
-            number, sample_id, conversation, max_length=max_length, overlong=self.spec.overlong, turns=turns
+            number, sample_id, parsed, max_length=max_length, overlong=self.spec.overlong, turns=turns
         )
-        check_loss_mask(conversation, sample)
+        check_loss_mask(parsed, sample)
         return sample
 
     def sample_id(self, number: int, row: Row) -> str:
@@ -226,7 +228,7 @@ class RowPlanner:
             return "its given turns (or the turns to regenerate) differ from those its stored regenerated row answered"
         max_length = rec.num_tokens if rec.truncated else self.spec.max_length
         try:
-            return self.regenerated_sample(job.row_number, job.sample_id, conversation, turns, max_length)
+            return self.tokenized(job.row_number, job.sample_id, conversation, max_length, turns)
         except RowError as err:
             return err
 

@@ -126,8 +126,8 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
             continue
         conversation, turns = stored_conversation(row)
         try:
-            sample = planner.regenerated_sample(rec.index, rec.sample_id, conversation, turns,
-                                                rec.num_tokens if rec.truncated else spec.max_length)  # fmt: skip
+            max_length = rec.num_tokens if rec.truncated else spec.max_length
+            sample = planner.tokenized(rec.index, rec.sample_id, conversation, max_length, turns)
         except RowError as err:
             problems.append(f"{where}: its regenerated row no longer tokenizes: {err.reason}")
             continue
