@@ -159,6 +159,7 @@ class RunReport:
     tokens: int = 0
     truncated: int = 0
     generated_tokens: int = 0  # under regenerate: tokens the server generated for the samples captured
+    generation_seconds: float = 0.0  # under regenerate: first generation request to last reply (capture beside)
     turns_cut: int = 0  # regenerated turns cut at max_new_tokens, kept (finish_reason "length")
     retokenization_mismatches: int = 0  # regenerated turns whose generated ids differ from the stored (re-tokenized)
     skipped_overlong: int = 0
@@ -389,6 +390,7 @@ def run_shard(
         _Capture(store, engine, report, events, attempts, commit_threads).run(samples)
     finally:
         if regenerator is not None:
+            report.generation_seconds = regenerator.seconds
             regenerator.close()
     report.stopped = not events.keep_going()
     if report.retokenization_mismatches:
@@ -443,7 +445,7 @@ def _regenerator(spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job:
             f"regenerate needs an SGLang capture server to generate on; the {engine.describe().get('name')} engine "
             "cannot (run with --engine sglang)"
         )
-    return Regenerator(engine.generation_server, planner.chat, settings, job=job)
+    return Regenerator(engine.generation_server, planner.chat, settings, job=job, in_flight=engine.generation_in_flight)
 
 
 def _regenerated(

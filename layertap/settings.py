@@ -21,8 +21,11 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # native dumps on an H200 host (sha256 ~1.5 GB/s per thread). `RunSettings.commit_threads`' default, and the
 # pipeline's for callers without settings (tests, benchmarks).
 COMMIT_THREADS = 8
+# Rows regenerating at once on one server (`RunSettings.generation_in_flight`): SGLang decodes every sequence in
+# flight in one batch, so this is the decode batch a regenerating run offers its server.
+GENERATION_IN_FLIGHT = 64
 # What a job may tune per run; the rest of a worker's settings are its host's (paths, server, device).
-JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight")
+JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight", "generation_in_flight")
 
 
 class RunSettings(BaseModel):
@@ -53,6 +56,12 @@ class RunSettings(BaseModel):
     batch_tokens: int = Field(default=8192, gt=0, description="HF engine: padded tokens per forward.")
     batch_size: int = Field(default=16, gt=0, description="HF engine: samples per forward.")
     in_flight: int = Field(default=16, gt=0, description="SGLang engine: requests in flight.")
+    generation_in_flight: int = Field(
+        default=GENERATION_IN_FLIGHT,
+        gt=0,
+        description="SGLang engine, with regenerate: rows generating at once (each row's turns in order); decode "
+        "batches as many sequences as are in flight, so more keeps the server's decode busier.",
+    )
     server_url: str | None = Field(
         default=None, description="SGLang engine: attach to this capture server instead of launching one."
     )

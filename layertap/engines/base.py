@@ -29,6 +29,7 @@ class Engine(ABC):
     provenance: ServerFacts | None = None
     # The server that writes a regenerated run's responses: the capture server itself; None: this engine cannot.
     generation_server: SGLangServer | None = None
+    generation_in_flight: int = 1  # rows regenerating at once on it
 
     @abstractmethod
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:

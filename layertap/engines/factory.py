@@ -56,6 +56,7 @@ def sglang_engine_factory(
                               store_dtype=spec.store_dtype, trust_remote_code=spec.trust_remote_code)  # fmt: skip
         return SGLangEngine(server, capture, folder=folder, dump_root=dump_root, job=job,
                             rid_prefix=settings.rid_prefix, allow_dummy_weights=settings.allow_dummy_weights,
-                            in_flight=settings.in_flight, observe=observe, on_writer=on_writer)  # fmt: skip
+                            in_flight=settings.in_flight, generation_in_flight=settings.generation_in_flight,
+                            observe=observe, on_writer=on_writer)  # fmt: skip
 
     return make

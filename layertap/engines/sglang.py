@@ -37,6 +37,7 @@ from layertap.engines.sglang_server import ServerConfig, SGLangServer
 from layertap.errors import SampleError, ServerError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
+from layertap.settings import GENERATION_IN_FLIGHT
 from layertap.spec import CaptureSpec
 from sglang_patch.contract import (
     AUX,
@@ -75,6 +76,7 @@ class SGLangEngine(Engine):
         dump_root: Path,
         job: str,
         in_flight: int,
+        generation_in_flight: int = GENERATION_IN_FLIGHT,
         allow_dummy_weights: bool = False,
         rid_prefix: str = DEFAULT_RID_PREFIX,
         dump_timeout_s: float = 120.0,
@@ -95,6 +97,7 @@ class SGLangEngine(Engine):
         self.job = job
         self.rid_prefix = rid_prefix
         self.in_flight = in_flight
+        self.generation_in_flight = generation_in_flight
         self.dump_timeout_s = dump_timeout_s
         self.max_server_restarts = max_server_restarts
         self.observe = observe

@@ -18,9 +18,13 @@ a server that cannot be reached or answers 5xx a ServerError.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +76,14 @@ class Regenerator:
         self.format = TurnFormat.of(chat)
         self.stop_token_ids = self.format.stop_token_ids(chat)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self._span_lock = threading.Lock()
+        self._span: tuple[float, float] | None = None  # monotonic: the first request sent, the last reply
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds from the first generation request to the last reply (0 before any): the run's decode time,
+        capture running beside it."""
+        return self._span[1] - self._span[0] if self._span else 0.0
 
     def regenerate(self, job: RowJob) -> Regenerated:
         """The row with its turns regenerated (see the module doc); raises RowError, SampleError, ServerError."""
@@ -94,12 +106,16 @@ class Regenerator:
         params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                   "stop_token_ids": self.stop_token_ids, "sampling_seed": seed}  # fmt: skip
         rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
+        sent = time.monotonic()
         try:
             reply = self._client.post(
                 self.server.url + "/generate", json={"input_ids": prompt, "rid": rid, "sampling_params": params}
             )
         except httpx.TransportError as exc:
             raise ServerError(f"the SGLang server at {self.server.url} did not answer {rid}: {exc}") from exc
+        with self._span_lock:
+            first = self._span[0] if self._span else sent
+            self._span = (min(first, sent), time.monotonic())
         if reply.status_code >= 500:
             raise ServerError(f"the SGLang server at {self.server.url} failed {rid}: HTTP {reply.status_code}")
         if reply.status_code != 200:
@@ -116,26 +132,52 @@ class Regenerator:
 
     def regenerate_many(self, jobs: Iterable[RowJob]) -> Iterator[Regenerated | RowError]:
         """Each row regenerated, ``in_flight`` at once, yielded in completion order; a row's refusal is yielded
-        as its RowError. SampleError and ServerError propagate (after the rows in flight end)."""
+        as its RowError. SampleError and ServerError propagate (after the rows in flight end).
+
+        A finished row's slot is refilled from the finishing thread, from rows taken from ``jobs`` ahead of need
+        (up to ``in_flight`` more): the server keeps decoding while the caller is busy with what it was given
+        (capturing it). ``jobs`` is only ever iterated in the caller's thread."""
         source = iter(jobs)
-        pending: dict[Future[Regenerated], RowJob] = {}
-        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="regenerate") as pool:
-            try:
-                while True:
-                    while len(pending) < self.in_flight and (nxt := next(source, None)) is not None:
-                        pending[pool.submit(self.regenerate, nxt)] = nxt
-                    if not pending:
-                        return
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        del pending[fut]
-                        try:
-                            yield fut.result()
-                        except RowError as exc:
-                            yield exc
-            finally:
-                for fut in pending:
-                    fut.cancel()
+        ready: deque[RowJob] = deque()
+        finished: queue.SimpleQueue[Future[Regenerated]] = queue.SimpleQueue()
+        lock = threading.RLock()  # a callback may run at once, in the thread that added it
+        running = 0
+        pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="regenerate")
+
+        def start_ready() -> None:
+            nonlocal running
+            with lock:
+                while running < self.in_flight and ready:
+                    running += 1
+                    pool.submit(self.regenerate, ready.popleft()).add_done_callback(ended)
+
+        def ended(fut: Future[Regenerated]) -> None:
+            nonlocal running
+            with lock:
+                running -= 1
+            finished.put(fut)
+            start_ready()
+
+        taken = 0  # rows taken from jobs and not yet yielded
+        try:
+            while True:
+                while taken < 2 * self.in_flight and (nxt := next(source, None)) is not None:
+                    with lock:
+                        ready.append(nxt)
+                    taken += 1
+                    start_ready()
+                if not taken:
+                    return
+                fut = finished.get()
+                taken -= 1
+                try:
+                    yield fut.result()
+                except RowError as exc:
+                    yield exc
+        finally:
+            with lock:
+                ready.clear()
+            pool.shutdown(wait=True)
 
     def close(self) -> None:
         self._client.close()

@@ -10,6 +10,7 @@ from typing import Any
 from click.testing import CliRunner
 
 from layertap.cli_jobs import submit
+from layertap.settings import JOB_TUNABLE
 from layertap.state.model import JOB_FILE, JobRequest, JobSpec
 from tests.core.datasets import conversation_rows, write_jsonl
 
@@ -30,6 +31,7 @@ GIVEN: dict[str, Any] = {
     "batch_tokens": 1024,
     "batch_size": 2,
     "in_flight": 3,
+    "generation_in_flight": 5,
     "sample_attempts": 5,
     "audit_samples": 2,
     "regenerate": "last",
@@ -40,7 +42,7 @@ GIVEN: dict[str, Any] = {
     "drop_truncated": True,
     "expected_tokens": 1000,
 }
-ENGINE = ("batch_tokens", "batch_size", "in_flight")
+ENGINE = JOB_TUNABLE
 
 
 def argv(values: dict[str, Any]) -> list[str]:

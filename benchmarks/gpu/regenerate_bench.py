@@ -1,0 +1,393 @@
+"""Regeneration on one H200: ``--regenerate all`` through a launched server and through a worker job, its generation
+rate against plain SGLang generation of the same prompts, then capture, verify and audit.
+
+The model: the Kimi-K2.5 wrapper at Kimi-K2 width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared, 4
+layers), bf16 or the INT4 folder (``--model bf16|int4``). The data: ``--chats`` synthetic chats of 1-3 user/assistant
+turns (``harness.chat_rows``). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows at once.
+
+Stages (``--stage``), each adding its part to ``--results`` (JSON, one key per model and stage) and the table:
+
+- ``cli``: ``layertap extract --engine sglang --regenerate all`` launching its own server with ``SERVER_ARGS``;
+  then ``layertap verify --data`` and ``layertap audit``; then a stock SGLang server (``sglang.launch_server``, no
+  plugin, the same flags) is sent the same prompts (each stored row's turns rendered by the tokenizer's own
+  ``apply_chat_template`` up to the turn, with the generation prompt), the same sampling settings and stop token,
+  the same number of rows in flight, each row's turns in order: the plain generation rate.
+- ``job``: Redis, the coordinator and one Celery worker (``LAYERTAP_ENGINE=sglang``, its own server with the same
+  flags); ``layertap submit --regenerate all --audit-samples N --wait`` of the same data; the worker's shard
+  reports give the generation span, its Prometheus metrics the capture stages' time; ``layertap verify --data``.
+
+The generation rate of a layertap run is its generated tokens over its generation span (the first ``/generate``
+request to the last reply; the regenerated rows' capture prefills run on the same server meanwhile). On the
+device (after ``on_device.sh install .whl1``; kernel cache tarball in .whl2/ for INT4):
+
+    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.regenerate_bench --model bf16 \\
+        --stage cli --out "$OUT"
+
+``--cpu-smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks import harness
+from layertap.data.chat import ChatTokenizer
+from layertap.engines.sglang_server import free_port
+from layertap.models.folder import ModelFolder
+from layertap.regenerate import TurnFormat
+from layertap.tiny import build_tiny_model
+
+LAYERS = "1,2,3"
+# A regenerating server decodes: CUDA graphs for decode stay on (layertap's launcher turns only prefill graphs off).
+SERVER_ARGS = ("--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192", "--max-running-requests", "128",
+               "--cuda-graph-max-bs", "128", "--skip-server-warmup")  # fmt: skip
+STAGES = ("cli", "job")
+
+
+def layertap_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "layertap", *args]
+
+
+def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, float]:
+    """Run ``cmd`` to its end, its output appended to ``log``: (exit code, wall seconds)."""
+    t0 = time.monotonic()
+    with log.open("ab") as out:
+        code = subprocess.run(
+            cmd, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+        ).returncode
+    return code, time.monotonic() - t0
+
+
+def reports(out: Path) -> list[dict[str, Any]]:
+    """The run reports under ``out/reports`` (one per run or worker shard)."""
+    return [
+        json.loads(p.read_text()) for p in sorted((out / "reports").glob("*.json")) if not p.name.startswith("audit")
+    ]
+
+
+def build(kind: str, work: Path, smoke: bool) -> Path:
+    model = work / f"kimi-k25-{kind}"
+    if not (model / "config.json").exists():
+        if smoke:
+            build_tiny_model("kimi-k2.5", model, dtype=torch.float32)
+        elif kind == "int4":
+            build_tiny_model("kimi-k2.5", model, quantize="int4", **harness.KIMI_K2_WIDTH)
+        else:
+            build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **harness.KIMI_K2_WIDTH)
+    return model
+
+
+def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> dict[str, Any]:
+    code, wall = run(layertap_cmd("audit", str(out), "--samples", str(samples), "--trust-remote-code"), env, log, 1800)
+    newest = sorted((out / "reports").glob("audit-*.json"))[-1]
+    report = json.loads(newest.read_text())
+    return {"exit": code, "passed": report["passed"], "device": report["device"], "samples": len(report["samples"]),
+            "seconds": round(wall, 1)}  # fmt: skip
+
+
+# -- plain SGLang generation of the same prompts -----------------------------------------------------------------
+
+
+def plain_generation(url: str, model: Path, regenerated: Path, settings: dict[str, Any], in_flight: int
+                     ) -> dict[str, Any]:  # fmt: skip
+    """Send each stored row's regenerated turns to ``url``'s ``/generate`` (prompt: the tokenizer's own
+    ``apply_chat_template`` of the row's messages before the turn, with the generation prompt), ``in_flight`` rows
+    at once, a row's turns in order; (generated tokens, wall seconds, turns whose output ids equal the store's
+    re-tokenized turn)."""
+    tokenizer = ModelFolder.read(model).load_tokenizer(trust_remote_code=True)
+    chat = ChatTokenizer(tokenizer)
+    stop = TurnFormat.of(chat).stop_token_ids(chat)
+    rows = [json.loads(line) for line in regenerated.read_text().splitlines()]
+    client = httpx.Client(timeout=3600)
+    lock = threading.Lock()
+    counts = {"tokens": 0, "turns": 0}
+
+    def one_row(row: dict[str, Any]) -> None:
+        messages = row["messages"]
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or "finish_reason" not in message:
+                continue  # not regenerated
+            ids = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            body = {"input_ids": list(ids), "rid": f"plain-{uuid.uuid4().hex}",
+                    "sampling_params": {**settings, "stop_token_ids": stop}}  # fmt: skip
+            reply = client.post(url + "/generate", json=body)
+            assert reply.status_code == 200, reply.text[:300]
+            with lock:
+                counts["tokens"] += len(reply.json()["output_ids"])
+                counts["turns"] += 1
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(in_flight) as pool:
+        list(pool.map(one_row, rows))
+    wall = time.monotonic() - t0
+    client.close()
+    return {"generated_tokens": counts["tokens"], "turns": counts["turns"], "seconds": round(wall, 2),
+            "tok_s": round(counts["tokens"] / wall, 1)}  # fmt: skip
+
+
+def stock_server(model: Path, server_args: list[str], env: dict[str, str], log: Path, smoke: bool) -> harness.Proc:
+    """SGLang's own server (no plugin) with the flags the layertap run got."""
+    port = free_port()
+    cmd = [str(harness.sglang_python(smoke)), "-m", "sglang.launch_server", "--model-path", str(model), "--port",
+           str(port), "--host", "127.0.0.1", "--trust-remote-code", "--skip-tokenizer-init", *server_args]  # fmt: skip
+    proc = harness.Proc("sglang-stock", cmd, env, log)
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    harness.wait_http(proc.url + "/health_generate", proc, 1800)  # type: ignore[attr-defined]
+    return proc
+
+
+# -- the stages ---------------------------------------------------------------------------------------------------
+
+
+def generation_args(args: argparse.Namespace) -> list[str]:
+    return ["--regenerate", "all", "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+            "--layers", LAYERS, "--trust-remote-code"]  # fmt: skip
+
+
+def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
+    out = args.root / "cli-store"
+    shutil.rmtree(out, ignore_errors=True)
+    logs = args.work / "logs"
+    cmd = layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
+                       *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
+                       "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
+                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "dumps"))  # fmt: skip
+    harness.log("layertap extract --regenerate all ...")
+    code, wall = run(cmd, env, logs / "extract.log", 3000)
+    assert code == 0, f"extract exited {code}: see {logs / 'extract.log'}"
+    (report,) = reports(out)
+    harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
+    started = server_start_seconds(out)
+    verify, verify_wall = run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env,
+                              logs / "verify.log", 1800)  # fmt: skip
+    audit = audit_verdict(out, logs / "audit.log", env, args.audit_samples)
+    harness.log(f"verify exit {verify}; audit {'PASS' if audit['passed'] else 'FAIL'} on {audit['device']}")
+    stock = stock_server(model, server_args, env, logs / "sglang-stock.log", args.cpu_smoke)
+    try:
+        settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
+        plain = plain_generation(stock.url, model, out / "regenerated.jsonl", settings, args.generation_in_flight)  # type: ignore[attr-defined]
+    finally:
+        stock.killpg()
+    harness.log(f"plain SGLang: {plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s")
+    rate = report["generated_tokens"] / report["generation_seconds"]
+    return {"extract_wall_s": round(wall, 1), "server_start_s": started, "run_s": round(report["seconds"], 1),
+            "samples": len(report["computed"]), "tokens": report["tokens"], "failed": report["failed"],
+            "row_errors": report["row_errors"], "generated_tokens": report["generated_tokens"],
+            "generation_s": round(report["generation_seconds"], 2), "tok_s": round(rate, 1),
+            "turns_cut": report["turns_cut"], "retokenization_mismatches": report["retokenization_mismatches"],
+            "verify_exit": verify, "verify_s": round(verify_wall, 1), "audit": audit, "plain": plain,
+            "ratio": round(rate / plain["tok_s"], 3)}  # fmt: skip
+
+
+def server_start_seconds(out: Path) -> float | None:
+    """Seconds from the launch to the server's first answer, as the capture server's log times them, if it does."""
+    logs = sorted(out.glob("sglang*.log")) + sorted(out.parent.glob("sglang*.log"))
+    for path in logs:
+        stamps = re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", path.read_text(errors="replace"), re.M)
+        if len(stamps) >= 2:
+            t = [time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S")) for s in (stamps[0], stamps[-1])]
+            return t[1] - t[0]
+    return None
+
+
+def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
+    logs = args.work / "logs"
+    procs: list[harness.Proc] = []
+    try:
+        redis, redis_url = harness.start_redis(args.work, logs)
+        procs.append(redis)
+        senv = harness.service_env(redis_url, env)
+        coordinator = harness.start_coordinator({**senv, "LAYERTAP_OUTPUT_ROOT": str(args.root / "jobs")}, logs)
+        procs.append(coordinator.proc)
+        metrics_port = free_port()
+        worker_env = {**senv, "LAYERTAP_WORKER_NAME": "gpu-worker", "LAYERTAP_ENGINE": "sglang",
+                      "LAYERTAP_DUMP_ROOT": str(args.root / "job-dumps"), "LAYERTAP_SGLANG_ARGS": shlex.join(server_args),
+                      "LAYERTAP_SGLANG_PYTHON": str(harness.sglang_python(args.cpu_smoke)),
+                      "LAYERTAP_GENERATION_IN_FLIGHT": str(args.generation_in_flight),
+                      "LAYERTAP_METRICS_PORT": str(metrics_port)}  # fmt: skip
+        procs.append(harness.start_worker("gpu-worker", worker_env, logs))
+        submit_env = {**senv, "LAYERTAP_API_URL": coordinator.url, "LAYERTAP_API_TOKEN": coordinator.token,
+                      "COLUMNS": "200"}  # fmt: skip
+        cmd = layertap_cmd("submit", "--model", str(model), "--data", str(data), *generation_args(args),
+                           "--shard-size", str(args.shard_size), "--audit-samples", str(args.audit_samples), "--wait")  # fmt: skip
+        harness.log("layertap submit --regenerate all --wait ...")
+        t0 = time.monotonic()
+        with (logs / "submit.out").open("w") as said, (logs / "submit.err").open("w") as err:
+            code = subprocess.run(
+                cmd, env=submit_env, cwd=harness.REPO, stdout=said, stderr=err, timeout=3000
+            ).returncode
+        wall = time.monotonic() - t0
+        job_id = (logs / "submit.out").read_text().partition("\n")[0].strip()
+        with coordinator.client() as client:
+            job = client.get(f"/jobs/{job_id}").json()
+        stages = scrape_stages(f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        harness.stop_all(procs)
+    out = Path(job["out"])
+    shards = reports(out)
+    generated = sum(r["generated_tokens"] for r in shards)
+    span = sum(r["generation_seconds"] for r in shards)
+    verify, _ = run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env,
+                    logs / "verify-job.log", 1800)  # fmt: skip
+    audit = job.get("audit") or {}
+    harness.log(f"job {job['state']}, {generated:,} tokens generated over {span:.1f} s; verify exit {verify}")
+    return {"submit_exit": code, "submit_wall_s": round(wall, 1), "state": job["state"], "samples": job["samples_done"],
+            "failed": job["samples_failed"], "tokens": job["tokens_done"], "shards": len(shards),
+            "generated_tokens": generated, "generation_s": round(span, 2), "tok_s": round(generated / span, 1),
+            "generation": job.get("generation"), "stages_s": stages, "verify_exit": verify,
+            "audit": {"state": audit.get("state"), "device": audit.get("device")}}  # fmt: skip
+
+
+def scrape_stages(url: str) -> dict[str, float]:
+    """The worker's seconds per stage (prefill, dump_wait, validate, commit): its histogram sums."""
+    text = httpx.get(url, timeout=10).text
+    pattern = r'^layertap_stage_duration_seconds_sum\{[^}]*stage="(\w+)"[^}]*\} (\S+)$'
+    return {stage: round(float(value), 2) for stage, value in re.findall(pattern, text, re.M)}
+
+
+# -- the table ----------------------------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any]) -> str:
+    """``gpu_regenerate.md`` from every part measured so far."""
+    lines = ["# Regeneration on one H200: `--regenerate all`, then capture", "",
+             "Written by `benchmarks/gpu/regenerate_bench.py` (its docstring says how each figure is measured). "
+             "Generation rate: generated tokens over the generation span (first `/generate` request to the last "
+             "reply; the capture prefills of the rows regenerated so far run on the same server meanwhile); "
+             "plain SGLang: a stock `sglang.launch_server` with the same flags, sent the same prompts (each stored "
+             "row's turns through the tokenizer's own `apply_chat_template`), the same sampling settings and "
+             "stop token, the same rows in flight, each row's turns in order.", ""]  # fmt: skip
+    for key, part in results.items():
+        meta = part["meta"]
+        lines += [f"## {key}", "", f"{meta['model']}; {meta['rows']} chats ({meta['data']}); command "
+                  f"`{meta['command']}` at commit {meta['commit']} ({meta['when']}); {meta['device']}.", ""]  # fmt: skip
+        r = part["result"]
+        if key.endswith("/cli"):
+            p = r["plain"]
+            lines += harness.table(
+                ["", "layertap extract --regenerate all (launched server)", "plain SGLang /generate"],
+                [["generated tokens (turns)", f"{r['generated_tokens']:,}", f"{p['generated_tokens']:,} ({p['turns']:,})"],
+                 ["generation span", f"{r['generation_s']:.1f} s", f"{p['seconds']:.1f} s"],
+                 ["generation tok/s", f"{r['tok_s']:,.0f}", f"{p['tok_s']:,.0f}"],
+                 ["ratio to plain", f"**{r['ratio']:.3f}**", "1"]])  # fmt: skip
+            lines += ["", f"Where the extract's {r['extract_wall_s']:.0f} s went: the server's start "
+                      f"{r['server_start_s'] or '?'} s (its log), the run {r['run_s']:.0f} s, of which generation "
+                      f"{r['generation_s']:.0f} s (capture alongside); the rest after it is the last rows' capture and "
+                      f"commit. Stored: {r['samples']:,} samples, {r['tokens']:,} tokens, {r['failed']} failed, "
+                      f"{r['row_errors']} row errors; {r['turns_cut']:,} turns cut at max_new_tokens; "
+                      f"{r['retokenization_mismatches']} turns re-tokenized as other ids. `layertap verify --data` "
+                      f"exit {r['verify_exit']} ({r['verify_s']:.0f} s); `layertap audit --samples "
+                      f"{r['audit']['samples']}`: {'PASS' if r['audit']['passed'] else 'FAIL'} on "
+                      f"{r['audit']['device']} (exit {r['audit']['exit']}).", ""]  # fmt: skip
+        else:
+            plain = results.get(key.replace("/job", "/cli"), {}).get("result", {}).get("plain")
+            ratio = f"{r['tok_s'] / plain['tok_s']:.3f} of the plain rate above" if plain else "no plain rate measured"
+            lines += harness.table(
+                ["", "worker job (`layertap submit --regenerate all --wait`)"],
+                [["state, `submit --wait` exit", f"{r['state']}, {r['submit_exit']}"],
+                 ["samples, tokens, failed", f"{r['samples']:,}, {r['tokens']:,}, {r['failed']}"],
+                 ["generated tokens", f"{r['generated_tokens']:,} over {r['shards']} shards"],
+                 ["generation span (shard reports)", f"{r['generation_s']:.1f} s"],
+                 ["generation tok/s", f"{r['tok_s']:,.0f} ({ratio})"],
+                 ["worker stage seconds (metrics)", ", ".join(f"{k} {v}" for k, v in sorted(r["stages_s"].items()))],
+                 ["submit wall (server start included)", f"{r['submit_wall_s']:.0f} s"],
+                 ["verify --data exit; job audit", f"{r['verify_exit']}; {r['audit']['state']} on {r['audit']['device']}"]])  # fmt: skip
+            lines += [""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("bf16", "int4"), default="bf16")
+    ap.add_argument("--stage", default="cli", help=f"comma-separated: {', '.join(STAGES)}")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and the table")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=Path("benchmarks/results/gpu_regenerate.json"),
+        help="parts measured before (kept, this run's replace their keys)",
+    )
+    ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-regen"))
+    ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-regen"), help="stores and dumps")
+    ap.add_argument("--kernel-cache-tgz", type=Path, default=None)
+    ap.add_argument("--chats", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--generation-in-flight", type=int, default=64)
+    ap.add_argument("--shard-size", type=int, default=256)
+    ap.add_argument("--audit-samples", type=int, default=40)
+    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny float32 Kimi-K2.5 wrapper on the CPU SGLang")
+    args = ap.parse_args()
+    stages = [s for s in args.stage.split(",") if s]
+    assert set(stages) <= set(STAGES), stages
+    if args.cpu_smoke:
+        args.chats, args.max_new_tokens, args.generation_in_flight, args.shard_size, args.audit_samples = 6, 8, 4, 4, 3
+        args.work, args.root = Path("/tmp/layertap-regen-smoke"), Path("/tmp/layertap-regen-smoke/root")
+    for stale in ("logs",):
+        shutil.rmtree(args.work / stale, ignore_errors=True)
+    shutil.rmtree(args.root, ignore_errors=True)
+    (args.work / "logs").mkdir(parents=True)
+    args.root.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if args.cpu_smoke:
+        env |= harness.smoke_env()
+        server_args = list(harness.smoke_args("float32", 256))
+    else:
+        server_args = list(SERVER_ARGS)
+    if args.kernel_cache_tgz:
+        cache = args.work / "kernel-cache"
+        with tarfile.open(args.kernel_cache_tgz) as tgz:
+            tgz.extractall(cache, filter="data")
+        from sglang_patch.launch import first_start_env
+
+        env |= {"LAYERTAP_KERNEL_CACHE": str(cache), **first_start_env(server_args, str(cache), env)}
+    model = build(args.model, args.work, args.cpu_smoke)
+    data = harness.write_jsonl(args.work / "chats.jsonl", harness.chat_rows(args.chats, random.Random(33)))
+    folder = ModelFolder.read(model)
+    harness.log(f"model {model.name}: {folder.num_layers} layers, hidden {folder.hidden_size}, "
+                f"{harness.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
+    results = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke)"
+    meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.cpu_smoke else
+                      f"Kimi-K2.5 wrapper at Kimi-K2 width ({'INT4 routed experts, group 32' if args.model == 'int4' else 'bf16'}), "
+                      f"{folder.num_layers} layers, hidden {folder.hidden_size}"),
+            "rows": args.chats, "data": f"1-3 turns each, max_new_tokens {args.max_new_tokens}, greedy, "
+            f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
+            "command": harness.command_line(), "commit": harness.git_commit(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device}  # fmt: skip
+    try:
+        for stage in stages:
+            run_stage = stage_cli if stage == "cli" else stage_job
+            results[f"{args.model}/{stage}"] = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
+    finally:
+        kept = args.out / "gpu_regenerate.logs"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(args.work / "logs", kept)
+        name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
+        (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / f"{name}.md").write_text(table(results))
+        print((args.out / f"{name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
