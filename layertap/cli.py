@@ -86,7 +86,8 @@ def extract(out: Path, **options: Any) -> None:
     )
     if spec.regenerate is not None:
         console.print(
-            f"regenerated: {report.generated_tokens:,} tokens generated, {report.turns_cut} turns cut at"
+            f"regenerated: {report.generated_tokens:,} tokens generated in {report.generation_seconds:.1f}s"
+            f" ({report.generated_tokens / max(report.generation_seconds, 1e-9):,.0f} tok/s), {report.turns_cut} turns cut at"
             f" --max-new-tokens, {report.retokenization_mismatches} turns whose text re-tokenizes to other ids"
         )
     ok, verdict = report.verdict(spec.max_bad_rows)

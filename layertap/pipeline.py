@@ -46,6 +46,10 @@ class ProgressSink(Protocol):
 
     def advance(self, samples: int, tokens: int) -> None: ...
 
+    def generated(self, tokens: int) -> None:
+        """A row was regenerated: ``tokens`` new tokens (before its capture)."""
+        ...
+
 
 class ShardEvents(Protocol):
     """What ``run_shard`` reports as it goes; called after the store has recorded each outcome."""
@@ -90,7 +94,8 @@ class ProgressEvents:
             self.progress.advance(1, 0)
 
     def generated(self, *, row: int, tokens: int, cut_turns: int) -> None:
-        pass  # the bar counts stored samples; the run report counts cut turns
+        if self.progress is not None:  # the run report counts cut turns
+            self.progress.generated(tokens)
 
     def retired(self, record: SampleRecord) -> None:
         if self.progress is not None:

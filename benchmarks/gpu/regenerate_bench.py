@@ -58,7 +58,7 @@ from layertap.tiny import build_tiny_model
 LAYERS = "1,2,3"
 # A regenerating server decodes: CUDA graphs for decode stay on (layertap's launcher turns only prefill graphs off).
 SERVER_ARGS = ("--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192", "--max-running-requests", "128",
-               "--cuda-graph-max-bs", "128", "--skip-server-warmup")  # fmt: skip
+               "--cuda-graph-max-bs", "128")  # fmt: skip
 STAGES = ("cli", "job")
 
 
@@ -375,18 +375,19 @@ def main() -> None:
             f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
             "command": harness.command_line(), "commit": harness.git_commit(),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device}  # fmt: skip
+    name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
     try:
         for stage in stages:
             run_stage = stage_cli if stage == "cli" else stage_job
             results[f"{args.model}/{stage}"] = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
+            (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
+            (args.out / f"{name}.md").write_text(table(results))
     finally:
-        kept = args.out / "gpu_regenerate.logs"
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(args.work / "logs", kept)
-        name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
-        (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out / f"{name}.md").write_text(table(results))
-        print((args.out / f"{name}.md").read_text())
+        with tarfile.open(args.out / f"{name}.logs.tgz", "w:gz") as logs:  # one file: what each process said
+            logs.add(args.work / "logs", "logs")
+            for server_log in args.root.rglob("*.log"):
+                logs.add(server_log, f"servers/{server_log.relative_to(args.root)}")
+    print((args.out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
