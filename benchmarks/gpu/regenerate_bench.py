@@ -2,8 +2,8 @@
 rate against plain SGLang generation of the same prompts, then capture, verify and audit.
 
 The model: the Kimi-K2.5 wrapper at Kimi-K2 width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared, 4
-layers), bf16 or the INT4 folder (``--model bf16|int4``). The data: ``--chats`` synthetic chats of 1-3 user/assistant
-turns (``harness.chat_rows``). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows at once.
+layers), bf16 or the INT4 folder (``--model bf16|int4``). The data: ``--chats`` synthetic chats of 1-2 user/assistant
+turns (``harness.chat_rows``, cut to two: `chats`). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows at once.
 
 Stages (``--stage``), each adding its part to ``--results`` (JSON, one key per model and stage) and the table:
 
@@ -103,6 +103,17 @@ def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> di
             "seconds": round(wall, 1)}  # fmt: skip
 
 
+def chats(n: int) -> list[dict[str, Any]]:
+    """``harness.chat_rows`` cut to their first two user/assistant pairs: a random model's 256 ids decode partly to
+    reserved tokens' names, which re-tokenize as ~4.5 tokens each, and a third turn's prompt outgrew the 4,096-token
+    context of the Kimi-K2-width folder."""
+    rows = harness.chat_rows(n, random.Random(33))
+    for row in rows:
+        key = "messages" if "messages" in row else "conversations"
+        row[key] = row[key][:4]
+    return rows
+
+
 # -- plain SGLang generation of the same prompts -----------------------------------------------------------------
 
 
@@ -174,7 +185,7 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
                        "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "dumps"))  # fmt: skip
     harness.log("layertap extract --regenerate all ...")
     code, wall = run(cmd, env, logs / "extract.log", 3000)
-    assert code == 0, f"extract exited {code}: see {logs / 'extract.log'}"
+    assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
     (report,) = reports(out)
     harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
     started = server_start_seconds(out)
@@ -190,7 +201,7 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
         stock.killpg()
     harness.log(f"plain SGLang: {plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s")
     rate = report["generated_tokens"] / report["generation_seconds"]
-    return {"extract_wall_s": round(wall, 1), "server_start_s": started, "run_s": round(report["seconds"], 1),
+    return {"extract_exit": code, "extract_wall_s": round(wall, 1), "server_start_s": started, "run_s": round(report["seconds"], 1),
             "samples": len(report["computed"]), "tokens": report["tokens"], "failed": report["failed"],
             "row_errors": report["row_errors"], "generated_tokens": report["generated_tokens"],
             "generation_s": round(report["generation_seconds"], 2), "tok_s": round(rate, 1),
@@ -290,7 +301,7 @@ def table(results: dict[str, Any]) -> str:
                  ["generation span", f"{r['generation_s']:.1f} s", f"{p['seconds']:.1f} s"],
                  ["generation tok/s", f"{r['tok_s']:,.0f}", f"{p['tok_s']:,.0f}"],
                  ["ratio to plain", f"**{r['ratio']:.3f}**", "1"]])  # fmt: skip
-            lines += ["", f"Where the extract's {r['extract_wall_s']:.0f} s went: the server's start "
+            lines += ["", f"`layertap extract` exited {r['extract_exit']}. Where its {r['extract_wall_s']:.0f} s went: the server's start "
                       f"{r['server_start_s'] or '?'} s (its log), the run {r['run_s']:.0f} s, of which generation "
                       f"{r['generation_s']:.0f} s (capture alongside); the rest after it is the last rows' capture and "
                       f"commit. Stored: {r['samples']:,} samples, {r['tokens']:,} tokens, {r['failed']} failed, "
@@ -330,6 +341,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-regen"))
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-regen"), help="stores and dumps")
     ap.add_argument("--kernel-cache-tgz", type=Path, default=None)
+    ap.add_argument(
+        "--pack-kernel-cache",
+        type=Path,
+        default=None,
+        help="at the end, the kernel cache as this run left it (for a later run's --kernel-cache-tgz)",
+    )
     ap.add_argument("--chats", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--generation-in-flight", type=int, default=64)
@@ -362,7 +379,7 @@ def main() -> None:
 
         env |= {"LAYERTAP_KERNEL_CACHE": str(cache), **first_start_env(server_args, str(cache), env)}
     model = build(args.model, args.work, args.cpu_smoke)
-    data = harness.write_jsonl(args.work / "chats.jsonl", harness.chat_rows(args.chats, random.Random(33)))
+    data = harness.write_jsonl(args.work / "chats.jsonl", chats(args.chats))
     folder = ModelFolder.read(model)
     harness.log(f"model {model.name}: {folder.num_layers} layers, hidden {folder.hidden_size}, "
                 f"{harness.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
@@ -371,7 +388,7 @@ def main() -> None:
     meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.cpu_smoke else
                       f"Kimi-K2.5 wrapper at Kimi-K2 width ({'INT4 routed experts, group 32' if args.model == 'int4' else 'bf16'}), "
                       f"{folder.num_layers} layers, hidden {folder.hidden_size}"),
-            "rows": args.chats, "data": f"1-3 turns each, max_new_tokens {args.max_new_tokens}, greedy, "
+            "rows": args.chats, "data": f"1-2 turns each, max_new_tokens {args.max_new_tokens}, greedy, "
             f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
             "command": harness.command_line(), "commit": harness.git_commit(),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device}  # fmt: skip
@@ -383,6 +400,9 @@ def main() -> None:
             (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
             (args.out / f"{name}.md").write_text(table(results))
     finally:
+        if args.pack_kernel_cache and (args.work / "kernel-cache").is_dir():
+            with tarfile.open(args.pack_kernel_cache, "w:gz") as packed:
+                packed.add(args.work / "kernel-cache", ".")
         with tarfile.open(args.out / f"{name}.logs.tgz", "w:gz") as logs:  # one file: what each process said
             logs.add(args.work / "logs", "logs")
             for server_log in args.root.rglob("*.log"):

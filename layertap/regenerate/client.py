@@ -44,6 +44,11 @@ from layertap.regenerate.turns import (
 from layertap.spec import GenerationSettings
 from sglang_patch.contract import generation_rid
 
+# Regenerated rows that may wait for their capture (their text only, a few KB each). On the first H200 run (Kimi-K2
+# width, 64 rows in flight, at most 128 of them regenerated ahead) the captures of ~3.5K-token conversations kept
+# pace with 2-3 rows/s and held the decode batch at 1-16 rows instead of 64: the capture must not set the pace.
+GENERATED_AHEAD = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class RowJob:
@@ -65,14 +70,17 @@ class Regenerator:
         *,
         job: str,
         in_flight: int = 16,
+        ahead: int = GENERATED_AHEAD,
         request_timeout_s: float = 3600.0,
     ) -> None:
-        """``job`` names the run in the generation rids (for the server's log); ``in_flight`` rows at once."""
+        """``job`` names the run in the generation rids (for the server's log); ``in_flight`` rows at once, up to
+        ``ahead`` more regenerated before the caller takes them (`regenerate_many`)."""
         self.server = server
         self.chat = chat
         self.settings = settings
         self.job = job
         self.in_flight = in_flight
+        self.ahead = ahead
         self.format = TurnFormat.of(chat)
         self.stop_token_ids = self.format.stop_token_ids(chat)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
@@ -134,9 +142,12 @@ class Regenerator:
         """Each row regenerated, ``in_flight`` at once, yielded in completion order; a row's refusal is yielded
         as its RowError. SampleError and ServerError propagate (after the rows in flight end).
 
-        A finished row's slot is refilled from the finishing thread, from rows taken from ``jobs`` ahead of need
-        (up to ``in_flight`` more): the server keeps decoding while the caller is busy with what it was given
-        (capturing it). ``jobs`` is only ever iterated in the caller's thread."""
+        Generation runs ahead of the caller: a finished row's slot is refilled at once from the finishing thread,
+        from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
+        server keeps decoding while the caller captures (a capture is one prefill of the whole conversation; the
+        decode of its responses took many passes), and the caller's pace holds generation back only once
+        ``ahead`` rows wait. ``jobs`` is only ever iterated in the caller's thread (the row planner records
+        errors as it goes)."""
         source = iter(jobs)
         ready: deque[RowJob] = deque()
         finished: queue.SimpleQueue[Future[Regenerated]] = queue.SimpleQueue()
@@ -161,7 +172,7 @@ class Regenerator:
         taken = 0  # rows taken from jobs and not yet yielded
         try:
             while True:
-                while taken < 2 * self.in_flight and (nxt := next(source, None)) is not None:
+                while taken < self.in_flight + self.ahead and (nxt := next(source, None)) is not None:
                     with lock:
                         ready.append(nxt)
                     taken += 1
