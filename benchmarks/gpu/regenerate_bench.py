@@ -16,6 +16,10 @@ Stages (``--stage``), each adding its part to ``--results`` (JSON, one key per m
   flags); ``layertap submit --regenerate all --audit-samples N --wait`` of the same data; the worker's shard
   reports give the generation span, its Prometheus metrics the capture stages' time; ``layertap verify --data``.
 
+- ``warm`` (first on a node): the same extract of ``--warm-chats`` chats, thrown away, so that the measured servers
+  find their kernels built (see `stage_warm`); ``--pack-kernel-cache`` returns what it built (< 16 MiB) for a later
+  session's ``--kernel-cache-tgz``.
+
 The generation rate of a layertap run is its generated tokens over its generation span (the first ``/generate``
 request to the last reply; the regenerated rows' capture prefills run on the same server meanwhile). On the
 device (after ``on_device.sh install .whl1``; kernel cache tarball in .whl2/ for INT4):
@@ -24,6 +28,14 @@ device (after ``on_device.sh install .whl1``; kernel cache tarball in .whl2/ for
         --stage cli --out "$OUT"
 
 ``--cpu-smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
+
+Device time (2026-12-02, one H200, bf16, the shared kernel cache unpacked): the first server's start took ~3.5 min
+(graph capture 62 s, 57 of them building the bf16 MoE kernel for decode; SGLang's warm-up 85 s) and its first
+capture prefill beside 64 decoding rows stalled it 91-98 s, all of it kernel builds the kernel cache keeps; warm,
+decode ran 14-23K tok/s at 64 rows. So per model, one call each (``timeout -s INT 560`` around each, so that an
+overrun still returns the logs): ``--stage warm --pack-kernel-cache "$OUT/kc-MODEL.tgz"`` (~5 min), ``--stage cli``
+(~5 min), ``--stage job`` (~3 min); with ``install .whl1`` first, ~27 of the session's 30 minutes for bf16 and INT4.
+A call's ``--results`` is the JSON the calls before it returned (copy it into benchmarks/results/ between calls).
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ LAYERS = "1,2,3"
 # A regenerating server decodes: CUDA graphs for decode stay on (layertap's launcher turns only prefill graphs off).
 SERVER_ARGS = ("--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192", "--max-running-requests", "128",
                "--cuda-graph-max-bs", "128")  # fmt: skip
-STAGES = ("cli", "job")
+STAGES = ("warm", "cli", "job")
 
 
 def layertap_cmd(*args: str) -> list[str]:
@@ -156,11 +168,26 @@ def plain_generation(url: str, model: Path, regenerated: Path, settings: dict[st
             "tok_s": round(counts["tokens"] / wall, 1)}  # fmt: skip
 
 
+def launcher_flags(server_args: list[str], env: dict[str, str], smoke: bool) -> list[str]:
+    """The flags layertap's launcher gives SGLang besides ``server_args`` (its GPU defaults before them, its forced
+    ones after: prefill CUDA graphs, radix cache and all-reduce fusion off), asked of the launcher's own functions
+    in the server's python."""
+    script = ("import dataclasses, json, sys; from sglang.srt.server_args import ServerArgs; "
+              "from sglang_patch.launch import default_flags, forced_flags; argv = json.loads(sys.argv[1]); "
+              "print(json.dumps([default_flags(argv), forced_flags({f.name for f in dataclasses.fields(ServerArgs)})]))")  # fmt: skip
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.REPO), env.get("PYTHONPATH")]))}
+    said = subprocess.run([str(harness.sglang_python(smoke)), "-c", script, json.dumps(server_args)], env=env,
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    before, after = json.loads(said.strip().splitlines()[-1])
+    return [*before, *server_args, *after]
+
+
 def stock_server(model: Path, server_args: list[str], env: dict[str, str], log: Path, smoke: bool) -> harness.Proc:
-    """SGLang's own server (no plugin) with the flags the layertap run got."""
+    """SGLang's own server (no plugin) with the flags the layertap run's server got (`launcher_flags`)."""
     port = free_port()
     cmd = [str(harness.sglang_python(smoke)), "-m", "sglang.launch_server", "--model-path", str(model), "--port",
-           str(port), "--host", "127.0.0.1", "--trust-remote-code", "--skip-tokenizer-init", *server_args]  # fmt: skip
+           str(port), "--host", "127.0.0.1", "--trust-remote-code", "--skip-tokenizer-init",
+           *launcher_flags(server_args, env, smoke)]  # fmt: skip
     proc = harness.Proc("sglang-stock", cmd, env, log)
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     harness.wait_http(proc.url + "/health_generate", proc, 1800)  # type: ignore[attr-defined]
@@ -182,13 +209,13 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     cmd = layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
                        *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
                        "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
-                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "dumps"))  # fmt: skip
+                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "cli" / "dumps"))  # fmt: skip
     harness.log("layertap extract --regenerate all ...")
     code, wall = run(cmd, env, logs / "extract.log", 3000)
     assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
     (report,) = reports(out)
     harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
-    started = server_start_seconds(out)
+    started = server_start_seconds(args.root / "cli" / "sglang-server.log")  # the CLI's: beside its dump root
     verify, verify_wall = run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env,
                               logs / "verify.log", 1800)  # fmt: skip
     audit = audit_verdict(out, logs / "audit.log", env, args.audit_samples)
@@ -210,15 +237,35 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
             "ratio": round(rate / plain["tok_s"], 3)}  # fmt: skip
 
 
-def server_start_seconds(out: Path) -> float | None:
-    """Seconds from the launch to the server's first answer, as the capture server's log times them, if it does."""
-    logs = sorted(out.glob("sglang*.log")) + sorted(out.parent.glob("sglang*.log"))
-    for path in logs:
-        stamps = re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", path.read_text(errors="replace"), re.M)
-        if len(stamps) >= 2:
-            t = [time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S")) for s in (stamps[0], stamps[-1])]
-            return t[1] - t[0]
-    return None
+def stage_warm(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
+    """`layertap extract --regenerate all` of the first ``--warm-chats`` chats, thrown away: a node's first server
+    builds kernels (Triton's MoE for each batch shape, FlashInfer's) in its start, its warm-up and its first
+    capture prefill beside decoding (over a minute each on the first H200 run), into the kernel cache that every
+    later server of the node reads; measured runs come after it."""
+    small = harness.write_jsonl(args.work / "warm.jsonl", [json.loads(line) for line in
+                                                            data.read_text().splitlines()[: args.warm_chats]])  # fmt: skip
+    out = args.root / "warm-store"
+    cmd = layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(small), "--out", str(out),
+                       *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
+                       "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
+                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "warm" / "dumps"))  # fmt: skip
+    harness.log(f"warm-up: layertap extract of {args.warm_chats} chats ...")
+    code, wall = run(cmd, env, args.work / "logs" / "warm.log", 3000)
+    harness.log(f"warm-up: exit {code} in {wall:.0f} s")
+    shutil.rmtree(out, ignore_errors=True)
+    return {"extract_exit": code, "wall_s": round(wall, 1), "chats": args.warm_chats}
+
+
+def server_start_seconds(log: Path) -> float | None:
+    """Seconds from a server log's first stamped line to SGLang's "ready to roll" (its warm-up included)."""
+    stamp = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    first, ready = re.search(stamp, text, re.M), re.search(stamp + r".*ready to roll", text, re.M)
+    if not (first and ready):
+        return None
+    return time.mktime(time.strptime(ready[1], "%Y-%m-%d %H:%M:%S")) - time.mktime(
+        time.strptime(first[1], "%Y-%m-%d %H:%M:%S")
+    )
 
 
 def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
@@ -290,6 +337,12 @@ def table(results: dict[str, Any]) -> str:
              "stop token, the same rows in flight, each row's turns in order.", ""]  # fmt: skip
     for key, part in results.items():
         meta = part["meta"]
+        if key.endswith("/warm"):
+            r = part["result"]
+            lines += [f"Before `{key.split('/')[0]}`'s measurements, on the same node: a warm-up `layertap extract "
+                      f"--regenerate all` of {r['chats']} chats (its first server built the kernels every later server "
+                      f"reads from the kernel cache), {r['wall_s']:.0f} s, exit {r['extract_exit']}; thrown away.", ""]  # fmt: skip
+            continue
         lines += [f"## {key}", "", f"{meta['model']}; {meta['rows']} chats ({meta['data']}); command "
                   f"`{meta['command']}` at commit {meta['commit']} ({meta['when']}); {meta['device']}.", ""]  # fmt: skip
         r = part["result"]
@@ -340,7 +393,13 @@ def main() -> None:
     )
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-regen"))
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-regen"), help="stores and dumps")
-    ap.add_argument("--kernel-cache-tgz", type=Path, default=None)
+    ap.add_argument(
+        "--kernel-cache-tgz",
+        type=Path,
+        action="append",
+        default=[],
+        help="a node's kernel builds (kernel-cache-h200.tgz; again for a --pack-kernel-cache of before)",
+    )
     ap.add_argument(
         "--pack-kernel-cache",
         type=Path,
@@ -348,6 +407,7 @@ def main() -> None:
         help="at the end, the kernel cache as this run left it (for a later run's --kernel-cache-tgz)",
     )
     ap.add_argument("--chats", type=int, default=512)
+    ap.add_argument("--warm-chats", type=int, default=32, help="the warm stage's chats")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--generation-in-flight", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=256)
@@ -358,6 +418,7 @@ def main() -> None:
     assert set(stages) <= set(STAGES), stages
     if args.cpu_smoke:
         args.chats, args.max_new_tokens, args.generation_in_flight, args.shard_size, args.audit_samples = 6, 8, 4, 4, 3
+        args.warm_chats = 2
         args.work, args.root = Path("/tmp/layertap-regen-smoke"), Path("/tmp/layertap-regen-smoke/root")
     for stale in ("logs",):
         shutil.rmtree(args.work / stale, ignore_errors=True)
@@ -373,8 +434,10 @@ def main() -> None:
         server_args = list(SERVER_ARGS)
     if args.kernel_cache_tgz:
         cache = args.work / "kernel-cache"
-        with tarfile.open(args.kernel_cache_tgz) as tgz:
-            tgz.extractall(cache, filter="data")
+        for tgz_path in args.kernel_cache_tgz:
+            with tarfile.open(tgz_path) as tgz:
+                tgz.extractall(cache, filter="data")
+        given = {p for p in cache.rglob("*") if p.is_file()}
         from sglang_patch.launch import first_start_env
 
         env |= {"LAYERTAP_KERNEL_CACHE": str(cache), **first_start_env(server_args, str(cache), env)}
@@ -395,14 +458,15 @@ def main() -> None:
     name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
     try:
         for stage in stages:
-            run_stage = stage_cli if stage == "cli" else stage_job
+            run_stage = {"warm": stage_warm, "cli": stage_cli, "job": stage_job}[stage]
             results[f"{args.model}/{stage}"] = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
             (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
             (args.out / f"{name}.md").write_text(table(results))
     finally:
-        if args.pack_kernel_cache and (args.work / "kernel-cache").is_dir():
+        if args.pack_kernel_cache and args.kernel_cache_tgz:  # what this run built (a file back is 16 MiB at most)
             with tarfile.open(args.pack_kernel_cache, "w:gz") as packed:
-                packed.add(args.work / "kernel-cache", ".")
+                for path in sorted(p for p in cache.rglob("*") if p.is_file() and p not in given):
+                    packed.add(path, str(path.relative_to(cache)))
         with tarfile.open(args.out / f"{name}.logs.tgz", "w:gz") as logs:  # one file: what each process said
             logs.add(args.work / "logs", "logs")
             for server_log in args.root.rglob("*.log"):
