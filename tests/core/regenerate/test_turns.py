@@ -36,17 +36,24 @@ CHAT = {
     ],
 }
 
-# Kimi-K2.5's multi-turn habit, in the tiny template: the reasoning of an assistant turn before the last user turn
-# is not rendered (`<think></think>` stands in its place).
-DROPS_EARLIER_REASONING = KIMI_CHAT_TEMPLATE.replace(
-    "{%- for message in messages -%}",
-    "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
-    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}",
-).replace(
-    "{%- if message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
-    "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}"
-    "{%- elif message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
-)
+
+def _rewritten(template: str, *edits: tuple[str, str]) -> str:
+    for old, new in edits:
+        assert template.count(old) == 1, old
+        template = template.replace(old, new)
+    return template
+
+
+# A multi-turn habit like Kimi-K2.5's, in the tiny template: the reasoning of an assistant turn before the last user
+# turn is not rendered (`<think></think>` stands in its place).
+DROPS_EARLIER_REASONING = _rewritten(
+    KIMI_CHAT_TEMPLATE,
+    ("{%- for message in messages -%}",
+     "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+     "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}"),
+    ("{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + ",
+     "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + "),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +163,7 @@ def simulated(chat: ChatTokenizer, row: dict, texts: dict[int, str], mode: str) 
     return Regenerated("s", Conversation(messages), tuple(turns))
 
 
-THOUGHTS = {3: "<think>Primary.</think>Blue.", 5: "<think>Warm one.</think>Red."}
+THOUGHTS = {3: "Primary.</think>Blue.", 5: "Warm one.</think>Red."}  # after a generation prompt that opens <think>
 
 
 def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) -> None:
