@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from layertap.errors import LayertapError, SpecError
-from layertap.spec import Flag, parse_layer_list
+from layertap.spec import Flag, parse_layer_list, parse_template_variables
 
 console = Console(stderr=True)
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -83,6 +83,20 @@ class CommaInts(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class JsonObject(click.ParamType):
+    """``'{"thinking": false}'`` as a dict of JSON scalars."""
+
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return value
+        try:
+            return parse_template_variables(value)
+        except SpecError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 def _flag(info: FieldInfo) -> Flag:
     return next((m for m in info.metadata if isinstance(m, Flag)), Flag())
 
@@ -95,6 +109,8 @@ def _click_type(annotation: Any, flag: Flag) -> Any:
         return click.Choice([str(a) for a in get_args(annotation)])
     if get_origin(annotation) is tuple:
         return CommaInts()
+    if get_origin(annotation) is dict:
+        return JsonObject()
     if annotation is Path:
         return click.Path(path_type=Path, exists=flag.exists, file_okay=not flag.folder)
     if annotation in (int, float, str):
@@ -117,7 +133,7 @@ def _option(name: str, info: FieldInfo) -> Callable[[Command], Command]:
         type=_click_type(info.annotation, flag),
         required=required,
         default=default,
-        show_default=default is not None and default != "",
+        show_default=default not in (None, "", {}),
         help=info.description,
     )
 

@@ -61,7 +61,7 @@ class PlannedRow:
 
 class RowPlanner:
     """Plans the rows of ``spec.data`` as ``spec`` tokenizes them (its ``max_length`` is the effective one, the
-    engine's limit applied), with the tokenizer of ``folder``.
+    engine's limit applied), with the tokenizer of ``folder`` and the spec's chat template variables.
 
     ``duplicates`` maps a row to the earlier row that has its id (the scan's, `load_duplicates`): such a row is
     an error of kind ``duplicate_id``. A new sample longer than ``server_limit`` (a job's ``max_length`` above its
@@ -81,7 +81,9 @@ class RowPlanner:
         regenerated: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self.spec = spec
-        self.chat = ChatTokenizer(folder.load_tokenizer(spec.trust_remote_code))
+        self.chat = ChatTokenizer(
+            folder.load_tokenizer(spec.trust_remote_code), template_kwargs=spec.chat_template_kwargs
+        )
         self.duplicates = duplicates or {}
         self.server_limit = server_limit
         self.regenerated = regenerated or {}

@@ -12,6 +12,7 @@ before that layer's norm). Other conventions are accepted here and converted onc
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -28,6 +29,12 @@ Format = Literal["specforge", "speculators"]
 StoreDtype = Literal["bfloat16", "float32", "fp8"]
 OverlongPolicy = Literal["truncate", "skip"]
 RegenerateMode = Literal["last", "all"]
+TemplateValue = str | int | float | bool | None  # a JSON scalar: what a template switch takes
+# Names the chat template renderer passes itself (transformers' `render_jinja_template`), so not a template variable.
+RENDERER_VARIABLES = frozenset(
+    {"messages", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "return_assistant_tokens_mask"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,20 @@ def resolve_capture(
     )
 
 
+def parse_template_variables(text: str) -> dict[str, TemplateValue]:
+    """Parse ``'{"thinking": false}'`` into a dict, with a clear error unless it is a JSON object of scalars (its
+    names are the spec's to check)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"not JSON ({exc}); give a JSON object, e.g. '{{\"thinking\": false}}'") from exc
+    if not isinstance(value, dict):
+        raise SpecError(f"a JSON object is needed, e.g. '{{\"thinking\": false}}', not {text!r}")
+    if nested := [name for name, v in value.items() if isinstance(v, dict | list)]:
+        raise SpecError(f"template variables are JSON scalars (string, number, true/false, null); {nested} are not")
+    return value
+
+
 def parse_layer_list(text: str) -> list[int]:
     """Parse ``"3,31,59"`` into ``[3, 31, 59]`` with a clear error."""
     try:
@@ -175,6 +196,13 @@ class ExtractionSpec(BaseModel):
         default=None, gt=0, description="Tokens per row at most; not above the model's context (or server's limit)."
     )
     overlong: OverlongPolicy = Field(default="truncate", description="What a row over max_length becomes.")
+    chat_template_kwargs: dict[str, TemplateValue] = Field(
+        default={},
+        max_length=64,
+        description="Variables for the chat template, as SGLang and vLLM take them: a JSON object of scalars, e.g. "
+        "'{\"thinking\": false}' (Kimi-K2.5 without thinking). Every row is rendered with them, a regenerated "
+        "turn's generation prompt included; the manifest records them and a resume must give the same.",
+    )
     trust_remote_code: bool = Field(
         default=False,
         description="Run the Python code a model folder ships (Kimi-K2.5's tokenizer is code); read it first. A "
@@ -218,6 +246,16 @@ class ExtractionSpec(BaseModel):
                 allowed_bad_rows(v, 0)
             except SpecError as exc:
                 raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
+        """Each name a template can read as a variable (an identifier), none the renderer passes itself."""
+        if bad := [name for name in v if not name.isidentifier()]:
+            raise ValueError(f"chat template variable names must be identifiers, got {bad}")
+        if taken := sorted(RENDERER_VARIABLES.intersection(v)):
+            raise ValueError(f"{taken} are set by the chat template renderer itself, not template variables")
         return v
 
     @field_validator("layers")

@@ -104,12 +104,13 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
 
 def _store_spec(manifest: Manifest, data: Path, trust_remote_code: bool) -> ExtractionSpec:
     """The spec a store's run tokenized rows of ``data`` with, as its manifest records it (its effective max length,
-    overlong policy and, for a regenerated store, its generation settings)."""
+    overlong policy, chat template variables and, for a regenerated store, its generation settings)."""
     generation = dict(manifest.generation or {})
     regenerate = {"regenerate": generation.pop("mode"), **generation} if generation else {}
     return ExtractionSpec(model=Path(manifest.model_path), data=data, layers=tuple(manifest.capture_indices),
                           format=manifest.format, max_length=manifest.effective_max_length, overlong=manifest.overlong,
-                          trust_remote_code=trust_remote_code, **regenerate)  # fmt: skip
+                          chat_template_kwargs=manifest.chat_template_kwargs, trust_remote_code=trust_remote_code,
+                          **regenerate)  # fmt: skip
 
 
 def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, trust_remote_code: bool) -> list[str]:

@@ -182,8 +182,8 @@ def retokenization_mismatches(chat: ChatTokenizer, regenerated: Regenerated) -> 
     line per turn; empty when they hold every turn as it was generated. They do not when the model wrote a token
     sequence its tokenizer would not (a non-canonical split, a character's bytes cut in two, an id that decodes to
     text of other ids), stopped on an eos the template does not end turns with, or when the template renders a
-    turn otherwise than it was generated (it drops the reasoning of turns before the last user turn, or closes a
-    turn cut inside its thinking with ``</think>``)."""
+    turn otherwise than it was generated (it drops the reasoning of earlier turns, as Kimi-K2.5's own template does of
+    every turn up to the last answer without tool calls, or closes a turn cut inside its thinking with ``</think>``)."""
     where = {"row_number": -1, "sample_id": regenerated.sample_id}
     conv = regenerated.conversation
     ids = chat.encode(chat.render_messages(conv, len(conv.messages), generation_prompt=False, **where), **where)

@@ -50,6 +50,14 @@ def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecor
         f"{capture}; given as {list(manifest.layer_ids_given)} in the `{manifest.layer_convention}` convention.",
         f"- Final hidden state: {final}.",
         f"- Token frequencies over the loss-masked tokens: `{TOKEN_FREQ_FILE}`.",
+        *(
+            [
+                f"- Rows were rendered with the chat template variables `{json.dumps(variables)}`: serve the drafter "
+                "with the same ones (SGLang's and vLLM's `chat_template_kwargs`)."
+            ]
+            if (variables := manifest.chat_template_kwargs)
+            else []
+        ),
         "",
     ]
     if target is not None and target.wrapped:

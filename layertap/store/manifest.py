@@ -45,6 +45,9 @@ class Manifest(BaseModel):
     model_revision: str | None
     tokenizer_sha256: str
     chat_template_sha256: str | None
+    # The template's variables every row was rendered with (`ExtractionSpec.chat_template_kwargs`): part of the
+    # identity, as the template is, so a resume under others is refused instead of mixing samples of both.
+    chat_template_kwargs: dict[str, Any] = {}
     compute_dtype: str
     quantization: dict[str, Any] | None = None  # the folder's packed weights (models/quantization.py), None if plain
     store_dtype: str
@@ -155,6 +158,7 @@ def build_manifest(
         max_length=spec.max_length,
         effective_max_length=effective_max_length,
         overlong=spec.overlong,
+        chat_template_kwargs=spec.chat_template_kwargs,
         dataset_path=str(spec.data.resolve()),
         dataset_rows=dataset_rows,
         dataset_sha256=dataset_sha256,

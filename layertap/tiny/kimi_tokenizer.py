@@ -4,8 +4,8 @@ chat template. All generated here; nothing is taken from the vendor's files.
 The ranks come from the project's own byte-level BPE (`tokenizer.py`): the 256 bytes, then each merge's
 result in merge order. The special tokens carry Kimi's role markers, so a conversation renders with the
 same structure a real Kimi-K2.5 folder gives it: `<|im_system|>`/`<|im_user|>`/`<|im_assistant|>` role
-headers closed by `<|im_middle|>`, `<|im_end|>` ending every turn, `<think>...</think>` for reasoning and a
-tool-call section.
+headers closed by `<|im_middle|>`, `<|im_end|>` ending every turn, `<think>...</think>` for reasoning (opened by the
+generation prompt unless the template variable `thinking` is false) and a tool-call section.
 """
 
 from __future__ import annotations
@@ -30,10 +30,15 @@ KIMI_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", MEDIA_PAD,
 )  # fmt: skip
 
-# Our own template in Kimi's layout. No separators between turns, and every turn renders the same whatever
-# follows it (reasoning is kept in every assistant turn), so each assistant turn is a string suffix of the
-# rendering: `<think>reasoning</think>` content, the tool-call section, `<|im_end|>` - all of it produced by
-# the assistant after the generation prompt `<|im_assistant|>assistant<|im_middle|>`.
+# Our own template in Kimi's layout, with Kimi-K2.5's thinking switch: the template variable `thinking` (on unless
+# given false, as SGLang's `chat_template_kwargs`). On, the generation prompt opens the thinking block
+# (`<|im_assistant|>assistant<|im_middle|><think>`) and an assistant turn renders as `<think>reasoning</think>`
+# (empty reasoning when it has none) then its content; off, the prompt closes an empty block (`<think></think>`) and
+# a turn renders as `<think></think>` then its content, its reasoning left out. Kimi-K2.5's own template also blanks
+# the reasoning of every turn up to the last plain assistant answer, so a turn renders otherwise once a later
+# answer follows; ours never does: no separators between turns and every turn renders the same whatever follows it,
+# so each assistant turn (after its generation prompt: the rest of the think block, content, tool-call section,
+# `<|im_end|>`) is a string suffix of the rendering.
 KIMI_CHAT_TEMPLATE = (
     TEXT_MACRO
     + "{%- if tools -%}{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}{%- endif -%}"
@@ -41,7 +46,8 @@ KIMI_CHAT_TEMPLATE = (
     "{%- if message.role == 'user' -%}{{- '<|im_user|>user<|im_middle|>' + text(message.content) -}}"
     "{%- elif message.role == 'assistant' -%}"
     "{{- '<|im_assistant|>assistant<|im_middle|>' -}}"
-    "{%- if message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}"
+    "{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}"
+    "{%- else -%}{{- '<think>' + (message.reasoning_content or '') + '</think>' -}}{%- endif -%}"
     "{{- text(message.content) -}}"
     "{%- if message.tool_calls -%}"
     "{{- '<|tool_calls_section_begin|>' -}}"
@@ -61,7 +67,9 @@ KIMI_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{- '<|im_end|>' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}"
+    "{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 

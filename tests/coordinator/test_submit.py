@@ -23,6 +23,7 @@ GIVEN: dict[str, Any] = {
     "store_dtype": "fp8",
     "max_length": 512,
     "overlong": "skip",
+    "chat_template_kwargs": {"thinking": False, "mode": "x"},
     "trust_remote_code": True,
     "allow_any_aux_layers": True,
     "max_bad_rows": "7",
@@ -52,6 +53,8 @@ def argv(values: dict[str, Any]) -> list[str]:
     for name, value in values.items():
         if value is True:
             args.append(flags[name])
+        elif isinstance(value, dict):
+            args += [flags[name], json.dumps(value)]
         else:
             args += [flags[name], ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     return args
@@ -79,6 +82,9 @@ def test_submit_sends_every_field_of_the_job_and_the_coordinator_stores_it(
     asked = JobRequest(model=tiny_llama.resolve(), data=data.resolve(), engine=engine, **rest)
     expected = JobSpec(**asked.model_dump(exclude={"expected_tokens", "out"}), out=(root / "body").resolve())
     assert JobSpec.model_validate(stored["spec"]) == expected
+    # the manifest, planned with the job, records the template variables its rows are rendered with
+    assert json.loads((root / "body" / "manifest.json").read_text())["chat_template_kwargs"] == {
+        "thinking": False, "mode": "x"}  # fmt: skip
 
     # expected_tokens is not stored: it is checked, so a corpus too large for the volume is refused (507)
     refused = CliRunner().invoke(submit, [*common, *argv({**GIVEN, "out": "big", "expected_tokens": 10**15})])

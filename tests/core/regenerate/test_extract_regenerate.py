@@ -101,6 +101,55 @@ def test_extract_regenerates_as_hf_generate_and_captures_the_regenerated_text(
     assert check_states_equal_hf(out, folder, hf_reference) == len(ROWS)
 
 
+def test_kimi_k25_regenerates_under_its_thinking_switch(
+    layertap_cli, sglang_servers, tiny_kimi25, hf_reference, tmp_path
+) -> None:
+    """Kimi-K2.5 thinks by default; ``--chat-template-kwargs '{"thinking": false}'`` turns it off, as SGLang's
+    ``chat_template_kwargs`` does: each turn's generation prompt ends with an open ``<think>`` or an empty
+    ``<think></think>`` (the first turn's prompts differ by that closing id only), the regenerated turns have or lack
+    ``reasoning_content``, each is HF's greedy ``generate`` of the same prompt ids (HF's template with the same
+    variables), the stored ids are HF's template with them applied to the stored rows, verify is clean and the
+    manifest records the variables."""
+    server = sglang_servers(tiny_kimi25, layers=LAYERS, extra_args=("--trust-remote-code",))
+    data = write_rows(tmp_path / "rows.jsonl", ROWS)
+    tokenizer = ModelFolder.read(tiny_kimi25).load_tokenizer(trust_remote_code=True)
+    model = hf_reference(tiny_kimi25).model
+    first_prompts = {}
+    for variables in ({}, {"thinking": False}):
+        thinks = variables.get("thinking", True)
+        out = tmp_path / f"thinking-{thinks}"
+        flags = ["--chat-template-kwargs", json.dumps(variables)] if variables else []
+        cli = extract(layertap_cli, tiny_kimi25, server, data, out, "--regenerate", "all", "--max-new-tokens", "12",
+                      "--trust-remote-code", *flags)  # fmt: skip
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        check = verify_store(out, trust_remote_code=True)
+        assert check.ok, check.problems
+        store = OutputStore.open_existing(out)
+        assert store.manifest.chat_template_kwargs == variables
+        chat = ChatTokenizer(tokenizer, template_kwargs=variables)
+        fmt = TurnFormat.of(chat)
+        block = [fmt.think_open] if thinks else [fmt.think_open, fmt.think_close]  # how each prompt ends
+        stop = sorted(model_eos(tiny_kimi25) | set(fmt.stop_token_ids(chat)))
+        stored, records = stored_rows(out), {r.sample_id: r for r in store.records().values()}
+        assert sorted(stored) == sorted(records) == sorted(r["id"] for r in ROWS)
+        for row in ROWS:
+            got = stored[row["id"]]
+            want = hf_greedy(model, tokenizer, row, "all", 12, stop, **variables)
+            assert [i for i, m in enumerate(got["messages"]) if "finish_reason" in m] == [k for k, *_ in want]
+            for k, prompt, new, finish in want:
+                assert prompt[-len(block) :] == block
+                assert got["messages"][k] == {**fmt.message(chat, prompt, new, finish), "finish_reason": finish}
+                assert ("reasoning_content" in got["messages"][k]) == thinks, got["messages"][k]
+            first_prompts.setdefault(row["id"], []).append(want[0][1])
+            messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in got["messages"]]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **variables)
+            ids = store.format.load(out / records[row["id"]].file)["input_ids"].flatten().tolist()
+            assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert check_states_equal_hf(out, tiny_kimi25, hf_reference) == len(ROWS)
+    think_close = tokenizer.convert_tokens_to_ids("</think>")
+    assert all(off == [*on, think_close] for on, off in first_prompts.values()), first_prompts
+
+
 def test_truncated_turns_are_kept_and_counted_or_dropped(layertap_cli, sglang_servers, tiny_llama, tmp_path) -> None:
     server = sglang_servers(tiny_llama, layers=LAYERS)
     data = write_rows(tmp_path / "rows.jsonl", ROWS)

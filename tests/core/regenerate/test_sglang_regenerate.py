@@ -80,23 +80,29 @@ def regenerate(server, chat: ChatTokenizer, rows: list[dict], **settings) -> lis
         regen.close()
 
 
-def hf_greedy(model, tokenizer, row: dict, mode: str, max_new_tokens: int, stop: list[int]) -> list[tuple]:
+def hf_greedy(
+    model, tokenizer, row: dict, mode: str, max_new_tokens: int, stop: list[int], **variables: object
+) -> list[tuple]:
     """HF's own run of the same job, written apart from the module: for each answered assistant turn in order, the
-    template through ``apply_chat_template`` with the generation prompt, then ``generate``; under ``all`` the
-    later turns see the earlier answers as HF wrote them (decoded whole: the template renders reasoning and content
-    as one string)."""
+    template through ``apply_chat_template`` (with the template ``variables``) with the generation prompt, then
+    ``generate``; under ``all`` the later turns see the earlier answers as HF wrote them: decoded whole, and when the
+    prompt ended by opening ``<think>``, the text up to the first ``</think>`` as the reasoning."""
     messages = [dict(m) for m in row["messages"]]
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_user]
     out = []
     for k in answers if mode == "all" else answers[-1:]:
-        text = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True, **variables)
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             new = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=stop, pad_token_id=stop[0])[0, len(prompt):].tolist()  # fmt: skip
         stopped = bool(new) and new[-1] in stop
-        messages[k] = {"role": "assistant", "content": tokenizer.decode(new[:-1] if stopped else new)}
+        answer = tokenizer.decode(new[:-1] if stopped else new)
+        messages[k] = {"role": "assistant", "content": answer}
+        if text.endswith("<think>"):
+            reasoning, _, content = answer.partition("</think>")
+            messages[k] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
         out.append((k, prompt, new, "stop" if stopped else "length"))
     return out
 

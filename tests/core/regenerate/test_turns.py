@@ -36,17 +36,24 @@ CHAT = {
     ],
 }
 
-# Kimi-K2.5's multi-turn habit, in the tiny template: the reasoning of an assistant turn before the last user turn
-# is not rendered (`<think></think>` stands in its place).
-DROPS_EARLIER_REASONING = KIMI_CHAT_TEMPLATE.replace(
-    "{%- for message in messages -%}",
-    "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
-    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}",
-).replace(
-    "{%- if message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
-    "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}"
-    "{%- elif message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}",
-)
+
+def _rewritten(template: str, *edits: tuple[str, str]) -> str:
+    for old, new in edits:
+        assert template.count(old) == 1, old
+        template = template.replace(old, new)
+    return template
+
+
+# A multi-turn habit like Kimi-K2.5's, in the tiny template: the reasoning of an assistant turn before the last user
+# turn is not rendered (`<think></think>` stands in its place).
+DROPS_EARLIER_REASONING = _rewritten(
+    KIMI_CHAT_TEMPLATE,
+    ("{%- for message in messages -%}",
+     "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+     "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}"),
+    ("{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + ",
+     "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + "),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +163,7 @@ def simulated(chat: ChatTokenizer, row: dict, texts: dict[int, str], mode: str) 
     return Regenerated("s", Conversation(messages), tuple(turns))
 
 
-THOUGHTS = {3: "<think>Primary.</think>Blue.", 5: "<think>Warm one.</think>Red."}
+THOUGHTS = {3: "Primary.</think>Blue.", 5: "Warm one.</think>Red."}  # after a generation prompt that opens <think>
 
 
 def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) -> None:
@@ -169,6 +176,46 @@ def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) 
             seen = turn.prompt_ids + turn.output_ids
             assert full[: len(seen)] == seen
     assert regen.record()["messages"][3] == {"role": "assistant", "content": "Blue.", "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize(
+    ("variables", "thinks"), [({}, True), ({"thinking": True}, True), ({"thinking": False}, False)]
+)
+def test_the_thinking_switch_opens_or_closes_the_think_block_as_kimi_k25s(kimi_tokenizer, variables, thinks) -> None:
+    """Kimi-K2.5's switch: thinking (on unless false) ends the generation prompt with an open ``<think>``, off with an
+    empty ``<think></think>``; a turn renders its reasoning on, none off, and stays the rendering's suffix."""
+    chat = ChatTokenizer(kimi_tokenizer, template_kwargs=variables)
+    conv = parse_row(0, {"messages": [{"role": "user", "content": "Why?"},
+                                      {"role": "assistant", "reasoning_content": "Sky.", "content": "Rayleigh."}]})  # fmt: skip
+    prompt = chat.render_messages(conv, 1, generation_prompt=True, row_number=0, sample_id="t")
+    head = "<|im_user|>user<|im_middle|>Why?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    assert prompt == head + ("<think>" if thinks else "<think></think>")
+    assert prompt == kimi_tokenizer.apply_chat_template(conv.messages[:1], tokenize=False, add_generation_prompt=True,
+                                                        **variables)  # fmt: skip
+    fmt = TurnFormat.of(chat)
+    assert ids(chat, prompt) == ids(chat, head) + ([fmt.think_open] if thinks else [fmt.think_open, fmt.think_close])
+    text, spans = chat.render(conv, row_number=0, sample_id="t")
+    assert text == prompt + ("Sky.</think>" if thinks else "") + "Rayleigh.<|im_end|>"
+    assert [text[a:b] for a, b in spans] == [text[len(prompt) :]]
+
+
+def test_turns_generated_under_either_switch_render_back_as_generated(kimi_tokenizer) -> None:
+    """On, the prompt opens the thinking block, so the turn's ids up to ``</think>`` are its reasoning; off, the turn
+    is all content. Either way the template gives back the ids each turn saw, and the first turn's prompts differ
+    only by the closing marker."""
+    on, off = ChatTokenizer(kimi_tokenizer), ChatTokenizer(kimi_tokenizer, template_kwargs={"thinking": False})
+    thought = simulated(on, CHAT, THOUGHTS, "all")
+    plain = simulated(off, CHAT, {3: "Blue.", 5: "Red."}, "all")
+    assert [thought.conversation.messages[t.index] for t in thought.turns] == [
+        {"role": "assistant", "content": "Blue.", "reasoning_content": "Primary."},
+        {"role": "assistant", "content": "Red.", "reasoning_content": "Warm one."},
+    ]
+    assert [plain.conversation.messages[t.index] for t in plain.turns] == [
+        {"role": "assistant", "content": "Blue."}, {"role": "assistant", "content": "Red."}]  # fmt: skip
+    assert retokenization_mismatches(on, thought) == [] and retokenization_mismatches(off, plain) == []
+    fmt = TurnFormat.of(on)
+    assert thought.turns[0].prompt_ids[-1] == fmt.think_open
+    assert plain.turns[0].prompt_ids == [*thought.turns[0].prompt_ids, fmt.think_close]
 
 
 def test_a_template_that_drops_earlier_reasoning_is_named_per_turn(kimi_tokenizer) -> None:

@@ -75,13 +75,13 @@ def test_mla_gpu_shape_has_kimis_head_sizes(tmp_path) -> None:
 
 
 def _assistant_turns(row: dict) -> list[str]:
-    """What each assistant turn produced, written out from the row's fields (Kimi's layout)."""
+    """What each assistant turn produced after its generation prompt (which opens the thinking block), written out
+    from the row's fields (Kimi's layout)."""
     turns = []
     for m in row["messages"]:
         if m["role"] != "assistant":
             continue
-        text = f"<think>{m['reasoning_content']}</think>" if m.get("reasoning_content") else ""
-        text += m["content"]
+        text = f"{m.get('reasoning_content') or ''}</think>{m['content']}"
         if m.get("tool_calls"):
             text += "<|tool_calls_section_begin|>"
             for i, call in enumerate(m["tool_calls"]):
