@@ -35,7 +35,9 @@ ROW_KINDS: dict[str, str] = {
     "overlong": "longer than max_length under the skip policy",
     "server_limit": "longer than the SGLang server accepts (a job's max_length above its limit, not known at submit)",
     "regenerate": "nothing to regenerate (preformatted text, token ids, no user turn before an assistant turn)",
-    "generation": "the server refused to generate this row's responses (e.g. a prompt past its context length)",
+    "generation": "the server refused to generate this row's responses (e.g. a prompt past its context length), or "
+    "aborted their generation every attempt",
+    "generation_truncated": "a regenerated turn was cut at max_new_tokens under drop_truncated",
     "capture": "the capture failed every attempt",
     "internal": "an unexpected error while preparing the row (a bug: please report it)",
 }

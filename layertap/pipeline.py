@@ -388,7 +388,7 @@ def run_shard(
                          server_limit=server_limit, regenerated=regenerated)  # fmt: skip
     why: list[str] = []
     todo = _todo(planner.plan(done, start=start, stop=stop), store, report, events, why)
-    regenerator = _regenerator(spec, engine, planner, store.writer_id)
+    regenerator = _regenerator(spec, engine, planner, store.writer_id, attempts)
     try:
         samples = _given(todo, report) if regenerator is None else _regenerated(todo, regenerator, planner, store,
                                                                                 report, events)  # fmt: skip
@@ -440,9 +440,12 @@ def _given(todo: Iterator[PlannedRow], report: RunReport) -> Iterator[TokenizedS
         yield item.sample
 
 
-def _regenerator(spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job: str) -> Regenerator | None:
-    """The run's Regenerator on the engine's own server (None when the run does not regenerate); SpecError for an
-    engine that cannot generate (the in-process HF engine)."""
+def _regenerator(
+    spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job: str, attempts: int
+) -> Regenerator | None:
+    """The run's Regenerator on the engine's own server (None when the run does not regenerate), failing as the
+    capture does: ``attempts`` per row, a dropped request recovered by the engine (`Engine.recover`: an owned server
+    that died restarted); SpecError for an engine that cannot generate (the in-process HF engine)."""
     if (settings := spec.generation) is None:
         return None
     if engine.generation_server is None:
@@ -450,7 +453,8 @@ def _regenerator(spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job:
             f"regenerate needs an SGLang capture server to generate on; the {engine.describe().get('name')} engine "
             "cannot (run with --engine sglang)"
         )
-    return Regenerator(engine.generation_server, planner.chat, settings, job=job, in_flight=engine.generation_in_flight)
+    return Regenerator(engine.generation_server, planner.chat, settings, job=job, attempts=attempts,
+                       recover=engine.recover, in_flight=engine.generation_in_flight)  # fmt: skip
 
 
 def _regenerated(
@@ -463,7 +467,8 @@ def _regenerated(
 ) -> Iterator[TokenizedSample]:
     """The samples of the ``todo`` rows regenerated (`Regenerator.regenerate_many`: its threads keep generating
     while the engine captures what this yielded), each through the template with its regenerated row attached;
-    a row refused, cut under ``drop_truncated`` or over the server's limit is recorded as its error."""
+    a row refused, failed every generation attempt, cut under ``drop_truncated`` or over the server's limit is
+    recorded as its error."""
     rows: dict[str, int] = {}
 
     def jobs() -> Iterator[RowJob]:

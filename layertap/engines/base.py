@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from layertap.engines.server_facts import ServerFacts
+from layertap.errors import ServerError
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 
@@ -43,6 +44,11 @@ class Engine(ABC):
     def max_input_tokens(self) -> int | None:
         """The longest sample the engine takes, when it is below the model's context length (a server's limit)."""
         return None
+
+    def recover(self, reason: str) -> None:
+        """Requests to ``generation_server`` were dropped (``reason``): return once it serves again; ServerError when
+        it cannot (an engine that serves none has nothing to recover)."""
+        raise ServerError(f"the {type(self).__name__} has no server to recover: {reason}")
 
     def release(self, captured: CapturedSample) -> None:  # noqa: B027 - in-memory engines hold nothing
         """The consumer is done with ``captured``: free what backs it (e.g. its dump files)."""

@@ -13,7 +13,9 @@ and the store commits it by renaming it, no bytes copied when the dump root shar
 Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
 process can never be taken for a fresh one. A dead server this process launched is restarted and the
 requests it held are sent again (not counted against the samples); a dead server given by URL ends the
-run (someone else runs it). One sample's failure is yielded as a FailedCapture.
+run (someone else runs it). One sample's failure is yielded as a FailedCapture. The same recovery
+(`SGLangEngine.recover`, one restart at a time) serves a regenerating run's generation requests, sent from
+other threads to the same server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 import logging
 import shlex
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +36,7 @@ import httpx
 
 from layertap.engines.base import Engine
 from layertap.engines.server_facts import ServerFacts, check_server, expectation_for
-from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.engines.sglang_server import SERVER_DOWN_TRIES, ServerConfig, SGLangServer
 from layertap.errors import SampleError, ServerError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
@@ -109,7 +112,7 @@ class SGLangEngine(Engine):
                                         allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
         self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
-        self._server_down_tries = 3  # resends of one sample after a dropped connection, server up
+        self._recovering = threading.Lock()  # one restart at a time: capture and generation threads share the server
         dump_root.mkdir(parents=True, exist_ok=True)
         swept = sweep_stale_dumps(dump_root, STALE_DUMP_AGE_S)
         if swept:
@@ -274,7 +277,7 @@ class SGLangEngine(Engine):
                         except _ServerDown as exc:
                             reason = str(exc)
                             dropped[sample.sample_id] = dropped.get(sample.sample_id, 0) + 1
-                            if dropped[sample.sample_id] > self._server_down_tries and self.server.alive():
+                            if dropped[sample.sample_id] > SERVER_DOWN_TRIES and self.server.alive():
                                 yield FailedCapture(sample, f"server kept dropping this request: {reason}")
                             else:
                                 resend.append(sample)
@@ -286,7 +289,7 @@ class SGLangEngine(Engine):
                         self._yielded[sample.sample_id] = rid
                         yield captured
                     if resend:
-                        self._recover(reason)
+                        self.recover(reason)
                         for sample in resend:
                             pending[pool.submit(self._request, sample)] = sample
             finally:
@@ -296,9 +299,14 @@ class SGLangEngine(Engine):
                 for rid in list(self._sent):  # dumps of requests abandoned mid-flight
                     self._discard(rid)
 
+    def recover(self, reason: str) -> None:
+        """The server dropped requests (``reason``): return once it serves again, restarting it if it is down and ours,
+        within the restart budget; ServerError otherwise, naming how it ended and the decisive line of its log (the
+        exception that killed it). Thread-safe: callers that saw the same death wait for the one restart."""
+        with self._recovering:
+            self._recover(reason)
+
     def _recover(self, reason: str) -> None:
-        """The server dropped requests: restart it if it is down and ours, within the restart budget; the
-        error then names how it ended and the decisive line of its log (the exception that killed it)."""
         if self.server.alive():
             return
         if not self.server.owned:

@@ -45,6 +45,9 @@ _PR_SET_PDEATHSIG = 1
 CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
                    "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
 
+# Resends of one request a server dropped (no answer, HTTP 5xx) while it stayed up, before the attempt counts as failed.
+SERVER_DOWN_TRIES = 3
+
 # Crash diagnostics of SGLang 0.5.14 (0.5.10 reads neither): before a crashed server exits, a py-spy dump of
 # every scheduler and a CUDA core dump with a 60 s wait. An owned server is restarted at once instead, so
 # they are off unless the server's environment turns them on (its variables win over these).

@@ -11,19 +11,24 @@ The server is the capture server: a generation rid (`generation_rid`) holds no `
 none of its passes; generation may take prefixes from the radix cache (the launcher turns it off unless told to
 keep it; the capture requests that follow bring their own unique ``extra_key``).
 
-Errors: a row with nothing to regenerate, or one the server refuses (HTTP 4xx, e.g. a prompt past the context
-length), is a RowError (kinds ``regenerate``, ``generation``); an aborted request a SampleError (retry the row);
-a server that cannot be reached or answers 5xx a ServerError.
+Failures follow the capture's rules (`layertap.engines.sglang`): a row with nothing to regenerate, or one the server
+refuses (HTTP 4xx, e.g. a prompt past the context length), is a RowError (kinds ``regenerate``, ``generation``); an
+aborted generation (a SampleError) costs the row one of its ``attempts`` (the row is regenerated again), and after the
+last it is the row's RowError (``generation``); a request the server dropped (no answer, HTTP 5xx) is sent again once
+``recover`` has the server serving (the engine's `SGLangEngine.recover`: an owned server that died is restarted, a dead
+attached one is a ServerError), up to `SERVER_DOWN_TRIES` times while the server stays up (then an aborted
+generation). Without ``recover`` a dropped request is a ServerError.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +37,7 @@ import httpx
 
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import Conversation, ParsedRow
-from layertap.engines.sglang_server import SGLangServer
+from layertap.engines.sglang_server import SERVER_DOWN_TRIES, SGLangServer
 from layertap.errors import RowError, SampleError, ServerError
 from layertap.regenerate.turns import (
     GeneratedTurn,
@@ -43,6 +48,8 @@ from layertap.regenerate.turns import (
 )
 from layertap.spec import GenerationSettings
 from sglang_patch.contract import generation_rid
+
+log = logging.getLogger(__name__)
 
 # Regenerated rows that may wait for their capture (their text only, a few KB each). On the first H200 run (Kimi-K2
 # width, 64 rows in flight, at most 128 of them regenerated ahead) the captures of ~3.5K-token conversations kept
@@ -69,16 +76,21 @@ class Regenerator:
         settings: GenerationSettings,
         *,
         job: str,
+        attempts: int = 1,
+        recover: Callable[[str], None] | None = None,
         in_flight: int = 16,
         ahead: int = GENERATED_AHEAD,
         request_timeout_s: float = 3600.0,
     ) -> None:
-        """``job`` names the run in the generation rids (for the server's log); ``in_flight`` rows at once, up to
+        """``job`` names the run in the generation rids (for the server's log); ``attempts`` per row (as a sample's
+        captures), ``recover`` after a dropped request (see the module doc); ``in_flight`` rows at once, up to
         ``ahead`` more regenerated before the caller takes them (`regenerate_many`)."""
         self.server = server
         self.chat = chat
         self.settings = settings
         self.job = job
+        self.attempts = attempts
+        self.recover = recover
         self.in_flight = in_flight
         self.ahead = ahead
         self.format = TurnFormat.of(chat)
@@ -113,19 +125,11 @@ class Regenerator:
         seed = turn_seed(s.seed, job.sample_id, index)
         params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                   "stop_token_ids": self.stop_token_ids, "sampling_seed": seed}  # fmt: skip
-        rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
         sent = time.monotonic()
-        try:
-            reply = self._client.post(
-                self.server.url + "/generate", json={"input_ids": prompt, "rid": rid, "sampling_params": params}
-            )
-        except httpx.TransportError as exc:
-            raise ServerError(f"the SGLang server at {self.server.url} did not answer {rid}: {exc}") from exc
+        rid, reply = self._send(job, index, {"input_ids": prompt, "sampling_params": params})
         with self._span_lock:
             first = self._span[0] if self._span else sent
             self._span = (min(first, sent), time.monotonic())
-        if reply.status_code >= 500:
-            raise ServerError(f"the SGLang server at {self.server.url} failed {rid}: HTTP {reply.status_code}")
         if reply.status_code != 200:
             reason = f"the server refused to generate turn {index} ({len(prompt)} prompt tokens): {reply.text[:300]}"
             raise RowError(reason, row=job.row_number, sample_id=job.sample_id, kind="generation")
@@ -138,9 +142,44 @@ class Regenerator:
         output = list(body["output_ids"])
         return GeneratedTurn(index, prompt, output, kind, seed)
 
+    def _send(self, job: RowJob, index: int, body: dict[str, Any]) -> tuple[str, httpx.Response]:
+        """``POST /generate`` of ``body`` under a fresh rid until the server answers (below 5xx): (rid, reply). A
+        dropped request is sent again after ``recover``; SampleError once dropped `SERVER_DOWN_TRIES` times more with
+        the server up, ServerError without ``recover`` or when it fails."""
+        drops = 0
+        while True:
+            rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
+            try:
+                reply = self._client.post(self.server.url + "/generate", json={**body, "rid": rid})
+            except httpx.TransportError as exc:
+                dropped = f"{type(exc).__name__}: {exc}"
+            else:
+                if reply.status_code < 500:
+                    return rid, reply
+                dropped = f"HTTP {reply.status_code}: {reply.text[:300]}"
+            if self.recover is None:
+                raise ServerError(f"the SGLang server at {self.server.url} dropped generation {rid}: {dropped}")
+            if drops >= SERVER_DOWN_TRIES and self.server.alive():
+                raise SampleError(f"the server kept dropping generation {rid}: {dropped}")
+            self.recover(dropped)
+            drops += 1
+
+    def _attempt_failed(self, job: RowJob, error: SampleError, tries: Counter[str]) -> RowError | None:
+        """Count a failed generation of ``job``'s row: None while it has attempts left (regenerate it again), else
+        its RowError."""
+        tries[job.sample_id] += 1
+        n = tries[job.sample_id]
+        log.warning("row %d (sample %s): generation attempt %d/%d failed: %s",
+                    job.row_number, job.sample_id, n, self.attempts, error)  # fmt: skip
+        if n < self.attempts:
+            return None
+        reason = f"{error} (failed all {n} attempts)"
+        return RowError(reason, row=job.row_number, sample_id=job.sample_id, kind="generation")
+
     def regenerate_many(self, jobs: Iterable[RowJob]) -> Iterator[Regenerated | RowError]:
         """Each row regenerated, ``in_flight`` at once, yielded in completion order; a row's refusal is yielded
-        as its RowError. SampleError and ServerError propagate (after the rows in flight end).
+        as its RowError, as is a row whose generation failed all its ``attempts`` (kind ``generation``; one that has
+        attempts left is regenerated again). ServerError propagates (after the rows in flight end).
 
         Generation runs ahead of the caller: a finished row's slot is refilled at once from the finishing thread,
         from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
@@ -150,7 +189,7 @@ class Regenerator:
         errors as it goes)."""
         source = iter(jobs)
         ready: deque[RowJob] = deque()
-        finished: queue.SimpleQueue[Future[Regenerated]] = queue.SimpleQueue()
+        finished: queue.SimpleQueue[tuple[RowJob, Future[Regenerated]]] = queue.SimpleQueue()
         lock = threading.RLock()  # a callback may run at once, in the thread that added it
         running = 0
         pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="regenerate")
@@ -160,15 +199,17 @@ class Regenerator:
             with lock:
                 while running < self.in_flight and ready:
                     running += 1
-                    pool.submit(self.regenerate, ready.popleft()).add_done_callback(ended)
+                    job = ready.popleft()
+                    pool.submit(self.regenerate, job).add_done_callback(lambda fut, job=job: ended(job, fut))
 
-        def ended(fut: Future[Regenerated]) -> None:
+        def ended(job: RowJob, fut: Future[Regenerated]) -> None:
             nonlocal running
             with lock:
                 running -= 1
-            finished.put(fut)
+            finished.put((job, fut))
             start_ready()
 
+        tries: Counter[str] = Counter()  # failed generations per sample id
         taken = 0  # rows taken from jobs and not yet yielded
         try:
             while True:
@@ -179,12 +220,20 @@ class Regenerator:
                     start_ready()
                 if not taken:
                     return
-                fut = finished.get()
+                job, fut = finished.get()
                 taken -= 1
                 try:
                     yield fut.result()
                 except RowError as exc:
                     yield exc
+                except SampleError as exc:
+                    if (failed := self._attempt_failed(job, exc, tries)) is not None:
+                        yield failed
+                        continue
+                    with lock:
+                        ready.appendleft(job)
+                    taken += 1
+                    start_ready()
         finally:
             with lock:
                 ready.clear()
