@@ -36,6 +36,8 @@ CUDA_STUB_SOURCE = REPO_ROOT / "scripts" / "libcuda_stub.c"
 # legal index and one in between; for kimi, index 2 is the output of its first MoE layer.
 DEFAULT_LAYERS = {"llama": (1, 3, 5), "kimi-k2": (1, 2, 4)}
 CHUNKED_PREFILL_SIZE = 64
+# Every test server's SGLang flags but its TP size: the CPU backend, float32, small chunked-prefill passes.
+TEST_SERVER_ARGS = (*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE))
 STARTUP_TIMEOUT_S = 900.0  # a start that outlasts it is not retried; a loaded 2-core box started TP=2 in > 300 s
 
 
@@ -100,16 +102,7 @@ def run_sglang_server(
         log_path=workdir / "server.log",
         layout=layout,
         quantize=quantize,
-        sglang_args=(
-            *CPU_SERVER_ARGS,
-            "--dtype",
-            "float32",
-            "--chunked-prefill-size",
-            str(CHUNKED_PREFILL_SIZE),
-            "--tp-size",
-            str(tp_size),
-            *extra_args,
-        ),
+        sglang_args=(*TEST_SERVER_ARGS, "--tp-size", str(tp_size), *extra_args),
         env=cpu_server_env(cuda_stub_dir, tp_size),
         startup_timeout_s=STARTUP_TIMEOUT_S,
     )

@@ -1,20 +1,30 @@
-"""A job that regenerates (``regenerate: all``) through ``POST /jobs`` and Celery workers attached to one CPU SGLang
-capture server: every sample stored once, its regenerated row beside it, the counts on ``GET /jobs/{id}``, also when
-a worker is SIGKILLed mid-generation and another takes its shard."""
+"""A job that regenerates through ``POST /jobs`` and Celery workers on CPU SGLang capture servers: every sample stored
+once, its regenerated row beside it (greedy: the text a clean run of the `Regenerator` on the same model gives), the
+counts on ``GET /jobs/{id}``, also when a worker is SIGKILLed mid-generation and another takes its shard, when the
+worker's own server is SIGKILLed mid-generation (restarted in place, as a capture's), when the coordinator is
+SIGKILLed and restarted meanwhile, and for ``last`` on the tiny Kimi-K2.5 wrapper (model code run by the workers)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
+from layertap.data.chat import ChatTokenizer
+from layertap.data.rows import parse_row
+from layertap.engines.sglang_server import SGLangServer, cpu_server_env
+from layertap.models.folder import ModelFolder
+from layertap.regenerate import GenerationSettings, Regenerated, Regenerator, RowJob
 from layertap.settings import COMMIT_THREADS
 from layertap.store.index import INDEX_DIR, REGENERATED_DIR
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.service_fixtures import Proc, wait_for
+from tests.sglang_fixtures import DEFAULT_LAYERS, TEST_SERVER_ARGS
 from tests.worker.conftest import SHARD_SIZE
 from tests.worker.test_failures import SGLANG_READY
 
@@ -25,11 +35,32 @@ pytestmark = [
 
 ROWS = 100
 MAX_NEW_TOKENS = 8
+KIMI_ROWS = 12
 
 
 @pytest.fixture
 def chats(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chats.jsonl", conversation_rows(ROWS, seed=2, max_words=18))
+
+
+def greedy_rows(url: str, model: Path, rows: list[dict], mode: str, *, trust_remote_code: bool = False) -> dict:
+    """sample id -> the row a clean run of the `Regenerator` alone regenerates greedily on the server at ``url``."""
+    chat = ChatTokenizer(ModelFolder.read(model).load_tokenizer(trust_remote_code))
+    settings = GenerationSettings(mode=mode, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    regen = Regenerator(SGLangServer(url=url), chat, settings, job="clean")
+    try:
+        out = list(regen.regenerate_many(RowJob(i, r["id"], parse_row(i, r)) for i, r in enumerate(rows)))
+    finally:
+        regen.close()
+    assert all(isinstance(r, Regenerated) for r in out), out
+    return {r.sample_id: r.record() for r in out}
+
+
+@pytest.fixture(scope="module")
+def clean_rows(sglang_servers, tiny_llama) -> dict:
+    """The greedy rows of ``chats`` from a clean run on the CPU server the attached workers use."""
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
+    return greedy_rows(server.url, tiny_llama, conversation_rows(ROWS, seed=2, max_words=18), "all")
 
 
 @pytest.fixture
@@ -47,42 +78,46 @@ def submit_regenerating(cluster, model: Path, chats: Path) -> str:
     return cluster.submit(model, chats, regenerate="all", max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
 
 
-def check_regenerated_job(job: dict, chats: Path) -> None:
-    """Every row's sample stored once with exactly one regenerated row (a ``finish_reason`` on each regenerated
-    turn), verify clean (stored ids = the regenerated row through the template), the job's generation counts and
-    the manifest's generation settings."""
+def check_regenerated_job(job: dict, chats: Path, clean: dict, *, mode: str = "all", trust_remote_code: bool = False):
+    """Every row's sample stored once with exactly one regenerated row, the ``clean`` run's (greedy: the same text,
+    a ``finish_reason`` on each regenerated turn), verify against the data clean (stored ids = the regenerated row
+    through the template), the job's generation counts and the manifest's generation settings."""
     out = Path(job["out"])
-    assert (job["samples_done"], job["samples_failed"], job["samples_total"]) == (ROWS, 0, ROWS)
-    report = verify_store(out)
-    assert report.ok and report.complete and report.samples == ROWS, report.problems
+    given = {r["id"]: r["messages"] for r in map(json.loads, chats.read_text().splitlines())}
+    n = len(given)
+    assert (job["samples_done"], job["samples_failed"], job["samples_total"]) == (n, 0, n)
+    report = verify_store(out, data=chats, trust_remote_code=trust_remote_code)
+    assert report.ok and report.complete and report.samples == n, report.problems
     records = OutputStore.open_existing(out).records()
     rows = [json.loads(line) for line in (out / REGENERATED).read_text().splitlines()]
-    assert len(records) == ROWS and sorted(r["id"] for r in rows) == sorted(records)
-    given = {r["id"]: r["messages"] for r in map(json.loads, chats.read_text().splitlines())}
+    assert len(records) == n and sorted(r["id"] for r in rows) == sorted(records)
+    assert {r["id"]: r for r in rows} == clean
     for row in rows:
         turns = [m for m in row["messages"] if m["role"] == "assistant"]
         assert len(row["messages"]) == len(given[row["id"]]) and turns
-        assert all(m["finish_reason"] in ("stop", "length") for m in turns), row
+        regenerated = turns if mode == "all" else turns[-1:]
+        assert all(m["finish_reason"] in ("stop", "length") for m in regenerated), row
+        assert all("finish_reason" not in m for m in turns[: len(turns) - len(regenerated)]), row
     generation = job["generation"]
-    assert generation["rows"] == ROWS and 0 < generation["tokens"] <= MAX_NEW_TOKENS * sum(map(len, given.values()))
+    assert generation["rows"] == n and 0 < generation["tokens"] <= MAX_NEW_TOKENS * sum(map(len, given.values()))
     assert generation["cut_turns"] == sum(m.get("finish_reason") == "length" for r in rows for m in r["messages"])
     settings = json.loads((out / "manifest.json").read_text())["generation"]
-    assert (settings["mode"], settings["max_new_tokens"], settings["temperature"]) == ("all", MAX_NEW_TOKENS, 0.0)
+    assert (settings["mode"], settings["max_new_tokens"], settings["temperature"]) == (mode, MAX_NEW_TOKENS, 0.0)
     assert settings["drop_truncated"] is False
 
 
 def test_a_regenerating_job_over_two_workers_stores_each_sample_once_with_its_regenerated_row(
-    regenerating_cluster, tiny_llama, chats
+    regenerating_cluster, tiny_llama, chats, clean_rows
 ) -> None:
     cluster, _ = regenerating_cluster
     job = cluster.wait_state(submit_regenerating(cluster, tiny_llama, chats), "done")
-    check_regenerated_job(job, chats)
+    check_regenerated_job(job, chats, clean_rows)
     servers = json.loads((Path(job["out"]) / "manifest.json").read_text())["servers"]
     assert {s["writer"].split("-")[0] for s in servers} <= {"w1", "w2"}
 
 
 def test_a_worker_sigkilled_mid_shard_of_a_regenerating_job_leaves_every_sample_once_and_no_row_without_its_sample(
-    regenerating_cluster, tiny_llama, chats
+    regenerating_cluster, tiny_llama, chats, clean_rows
 ) -> None:
     cluster, env = regenerating_cluster
     job_id = submit_regenerating(cluster, tiny_llama, chats)
@@ -99,4 +134,120 @@ def test_a_worker_sigkilled_mid_shard_of_a_regenerating_job_leaves_every_sample_
     assert 2 <= committed < SHARD_SIZE  # it died in the middle of its shard, its texts logged with its commits
     # a commit logs its text, then its record: each commit thread may have died between the two
     assert committed <= len((out / REGENERATED_DIR / writer).read_text().splitlines()) <= committed + COMMIT_THREADS
-    check_regenerated_job(job, chats)
+    check_regenerated_job(job, chats, clean_rows)
+
+
+def generated_rows(cluster, job_id: str) -> int:
+    """Rows the job's shards have counted as regenerated (read from Redis: works while the coordinator is down)."""
+    return sum(int(shard.get("generated_rows", 0)) for shard in cluster.shards(job_id))
+
+
+def test_the_coordinator_sigkilled_mid_generation_and_restarted_leaves_the_job_to_complete_as_a_clean_run(
+    regenerating_cluster, tiny_llama, chats, clean_rows
+) -> None:
+    cluster, _ = regenerating_cluster
+    job_id = submit_regenerating(cluster, tiny_llama, chats)
+    wait_for(lambda: 1 <= generated_rows(cluster, job_id) < ROWS, timeout=120, what="rows regenerated, others not yet",
+             every=0.01)  # fmt: skip
+    cluster.coordinator.proc.kill(signal.SIGKILL)
+    cluster.restart_coordinator()
+    check_regenerated_job(cluster.wait_state(job_id, "done"), chats, clean_rows)
+
+
+# --- A worker's own server (launched by the worker, as in production without LAYERTAP_SERVER_URL). ---
+
+
+@pytest.fixture
+def own_server_env(cuda_stub_dir, sglang_python, tmp_path: Path) -> dict[str, str]:
+    """A worker's environment that has it launch its own CPU capture server (the test servers' flags), logging each
+    request's arrival and end as JSON lines under ``tmp_path / "requests"`` (`generations_in_flight` reads them)."""
+    requests = tmp_path / "requests"
+    args = (*TEST_SERVER_ARGS, "--log-requests", "--log-requests-level", "0", "--log-requests-format", "json",
+            "--log-requests-target", str(requests))  # fmt: skip
+    return {"LAYERTAP_ENGINE": "sglang", "LAYERTAP_DUMP_ROOT": str(tmp_path / "dumps"),
+            "LAYERTAP_SGLANG_PYTHON": str(sglang_python), "LAYERTAP_SGLANG_ARGS": " ".join(args),
+            **cpu_server_env(cuda_stub_dir)}  # fmt: skip
+
+
+def generations_in_flight(requests: Path) -> set[str]:
+    """rids of generation requests (``gen.``, `generation_rid`) the server has received and not answered."""
+    events: dict[str, set[str]] = {"request.received": set(), "request.finished": set()}
+    for path in requests.glob("*.log"):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line[line.index("{") :])
+            except ValueError:
+                continue  # a line being written
+            if event.get("event") in events and str(event.get("rid")).startswith("gen."):
+                events[event["event"]].add(event["rid"])
+    return events["request.received"] - events["request.finished"]
+
+
+def launched_server(worker: Proc) -> int:
+    """The pid of the SGLang server ``worker`` launched, the leader of its process group (scheduler, detokenizer)."""
+
+    def child() -> int | None:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue  # a process that ended meanwhile
+            if ppid == worker.pid and b"sglang_patch.launch" in cmdline:
+                return int(stat.parent.name)
+        return None
+
+    return wait_for(child, timeout=120, what=f"{worker.name}'s SGLang server process", every=0.2)
+
+
+def sigkill_mid_generation(group: int, requests: Path) -> set[str]:
+    """SIGKILL process group ``group`` (a server) while it holds generation requests: it is frozen (SIGSTOP) until
+    the request log shows one received and not answered, thawed otherwise; returns those rids."""
+
+    def frozen() -> set[str] | None:
+        if not generations_in_flight(requests):
+            return None
+        os.killpg(group, signal.SIGSTOP)
+        if held := generations_in_flight(requests):
+            return held
+        os.killpg(group, signal.SIGCONT)
+        return None
+
+    held = wait_for(frozen, timeout=300, what="a generation in flight on the server", every=0.01)
+    os.killpg(group, signal.SIGKILL)
+    return held
+
+
+def test_the_workers_own_server_sigkilled_mid_generation_is_restarted_and_the_job_stores_a_clean_runs_text(
+    start_cluster, own_server_env, tiny_llama, chats, clean_rows, tmp_path
+) -> None:
+    cluster = start_cluster(workers=0)
+    worker = cluster.add_worker("w1", **own_server_env)
+    job_id = submit_regenerating(cluster, tiny_llama, chats)
+    held = sigkill_mid_generation(launched_server(worker), tmp_path / "requests")
+
+    job = cluster.wait_state(job_id, "done")
+    assert held and not generations_in_flight(tmp_path / "requests") - held  # the restarted server answered the rest
+    check_regenerated_job(job, chats, clean_rows)
+    # Restarted in place, as for a capture: no shard was given up and run again, no sample stored twice.
+    assert all(int(shard["attempts"]) == 1 for shard in cluster.shards(job_id))
+    assert "restarting it and resending its requests" in worker.log_path.read_text()
+
+
+# --- ``last`` on the tiny Kimi-K2.5 wrapper: the folder's tokenizer and model are code the workers must run. ---
+
+
+def test_a_job_regenerating_the_last_turn_on_kimi25_stores_a_clean_runs_text(
+    start_cluster, sglang_servers, tiny_kimi25, tmp_path
+) -> None:
+    server = sglang_servers(tiny_kimi25, layers=DEFAULT_LAYERS["kimi-k2"], extra_args=("--trust-remote-code",))
+    rows = conversation_rows(KIMI_ROWS, seed=5, max_words=12)
+    chats = write_jsonl(tmp_path / "chats.jsonl", rows)
+    cluster = start_cluster(workers=0, LAYERTAP_ALLOW_REMOTE_CODE="1")
+    cluster.add_worker("w1", LAYERTAP_ENGINE="sglang", LAYERTAP_SERVER_URL=server.url,
+                       LAYERTAP_DUMP_ROOT=str(server.dump_root), LAYERTAP_ALLOW_REMOTE_CODE="1")  # fmt: skip
+    job_id = cluster.submit(tiny_kimi25, chats, layers=list(DEFAULT_LAYERS["kimi-k2"]), trust_remote_code=True,
+                            regenerate="last", max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)  # fmt: skip
+    job = cluster.wait_state(job_id, "done")
+    clean = greedy_rows(server.url, tiny_kimi25, rows, "last", trust_remote_code=True)
+    check_regenerated_job(job, chats, clean, mode="last", trust_remote_code=True)
