@@ -1,14 +1,19 @@
 """Which index record describes a sample's file when two writers committed it (a frozen worker whose
-lease was taken over keeps going): the one whose bytes are on disk, whatever order the logs are in."""
+lease was taken over keeps going): the one whose bytes are on disk, whatever order the logs are in; a regenerated
+sample's text counts only with its record."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from layertap.sample import CapturedSample
-from layertap.store.store import OutputStore
+from layertap.store.index import INDEX_DIR, REGENERATED_DIR, JsonlLog
+from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.store.test_adopt import H, K, T, _sample, _store
 
@@ -62,3 +67,46 @@ def test_index_reader_parses_appends_torn_lines_and_replaced_logs(tmp_path: Path
     assert set(reader.candidates()) == {"s7", "s1"}
     (folder / "w2.jsonl").unlink()
     assert set(reader.candidates()) == {"s7"}
+
+
+def test_a_regenerated_text_without_its_index_record_never_counts(tmp_path: Path, monkeypatch) -> None:
+    """A writer killed between a sample's text (``regenerated/``) and its index record leaves text that neither a
+    resume (`OutputStore.regenerated_rows`, what the planner trusts) nor finalize's ``regenerated.jsonl`` takes,
+    whether the sample is committed later by another writer or never."""
+    made = _store(tmp_path / "out", "specforge")
+    manifest = made.manifest.model_copy(update={"generation": {"mode": "all"}})
+    made.close()
+
+    def row(sample_id: str, text: str) -> dict:
+        return {"id": sample_id, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]}
+
+    def capture(index: int, seed: int, text: str) -> CapturedSample:
+        sample = dataclasses.replace(
+            _sample(seed), sample_id=f"s{index}", index=index, regenerated=row(f"s{index}", text)
+        )
+        g = torch.Generator().manual_seed(seed)
+        return CapturedSample(sample, torch.randn(T, K, H, generator=g), torch.randn(T, H, generator=g), None)
+
+    killed = OutputStore(made.root, manifest, writer_id="killed")
+    append = JsonlLog.append
+
+    def die_before_the_record(log: JsonlLog, line: str) -> None:
+        if log.path.parent.name == INDEX_DIR:
+            raise KeyboardInterrupt  # the writer's end, between its text and its record
+        append(log, line)
+
+    monkeypatch.setattr(JsonlLog, "append", die_before_the_record)
+    for index in (0, 1):
+        with pytest.raises(KeyboardInterrupt):
+            killed.commit(capture(index, seed=10 + index, text="half-written"))
+    monkeypatch.undo()
+    killed.close()
+    assert len((made.root / REGENERATED_DIR / "killed.jsonl").read_text().splitlines()) == 2
+
+    resumed = OutputStore(made.root, manifest, writer_id="later")  # sorts after "killed": log order does not decide
+    resumed.commit(capture(0, seed=20, text="committed"))
+    assert resumed.regenerated_rows(resumed.records()) == {"s0": row("s0", "committed")}
+    resumed.finalize(complete=False, target=None)
+    resumed.close()
+    lines = (made.root / REGENERATED).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [row("s0", "committed")]
