@@ -1,15 +1,19 @@
 """Regeneration on real CPU capture servers (float32): greedy turns equal HF transformers' greedy ``generate`` of the
 same model on the same prompt ids, token for token, for ``last`` and ``all``, on the tiny Llama and the tiny
 Kimi-K2.5 wrapper; cut turns say ``length``; rows with nothing to regenerate or a prompt the server refuses are
-refused per row; the plugin captures none of it; what SGLang 0.5.10 on the CPU does with a sampling seed."""
+refused per row; a generation the server aborts costs its row an attempt; the plugin captures none of it; what SGLang
+0.5.10 on the CPU does with a sampling seed."""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -72,8 +76,11 @@ def hf_models():
     return get
 
 
-def regenerate(server, chat: ChatTokenizer, rows: list[dict], **settings) -> list[Regenerated | RowError]:
-    regen = Regenerator(SGLangServer(url=server.url), chat, GenerationSettings(**settings), job="j", in_flight=4)
+def regenerate(
+    server, chat: ChatTokenizer, rows: list[dict], attempts: int = 1, **settings
+) -> list[Regenerated | RowError]:
+    regen = Regenerator(SGLangServer(url=server.url), chat, GenerationSettings(**settings), job="j", in_flight=4,
+                        attempts=attempts)  # fmt: skip
     try:
         return list(regen.regenerate_many(RowJob(i, str(r.get("id", i)), parse_row(i, r)) for i, r in enumerate(rows)))
     finally:
@@ -158,6 +165,52 @@ def test_rows_are_refused_one_by_one(served) -> None:
     kinds = {k: (v.kind if isinstance(v, RowError) else "ok") for k, v in results.items()}
     assert kinds == {"t": "regenerate", "p": "regenerate", "n": "regenerate", "long": "generation", "c": "ok"}
     assert "context length" in results["long"].reason
+
+
+class _FailedAttempts(logging.Handler):
+    """Counts the Regenerator's failed generation attempts as it logs them; ``first`` is set at the first."""
+
+    def __init__(self, sending: threading.Lock) -> None:
+        super().__init__()
+        self.sending, self.count, self.first = sending, 0, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "generation attempt" in record.getMessage():
+            with self.sending:  # not while an abort is being sent: the retry that follows is never aborted
+                self.count += 1
+                self.first.set()
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_an_aborted_generation_costs_its_row_an_attempt(sglang_servers, tiny_llama, attempts: int) -> None:
+    """The server aborts every generation in flight (``/abort_request``, finish_reason ``abort``) until the first
+    failed attempt is logged: with two attempts the row is regenerated again, as a clean run does it (greedy); with
+    one it is the row's error (kind ``generation``)."""
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
+    chat = ChatTokenizer(ModelFolder.read(tiny_llama).load_tokenizer())
+    settings = {"mode": "last", "max_new_tokens": 256}
+    sending = threading.Lock()
+    failures = _FailedAttempts(sending)
+    logger = logging.getLogger("layertap.regenerate.client")
+    logger.addHandler(failures)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(regenerate, server, chat, ROWS[2:], attempts, **settings)
+            while not failures.first.wait(0.005) and not run.done():
+                with sending:
+                    if not failures.first.is_set():
+                        httpx.post(server.url + "/abort_request", json={"rid": "", "abort_all": True}, timeout=30)
+            (result,) = run.result(timeout=600)
+    finally:
+        logger.removeHandler(failures)
+    assert failures.count == 1
+    if attempts == 1:
+        assert isinstance(result, RowError) and result.kind == "generation", result
+        assert "abort" in result.reason and "failed all 1 attempts" in result.reason
+    else:
+        (clean,) = regenerate(server, chat, ROWS[2:], **settings)
+        assert isinstance(result, Regenerated) and isinstance(clean, Regenerated)
+        assert result.record() == clean.record()
 
 
 def test_generation_is_not_captured(served) -> None:
