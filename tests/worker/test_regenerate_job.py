@@ -38,9 +38,14 @@ MAX_NEW_TOKENS = 8
 KIMI_ROWS = 12
 
 
+def chat_rows() -> list[dict]:
+    """The regenerating jobs' conversations (1 or 2 assistant turns each)."""
+    return conversation_rows(ROWS, seed=2, max_words=18)
+
+
 @pytest.fixture
 def chats(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "chats.jsonl", conversation_rows(ROWS, seed=2, max_words=18))
+    return write_jsonl(tmp_path / "chats.jsonl", chat_rows())
 
 
 def greedy_rows(url: str, model: Path, rows: list[dict], mode: str, *, trust_remote_code: bool = False) -> dict:
@@ -60,7 +65,7 @@ def greedy_rows(url: str, model: Path, rows: list[dict], mode: str, *, trust_rem
 def clean_rows(sglang_servers, tiny_llama) -> dict:
     """The greedy rows of ``chats`` from a clean run on the CPU server the attached workers use."""
     server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
-    return greedy_rows(server.url, tiny_llama, conversation_rows(ROWS, seed=2, max_words=18), "all")
+    return greedy_rows(server.url, tiny_llama, chat_rows(), "all")
 
 
 @pytest.fixture
@@ -219,8 +224,10 @@ def sigkill_mid_generation(group: int, requests: Path) -> set[str]:
 
 
 def test_the_workers_own_server_sigkilled_mid_generation_is_restarted_and_the_job_stores_a_clean_runs_text(
-    start_cluster, own_server_env, tiny_llama, chats, clean_rows, tmp_path
+    start_cluster, own_server_env, tiny_llama, clean_rows, tmp_path
 ) -> None:
+    rows = chat_rows()[: 2 * SHARD_SIZE]  # one worker: two shards are enough
+    chats = write_jsonl(tmp_path / "chats.jsonl", rows)
     cluster = start_cluster(workers=0)
     worker = cluster.add_worker("w1", **own_server_env)
     job_id = submit_regenerating(cluster, tiny_llama, chats)
@@ -228,7 +235,7 @@ def test_the_workers_own_server_sigkilled_mid_generation_is_restarted_and_the_jo
 
     job = cluster.wait_state(job_id, "done")
     assert held and not generations_in_flight(tmp_path / "requests") - held  # the restarted server answered the rest
-    check_regenerated_job(job, chats, clean_rows)
+    check_regenerated_job(job, chats, {r["id"]: clean_rows[r["id"]] for r in rows})
     # Restarted in place, as for a capture: no shard was given up and run again, no sample stored twice.
     assert all(int(shard["attempts"]) == 1 for shard in cluster.shards(job_id))
     assert "restarting it and resending its requests" in worker.log_path.read_text()
