@@ -453,6 +453,12 @@ def _regenerator(
             f"regenerate needs an SGLang capture server to generate on; the {engine.describe().get('name')} engine "
             "cannot (run with --engine sglang)"
         )
+    if settings.temperature > 0 and (server := engine.provenance) is not None and not server.deterministic:
+        log.warning(
+            "regenerating at temperature %s on a server without --enable-deterministic-inference: SGLang samples with "
+            "the turns' seeds only under it, so a row regenerated again (its sample not yet committed when a run "
+            "stopped) gets other text; committed text is kept either way", settings.temperature,
+        )  # fmt: skip
     return Regenerator(engine.generation_server, planner.chat, settings, job=job, attempts=attempts,
                        recover=engine.recover, in_flight=engine.generation_in_flight)  # fmt: skip
 

@@ -32,7 +32,8 @@ class ServerFacts:
     """What a capture server says about itself. ``dtype`` is its ``--dtype`` as given (``auto`` included);
     ``model`` the plugin's ``{"config_sha256", "weights_sha256"}`` of the folder it loaded ({} from a launcher
     that did not report it); ``capture`` the plugin's capture settings (None: no layertap hooks);
-    ``max_input_tokens`` the longest prompt it accepts (None when it does not say)."""
+    ``max_input_tokens`` the longest prompt it accepts (None when it does not say); ``deterministic`` whether it
+    samples with the seeds requests carry."""
 
     url: str
     version: str | None
@@ -48,6 +49,9 @@ class ServerFacts:
     chunked_prefill_size: int | None
     capture: dict[str, Any] | None
     max_input_tokens: int | None
+    # --enable-deterministic-inference: only then does SGLang sample with a request's sampling_seed (0.5.10 and 0.5.14:
+    # sampling_batch_info builds per-request seeds under it alone; the sampler otherwise draws from torch's generator).
+    deterministic: bool = False
 
     @classmethod
     def from_info(cls, url: str, info: dict[str, Any]) -> ServerFacts:
@@ -71,6 +75,7 @@ class ServerFacts:
             chunked_prefill_size=info.get("chunked_prefill_size"),
             capture=ours["capture"] if ours else None,
             max_input_tokens=limit - 1 if isinstance(limit, int) and limit > 1 else None,
+            deterministic=bool(info.get("enable_deterministic_inference")),
         )
 
     def computes(self) -> dict[str, Any]:

@@ -210,6 +210,9 @@ def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     assert 5 <= len(before) < len(rows)
     cli = layertap_cli(*args, timeout=900)
     assert cli.returncode == 0, cli.stderr[-3000:]
+    # The CPU server cannot sample with seeds (test_sglang_regenerate): the run says so, the manifest records it.
+    assert "without --enable-deterministic-inference" in cli.stderr
+    assert store.manifest.engine["server"]["deterministic"] is False
     after = stored_rows(out)
     assert sorted(after) == sorted(r["id"] for r in rows)  # every sample once
     assert all(after[sid] == row for sid, row in before.items())  # committed text never regenerated
