@@ -133,8 +133,7 @@ def plain_generation(url: str, model: Path, regenerated: Path, settings: dict[st
                      ) -> dict[str, Any]:  # fmt: skip
     """Send each stored row's regenerated turns to ``url``'s ``/generate`` (prompt: the tokenizer's own
     ``apply_chat_template`` of the row's messages before the turn, with the generation prompt), ``in_flight`` rows
-    at once, a row's turns in order; (generated tokens, wall seconds, turns whose output ids equal the store's
-    re-tokenized turn)."""
+    at once, a row's turns in order: generated tokens, turns, wall seconds and their rate."""
     tokenizer = ModelFolder.read(model).load_tokenizer(trust_remote_code=True)
     chat = ChatTokenizer(tokenizer)
     stop = TurnFormat.of(chat).stop_token_ids(chat)
@@ -202,14 +201,20 @@ def generation_args(args: argparse.Namespace) -> list[str]:
             "--layers", LAYERS, "--trust-remote-code"]  # fmt: skip
 
 
+def extract_cmd(args: argparse.Namespace, model: Path, data: Path, out: Path, dumps: Path, server_args: list[str]
+                ) -> list[str]:  # fmt: skip
+    """``layertap extract --regenerate all`` launching its own server (its log beside ``dumps``)."""
+    return layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
+                        *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
+                        "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
+                        "--sglang-args", shlex.join(server_args), "--dump-root", str(dumps))  # fmt: skip
+
+
 def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
     out = args.root / "cli-store"
     shutil.rmtree(out, ignore_errors=True)
     logs = args.work / "logs"
-    cmd = layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
-                       *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
-                       "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
-                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "cli" / "dumps"))  # fmt: skip
+    cmd = extract_cmd(args, model, data, out, args.root / "cli" / "dumps", server_args)
     harness.log("layertap extract --regenerate all ...")
     code, wall = run(cmd, env, logs / "extract.log", 3000)
     assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
@@ -245,10 +250,7 @@ def stage_warm(args: argparse.Namespace, model: Path, data: Path, env: dict[str,
     small = harness.write_jsonl(args.work / "warm.jsonl", [json.loads(line) for line in
                                                             data.read_text().splitlines()[: args.warm_chats]])  # fmt: skip
     out = args.root / "warm-store"
-    cmd = layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(small), "--out", str(out),
-                       *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
-                       "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
-                       "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "warm" / "dumps"))  # fmt: skip
+    cmd = extract_cmd(args, model, small, out, args.root / "warm" / "dumps", server_args)
     harness.log(f"warm-up: layertap extract of {args.warm_chats} chats ...")
     code, wall = run(cmd, env, args.work / "logs" / "warm.log", 3000)
     harness.log(f"warm-up: exit {code} in {wall:.0f} s")
