@@ -108,7 +108,7 @@ class RowPlanner:
             recs = by_row.pop(number, [])
             if recs or unrecorded:
                 yield from self._plan_row(number, row, recs)
-        for rec in (rec for recs in by_row.values() for rec in recs):
+        for rec in (rec for _, recs in sorted(by_row.items()) for rec in recs):  # in row order, as the stream
             yield PlannedRow(rec.index, "changed", record=rec, why=f"row {rec.index} is not in {self.spec.data}")
 
     def _plan_row(self, number: int, row: Row | RowError, recs: list[SampleRecord]) -> Iterator[PlannedRow]:
