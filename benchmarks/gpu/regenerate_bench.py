@@ -107,6 +107,11 @@ def build(kind: str, work: Path, smoke: bool) -> Path:
     return model
 
 
+def verify_store(out: Path, data: Path, env: dict[str, str], log: Path) -> tuple[int, float]:
+    """``layertap verify OUT --data DATA``: (exit code, wall seconds)."""
+    return run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env, log, 1800)
+
+
 def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> dict[str, Any]:
     code, wall = run(layertap_cmd("audit", str(out), "--samples", str(samples), "--trust-remote-code"), env, log, 1800)
     newest = sorted((out / "reports").glob("audit-*.json"))[-1]
@@ -221,8 +226,7 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     (report,) = reports(out)
     harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
     started = server_start_seconds(args.root / "cli" / "sglang-server.log")  # the CLI's: beside its dump root
-    verify, verify_wall = run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env,
-                              logs / "verify.log", 1800)  # fmt: skip
+    verify, verify_wall = verify_store(out, data, env, logs / "verify.log")
     audit = audit_verdict(out, logs / "audit.log", env, args.audit_samples)
     harness.log(f"verify exit {verify}; audit {'PASS' if audit['passed'] else 'FAIL'} on {audit['device']}")
     stock = stock_server(model, server_args, env, logs / "sglang-stock.log", args.cpu_smoke)
@@ -307,8 +311,7 @@ def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     shards = reports(out)
     generated = sum(r["generated_tokens"] for r in shards)
     span = sum(r["generation_seconds"] for r in shards)
-    verify, _ = run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env,
-                    logs / "verify-job.log", 1800)  # fmt: skip
+    verify, _ = verify_store(out, data, env, logs / "verify-job.log")
     audit = job.get("audit") or {}
     harness.log(f"job {job['state']}, {generated:,} tokens generated over {span:.1f} s; verify exit {verify}")
     return {"submit_exit": code, "submit_wall_s": round(wall, 1), "state": job["state"], "samples": job["samples_done"],
