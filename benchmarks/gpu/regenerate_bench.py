@@ -58,6 +58,8 @@ from typing import Any
 
 import httpx
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from benchmarks import harness
 from layertap.data.chat import ChatTokenizer
@@ -103,7 +105,29 @@ def build(kind: str, work: Path, smoke: bool) -> Path:
             build_tiny_model("kimi-k2.5", model, quantize="int4", **harness.KIMI_K2_WIDTH)
         else:
             build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **harness.KIMI_K2_WIDTH)
+        ordinary_outputs(model)
     return model
+
+
+def ordinary_outputs(model: Path) -> None:
+    """Zero the output rows (``lm_head``) of the tokenizer's special and reserved ids, so that the random model
+    writes ordinary tokens. The tiny tokenizer has ~1.5K ordinary tokens in Kimi's 163,840-id vocabulary; the
+    rest are reserved ids whose names (``<|reserved_token_N|>``) a trainer re-tokenizes as text, ~4.5 tokens each.
+    A random model's greedy turns were mostly those, so the stored conversations were ~4.5x what was generated
+    (57 KB per token captured at this width: more hidden states per generated token than a real model's text,
+    whose tokens re-tokenize as themselves, and more than this node's 125 GiB hold for 500 chats). The folder's
+    layout (names, shapes, dtypes, shards) is unchanged."""
+    tokenizer = ModelFolder.read(model).load_tokenizer(trust_remote_code=True)
+    first_special = min(tokenizer.added_tokens_decoder)
+    for shard in sorted(model.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            names = [name for name in f.keys() if name.endswith("lm_head.weight")]  # noqa: SIM118
+            metadata = f.metadata()
+        if names:
+            tensors = load_file(shard)
+            for name in names:
+                tensors[name][first_special:] = 0
+            save_file(tensors, shard, metadata=metadata)
 
 
 def verify_store(out: Path, data: Path, env: dict[str, str], log: Path) -> tuple[int, float]:
