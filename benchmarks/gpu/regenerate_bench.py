@@ -3,7 +3,8 @@ rate against plain SGLang generation of the same prompts, then capture, verify a
 
 The model: the Kimi-K2.5 wrapper at Kimi-K2 width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared, 4
 layers), bf16 or the INT4 folder (``--model bf16|int4``). The data: ``--chats`` synthetic chats of 1-2 user/assistant
-turns (``harness.chat_rows``, cut to two: `chats`). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows at once.
+turns (``harness.chat_rows``, cut to two: `chats`). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows
+at once. The random folder writes ordinary tokens only (`ordinary_outputs`), as a real model's text re-tokenizes.
 
 Stages (``--stage``, in this order on a node), each adding its part to ``--results`` (JSON, one key per model and
 stage) and the table:
@@ -25,16 +26,18 @@ device, after ``on_device.sh install .whl1`` (kernel cache tarball in .whl2/), p
 ``timeout -s INT 560`` so that an overrun still returns the logs and the parts that ended:
 
     bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.regenerate_bench --model bf16 \\
-        --stage plain --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --pack-kernel-cache "$OUT/kc-bf16.tgz" --out "$OUT"
-    ... --stage cli,job ...
+        --stage plain,cli --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT"
+    ... --stage job ...
 
 ``--cpu-smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
 
-Device time (2026-12-02, one H200, bf16, the shared kernel cache unpacked): the first server's start took ~3.5 min
-(graph capture 62 s, 57 of them building the bf16 MoE kernel for decode; SGLang's warm-up 85 s), and its first
-capture prefill beside 64 decoding rows stalled it 91-98 s, all of it kernel builds the kernel cache keeps; warm,
-decode ran 14-23K tok/s at 64 rows. A call's ``--results`` is the JSON the calls before it returned (copy it into
-benchmarks/results/ between calls).
+Device time (2026-12-02, one H200, bf16; `benchmarks/results/gpu_regenerate_first_runs.md` has the runs): a
+server's start took 150-210 s whatever the kernel cache held (decode graph capture 50-76 s, SGLang's warm-up
+prefill 74-103 s); the first layertap run on a node stalled its server 87-131 s while FlashInfer built its
+sampling kernels for the capture requests' throw-away token (they are greedy since); verify 41 s, audit 26 s
+for 512 chats. So per model: ``--stage plain,cli`` (~500 s) in one call, ``--stage job`` (~300 s) in another,
+after ``install .whl1`` (~100 s with the machine's start). A call's ``--results`` is the JSON the calls before it
+returned (copy it into benchmarks/results/ between calls).
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = "1,2,3"
 # A regenerating server decodes: CUDA graphs for decode stay on (layertap's launcher turns only prefill graphs off).
+# Decode graphs up to the rows in flight (64: captures never decode), fewer to capture at each start.
 SERVER_ARGS = ("--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192", "--max-running-requests", "128",
-               "--cuda-graph-max-bs", "128")  # fmt: skip
+               "--cuda-graph-max-bs", "64")  # fmt: skip
 STAGES = ("plain", "cli", "job")
 
 

@@ -181,7 +181,14 @@ class SGLangEngine(Engine):
         body = {
             "input_ids": sample.input_ids.tolist(),
             "rid": rid,
-            "sampling_params": {"max_new_tokens": 0, "custom_params": {LOSS_MASK_PARAM: mask_runs(sample.loss_mask)}},
+            # The prefill still samples one token, thrown away: greedy, so that a batch it shares with regenerating
+            # requests stays on SGLang's argmax path (one request at temperature 1 sends the whole batch through
+            # FlashInfer's sampling kernels, which a fresh GPU node first builds: 87-131 s with the server stalled).
+            "sampling_params": {
+                "max_new_tokens": 0,
+                "temperature": 0.0,
+                "custom_params": {LOSS_MASK_PARAM: mask_runs(sample.loss_mask)},
+            },
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
         t0 = time.perf_counter()
