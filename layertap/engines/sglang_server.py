@@ -45,6 +45,10 @@ _PR_SET_PDEATHSIG = 1
 CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
                    "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
 
+# Seconds a stopped server's processes get between SIGTERM and SIGKILL, and after SIGKILL to be gone.
+STOP_GRACE_S = 30.0
+KILL_WAIT_S = 10.0
+
 # Resends of one request a server dropped (no answer, HTTP 5xx) while it stayed up, before the attempt counts as failed.
 SERVER_DOWN_TRIES = 3
 
@@ -210,6 +214,18 @@ class PluginFolder:
         return Path(self._folder.name)
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` that have not exited, from /proc (zombies left out: orphans are reaped by
+    the init process, not by us; none where there is no /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, ValueError, IndexError):
+            state, _ppid, group = stat.read_text().rpartition(")")[2].split()[:3]
+            if int(group) == pgid and state != "Z":
+                members.append(int(stat.parent.name))
+    return members
+
+
 def _die_with_parent() -> None:
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -356,16 +372,34 @@ class SGLangServer:
     def kill(self) -> None:
         """SIGKILL the whole server process group (fault-injection in tests; stop() is the polite way),
         also when the launcher itself already died: its scheduler processes may not have."""
-        if self._proc is not None:
-            with suppress(ProcessLookupError):  # the group is gone already
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
+        if self._proc is None or not self._group_alive():
+            return
+        with suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._wait_group_end(KILL_WAIT_S)
 
     def stop(self) -> None:
-        if self._proc is None or self._proc.poll() is not None:
+        """SIGTERM the server's process group and return once none of its processes is left: SGLang's scheduler
+        outlives its launcher for a moment, holding the GPU memory the next server on this GPU needs (a restart's,
+        the next run's). What is left after ``STOP_GRACE_S`` is SIGKILLed."""
+        if self._proc is None or not self._group_alive():
             return
-        os.killpg(self._proc.pid, signal.SIGTERM)
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        if not self._wait_group_end(STOP_GRACE_S):
             self.kill()
+
+    def _group_alive(self) -> bool:
+        """Whether a process of the server's group still runs (its launcher is reaped here; a group's id is not
+        reused while it has members, so the ones found are ours)."""
+        assert self._proc is not None
+        return self._proc.poll() is None or bool(live_group_members(self._proc.pid))
+
+    def _wait_group_end(self, timeout: float) -> bool:
+        """Whether the server's whole process group ended within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._group_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True

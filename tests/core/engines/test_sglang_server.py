@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 import sglang_patch
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, PluginFolder, ServerConfig, SGLangServer, cpu_server_env
+from layertap.engines import sglang_server
+from layertap.engines.sglang_server import (
+    CPU_SERVER_ARGS,
+    PluginFolder,
+    ServerConfig,
+    SGLangServer,
+    cpu_server_env,
+    live_group_members,
+)
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -255,3 +263,26 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
     assert len(warned) == 1 and "'KeyError: 3720'" in warned[0]
     log = config.log_path.read_text()
     assert "py-spy" not in log.lower() and log.count("--- layertap: start attempt 1/3") == 2
+
+
+@pytest.mark.sglang
+def test_stop_returns_once_no_process_of_the_server_is_left(tiny_llama, cuda_stub_dir, tmp_path, monkeypatch):
+    """SGLang's scheduler outlives its launcher for a moment, holding what the next server of the GPU needs: stop()
+    returns once every process of the server's group is gone, SIGKILLing one that ignores SIGTERM."""
+    monkeypatch.setattr(sglang_server, "STOP_GRACE_S", 3.0)
+    python = tmp_path / "python"  # the real server, and beside it a process of its group that ignores SIGTERM
+    python.write_text(f"#!/bin/bash\n( trap '' TERM; exec sleep 600 ) &\necho $! > {tmp_path}/stubborn\n"
+                      f'exec {SGLANG_PYTHON} "$@"\n')  # fmt: skip
+    python.chmod(0o755)
+    config = _config(python, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir),
+                     sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32"))  # fmt: skip
+    server = SGLangServer(config)
+    server.start()
+    group = os.getpgid(int((tmp_path / "stubborn").read_text()))
+    try:
+        members = live_group_members(group)
+        assert len(members) >= 3, members  # the launcher, SGLang's scheduler (and detokenizer), the stubborn one
+    finally:
+        server.stop()
+    assert live_group_members(group) == []
+    server.stop()  # again: nothing left to signal, returns at once
