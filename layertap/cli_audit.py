@@ -8,10 +8,9 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from layertap.cli_base import Exit, console, failing_on_errors
+from layertap.cli_base import AUDIT_EXIT, console, failing_on_errors
 from layertap.device import DEVICE_HELP
 
-EXIT = {"pass": Exit.OK, "fail": Exit.FAILED, "inconclusive": Exit.INCONCLUSIVE}  # CANNOT_RUN: bad input, no memory
 COLOUR = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
 
 
@@ -72,7 +71,7 @@ def audit(
                              say=lambda line: console.print(escape(line)))  # fmt: skip
     click.echo(report.markdown())
     console.print(f"[{COLOUR[report.verdict]}]{escape(report.summary())}[/]; report: {', '.join(report.files)}")
-    sys.exit(EXIT[report.verdict])
+    sys.exit(AUDIT_EXIT[report.verdict])
 
 
 def register_audit_command(group: click.Group) -> None:

@@ -41,6 +41,10 @@ class Exit(IntEnum):
     INCONCLUSIVE = 3
 
 
+# An audit verdict's status, for `layertap audit` and `submit --wait` alike (CANNOT_RUN: bad input, no memory).
+AUDIT_EXIT = {"pass": Exit.OK, "fail": Exit.FAILED, "inconclusive": Exit.INCONCLUSIVE}
+
+
 def fail(message: str, status: Exit = Exit.CANNOT_RUN) -> NoReturn:
     """Print ``error: message`` (``failed:`` for a bad outcome) on stderr and exit with ``status``."""
     label = "[bold red]failed:[/]" if status == Exit.FAILED else "[bold red]error:[/]"

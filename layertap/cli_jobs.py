@@ -19,7 +19,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from layertap.cli_base import Exit, console, fail, failing_on_errors, model_options, model_values
+from layertap.cli_base import AUDIT_EXIT, Exit, console, fail, failing_on_errors, model_options, model_values
 from layertap.logs import configure_logging, level_for
 from layertap.state.model import JobRequest
 from layertap.trainers import GUIDE
@@ -141,7 +141,9 @@ def coordinator(verbose: int, host: str, port: int) -> None:
 @click.command()
 @model_options(JobRequest)
 @click.option(
-    "--wait", is_flag=True, help="Follow the job until it ends (and its audit); exit 1 unless done (and PASS)."
+    "--wait",
+    is_flag=True,
+    help="Follow the job until it ends (and its audit); exit 1 unless done, then as `audit` on its verdict.",
 )
 @api_option
 @token_option
@@ -160,8 +162,16 @@ def submit(wait: bool, api: str, token: str | None, **options: Any) -> None:
         _show(job)
         if job["state"] == "done" and (guide := Path(job["out"]) / GUIDE).exists():  # where this host sees it
             click.echo(guide.read_text())
-        audit = job.get("audit")
-        sys.exit(Exit.OK if job["state"] == "done" and (audit is None or audit["state"] == "pass") else Exit.FAILED)
+        sys.exit(wait_exit(job))
+
+
+def wait_exit(job: dict[str, Any]) -> Exit:
+    """`submit --wait`'s status for the job it followed: a done job's is its audit verdict's, as `layertap audit`
+    exits on it (0 when it asked for none); 1 for a job not done or an audit that could not run."""
+    if job["state"] != "done":
+        return Exit.FAILED
+    audit = job.get("audit")
+    return Exit.OK if audit is None else AUDIT_EXIT.get(audit["state"], Exit.FAILED)
 
 
 @click.command()

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
-from layertap.cli_jobs import submit
+from layertap.cli_jobs import submit, wait_exit
 from layertap.settings import JOB_TUNABLE
 from layertap.state.model import JOB_FILE, JobRequest, JobSpec
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -89,3 +90,21 @@ def test_submit_sends_every_field_of_the_job_and_the_coordinator_stores_it(
     # expected_tokens is not stored: it is checked, so a corpus too large for the volume is refused (507)
     refused = CliRunner().invoke(submit, [*common, *argv({**GIVEN, "out": "big", "expected_tokens": 10**15})])
     assert refused.exit_code == 2 and "507" in refused.output, refused.output
+
+
+@pytest.mark.parametrize(
+    ("state", "audit", "status"),
+    [
+        ("done", None, 0),
+        ("done", "pass", 0),
+        ("done", "fail", 1),
+        ("done", "inconclusive", 3),  # as `layertap audit` exits on the same verdict (docs/cli.md)
+        ("done", "error", 1),  # the audit could not run
+        ("failed", None, 1),
+        ("failed", "pass", 1),
+        ("cancelled", None, 1),
+    ],
+)
+def test_submit_wait_exits_on_the_job_state_then_its_audit_verdict(state: str, audit: str | None, status: int) -> None:
+    job = {"state": state, "audit": None if audit is None else {"state": audit}}
+    assert wait_exit(job) == status
