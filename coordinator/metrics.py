@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 JOB_STATES: tuple[JobState, ...] = ("running", "cancelled", "failed", "finalizing", "done")
 SHARD_STATES: tuple[ShardState, ...] = ("pending", "queued", "running", "done", "failed")
 AUDIT_STATES: tuple[AuditState, ...] = get_args(AuditState)
-WORKER_STATES = ("idle", "working", "paused")
+WORKER_STATES = ("idle", "working", "paused", "broken")
 
 SUBMISSIONS = Counter(
     "layertap_job_submissions",

@@ -175,7 +175,8 @@ class JobErrorsPublic(BaseModel):
 
 
 class WorkerStatePublic(BaseModel):
-    """A live worker: ``state`` is idle, working or paused (``reason`` says why it paused)."""
+    """A live worker: ``state`` is idle, working, paused or broken (``reason`` says why it paused, or why its server
+    cannot start: it takes no more shards until restarted)."""
 
     name: str
     state: str

@@ -75,5 +75,10 @@ class ServerError(LayertapError):
     """The inference server is unreachable, dead or misconfigured."""
 
 
+class ServerConfigError(ServerError):
+    """The server cannot start as configured (a flag SGLang rejects, a module it cannot import): another try with the
+    same settings ends the same way."""
+
+
 class StoreError(LayertapError):
     """The output store is inconsistent or belongs to a different run."""

@@ -16,8 +16,8 @@ from layertap.errors import ROW_KINDS
 
 log = logging.getLogger(__name__)
 
-State = Literal["idle", "working", "paused"]
-STATES: tuple[State, ...] = ("idle", "working", "paused")
+State = Literal["idle", "working", "paused", "broken"]
+STATES: tuple[State, ...] = ("idle", "working", "paused", "broken")
 STAGES = ("queue_wait", "prefill", "dump_wait", "validate", "commit")
 ERROR_KINDS = (*ROW_KINDS, "server", "task")
 PAUSE_REASONS = ("low_disk",)
@@ -51,7 +51,9 @@ STAGE = Histogram(
     ["worker", "stage"],
     buckets=STAGE_BUCKETS,
 )
-STATE = Gauge("layertap_worker_state", "1 for the state the worker is in (idle, working, paused).", ["worker", "state"])
+STATE = Gauge(
+    "layertap_worker_state", "1 for the state the worker is in (idle, working, paused, broken).", ["worker", "state"]
+)
 PAUSED = Gauge("layertap_worker_paused", "1 while the worker is paused, labelled with why.", ["worker", "reason"])
 FREE = Gauge(
     "layertap_worker_output_free_bytes", "Free bytes on the output volume, as this worker sees it.", ["worker"]

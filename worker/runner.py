@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from layertap.engines.base import Engine
-from layertap.errors import ServerError
+from layertap.errors import ServerConfigError, ServerError
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import FailureTally, run_shard, run_verdict
 from layertap.sample import TokenizedSample
@@ -239,6 +239,8 @@ class WorkerContext:
             self.check_remote_code(spec)
             folder = ModelFolder.read(spec.model)
             self.engine_for(spec, spec.resolve(folder.num_layers), folder)
+        except ServerConfigError:  # the worker's own fault, whatever the shard: it is out of the job
+            raise
         except Exception as exc:  # reported by the attempt that claims the shard
             log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
         return folder
@@ -301,6 +303,16 @@ class WorkerContext:
 
     def release_for_retry(self, job_id: str, shard: int, token: str, delay_s: float) -> None:
         self.attempt(job_id, shard, token).release(retry_in_s=delay_s)
+
+    def broken(self, error: BaseException) -> None:
+        """This worker's server cannot start as configured: say so in its record and metrics (state ``broken``)."""
+        self.status.set("broken", str(error).splitlines()[0])
+        log.error("this worker's server cannot start as configured; it takes no more shards until restarted: %s", error)
+
+    def hand_back(self, job_id: str, shard: int, token: str) -> None:
+        """Give a shard this worker will not run back to ``pending``, for the coordinator to dispatch to another
+        (a no-op when the token is no longer the shard's)."""
+        self.attempt(job_id, shard, token).release()
 
     def give_up(self, job_id: str, shard: int, token: str, error: BaseException) -> None:
         outcome = self.attempt(job_id, shard, token).fail(f"{type(error).__name__}: {error}")

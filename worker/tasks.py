@@ -6,8 +6,8 @@ import os
 
 from celery import Task, signals
 
-from layertap.errors import DatasetError, ServerError, SpecError, StoreError
-from layertap.state.keys import AUDIT_TASK, FINALIZE_TASK, RUN_SHARD_TASK
+from layertap.errors import DatasetError, ServerConfigError, ServerError, SpecError, StoreError
+from layertap.state.keys import AUDIT_TASK, FINALIZE_TASK, RUN_SHARD_TASK, SHARD_QUEUE
 from worker.audit import run_job_audit
 from worker.celery import app, settings
 from worker.runner import WorkerContext
@@ -54,12 +54,23 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
     """Run one attempt at a shard; server, disk or Redis errors retry with backoff, then fail the shard.
     Every attempt's outcome is counted (``layertap_worker_shards_total``)."""
     ctx = context()
+    if ctx.status.state == "broken":  # a message that reached it before it stopped consuming
+        ctx.hand_back(job_id, shard, token)
+        return "broken"
     try:
         outcome = ctx.run_shard(job_id, shard, token)
     except _NO_RETRY as exc:
         ctx.metrics.error("task").inc()
         ctx.give_up(job_id, shard, token, exc)
         outcome = "failed"
+    except ServerConfigError as exc:
+        # This worker's server cannot start as configured: every shard would fail here the same way. It stops
+        # taking shards (state broken, until restarted) and hands this one back, no attempt of it spent.
+        ctx.metrics.error("server").inc()
+        ctx.broken(exc)
+        app.control.cancel_consumer(SHARD_QUEUE, destination=[self.request.hostname], reply=False)
+        ctx.hand_back(job_id, shard, token)
+        outcome = "broken"
     except Exception as exc:
         ctx.metrics.error("server" if isinstance(exc, ServerError) else "task").inc()
         if self.request.retries >= self.max_retries:

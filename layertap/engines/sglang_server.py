@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 import sglang_patch
-from layertap.errors import ServerError
+from layertap.errors import ServerConfigError, ServerError
 from sglang_patch.contract import DEFAULT_RID_PREFIX
 from sglang_patch.launch import USAGE_ERROR
 
@@ -269,7 +269,9 @@ class SGLangServer:
                 return
             self.kill()
             if reason := not_retried(failure, decisive_log_line(cfg.log_path, self._log_offset)):
-                raise ServerError(self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}"))
+                raise ServerConfigError(
+                    self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}")
+                )
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)
