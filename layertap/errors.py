@@ -76,8 +76,8 @@ class ServerError(LayertapError):
 
 
 class ServerConfigError(ServerError):
-    """The server cannot start as configured (a flag SGLang rejects, a module it cannot import): another try with the
-    same settings ends the same way."""
+    """The server's command line is refused (a flag SGLang or the launcher rejects): whatever the model, a start with
+    the same settings ends the same way."""
 
 
 class StoreError(LayertapError):

@@ -269,9 +269,11 @@ class SGLangServer:
                 return
             self.kill()
             if reason := not_retried(failure, decisive_log_line(cfg.log_path, self._log_offset)):
-                raise ServerConfigError(
-                    self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}")
-                )
+                # A refused command line is the flags this process was given: any model's start ends so. A module
+                # that did not import, a hang, may be the model's (its code, its size): not this process's fault.
+                refused = failure == f"exited {describe_exit(USAGE_ERROR)}"
+                error = ServerConfigError if refused else ServerError
+                raise error(self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}"))
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))
             delay = cfg.start_backoff_s * 2 ** (attempt - 1)
