@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
@@ -51,7 +51,7 @@ class _Families:
     progress: GaugeMetricFamily
     samples_rate: GaugeMetricFamily
     tokens_rate: GaugeMetricFamily
-    generated: CounterMetricFamily
+    generated: GaugeMetricFamily
     generated_rate: GaugeMetricFamily
     cut_turns: GaugeMetricFamily
     eta: GaugeMetricFamily
@@ -80,10 +80,10 @@ class _Families:
             tokens_rate=g(
                 "layertap_job_tokens_per_second", "Tokens/s over the live workers' last minute.", labels=["job_id"]
             ),
-            generated=CounterMetricFamily(
+            generated=g(
                 "layertap_job_generated_tokens",
-                "New tokens of the job's regenerated rows (the latest regeneration of each row; rate() it for the "
-                "job's generation rate); only jobs that regenerate.",
+                "New tokens of the job's regenerated rows, the latest regeneration of each: a level, not a counter (a "
+                "row regenerated again may come out shorter); the rate is ..._per_second. Only jobs that regenerate.",
                 labels=["job_id"],
             ),
             generated_rate=g(

@@ -162,9 +162,9 @@ def test_a_regenerating_jobs_generation_shows_in_its_view_and_metrics_and_a_plai
     assert api.get(f"/jobs/{plain}").json()["generation"] is None
 
     m = scrape(api)
-    assert value(m, "layertap_job_generated_tokens_total", job_id=job_id) == 456
+    assert value(m, "layertap_job_generated_tokens", job_id=job_id) == 456
     assert value(m, "layertap_job_generated_tokens_per_second", job_id=job_id) == 60.0
     assert value(m, "layertap_job_cut_turns", job_id=job_id) == 1
     assert value(m, "layertap_job_eta_seconds", job_id=job_id) == pytest.approx(42 * 152 / 60.0)
-    assert value(m, "layertap_job_generated_tokens_total", job_id=plain) is None
+    assert value(m, "layertap_job_generated_tokens", job_id=plain) is None
     assert value(m, "layertap_job_cut_turns", job_id=plain) is None
