@@ -509,7 +509,7 @@ def _regenerated(
         report.turns_cut += cut
         report.retokenization_mismatches += len(retokenization_mismatches(planner.chat, out))
         report.truncated += sample.truncated
-        yield replace(sample, regenerated=out.record())
+        yield replace(sample, regenerated=out.record(), generated_tokens=out.generated_tokens)
 
 
 def run_extraction(

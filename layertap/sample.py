@@ -17,7 +17,8 @@ class TokenizedSample:
     ``index`` is the row's position in the dataset (0-based); output files are named by it.
     ``input_ids`` long [T]; ``loss_mask`` uint8 [T], 1 exactly on assistant-produced tokens.
     ``regenerated``: the regenerated row these ids are the text of (`Regenerated.record`), committed with the
-    sample; None for a row captured as given.
+    sample; None for a row captured as given. ``generated_tokens``: the new tokens the server generated for it (its
+    re-tokenized text may count otherwise), committed with it so that a rebuilt job state counts them again.
     """
 
     sample_id: str
@@ -26,6 +27,7 @@ class TokenizedSample:
     loss_mask: torch.Tensor
     truncated: bool = False
     regenerated: dict[str, Any] | None = None
+    generated_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,9 @@
 The store is the ground truth: a sample counts as done when its index record exists and its file
 passes ``OutputStore.check``; a row counts as failed when the store's error logs hold it and it was
 not committed since. A shard whose rows are all accounted for is done; the others are pending, and
-the coordinator's reaper dispatches them (the job is written as ``running``).
+the coordinator's reaper dispatches them (the job is written as ``running``). A regenerating job's
+generation counts are those of its done samples' regenerated rows (their tokens as logged with them,
+turns cut at max_new_tokens as their ``finish_reason`` says).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from layertap.state.jobs import delete_job, job_exists, request_audit, server_ti
 from layertap.state.keys import Keys
 from layertap.state.model import SampleFailure
 from layertap.state.plan import job_of_store, plan_shards
+from layertap.store.index import SampleRecord
 from layertap.store.store import CheckLevel, OutputStore
 
 
@@ -52,10 +55,11 @@ def rebuild_job(
     shards = plan_shards(store.manifest.dataset_rows, spec.shard_size)
     done = [[0, 0] for _ in shards]  # per shard: samples, tokens
     failures: list[list[SampleFailure]] = [[] for _ in shards]
-    for rec in store.records().values():
-        if not store.check(rec, check_level):
-            done[rec.index // spec.shard_size][0] += 1
-            done[rec.index // spec.shard_size][1] += rec.num_tokens
+    counted = {rec.sample_id: rec for rec in store.records().values() if not store.check(rec, check_level)}
+    for rec in counted.values():
+        done[rec.index // spec.shard_size][0] += 1
+        done[rec.index // spec.shard_size][1] += rec.num_tokens
+    generated = _generation(store, counted, spec.shard_size, len(shards))
     for e in store.errors():
         failures[e["row"] // spec.shard_size].append(SampleFailure(e["row"], e["sample_id"], e["reason"], e["kind"]))
 
@@ -80,6 +84,11 @@ def rebuild_job(
     for n, (start, stop) in enumerate(shards):
         shard = shard_fields(start, stop) | {"done": done[n][0], "tokens": done[n][1], "failed": len(failures[n])}
         pipe.hset(keys.shard(job_id, n), mapping=shard | {"state": "done" if finished[n] else "pending"})
+        if rows := generated[n]:  # as ShardAttempt.row_generated leaves them: row -> "tokens cut", and their sums
+            pipe.hset(keys.generation(job_id, n), mapping={row: f"{t} {c}" for row, (t, c) in rows.items()})
+            totals = {"generated_rows": len(rows), "generated": sum(t for t, _ in rows.values()),
+                      "cut": sum(c for _, c in rows.values())}  # fmt: skip
+            pipe.hset(keys.shard(job_id, n), mapping=totals)
         if failures[n]:
             pipe.hset(keys.errors(job_id, n), mapping={f.row: json.dumps(asdict(f)) for f in failures[n]})
     if not all(finished):
@@ -95,3 +104,15 @@ def rebuild_job(
         samples_done=sum(d[0] for d in done),
         samples_failed=sum(len(f) for f in failures),
     )
+
+
+def _generation(
+    store: OutputStore, counted: dict[str, SampleRecord], shard_size: int, num_shards: int
+) -> list[dict[int, tuple[int, int]]]:
+    """Per shard: row -> (new tokens, turns cut at max_new_tokens) of each counted sample's regenerated row."""
+    generated: list[dict[int, tuple[int, int]]] = [{} for _ in range(num_shards)]
+    for sample_id, line in store.regenerated_lines(counted).items():
+        row = counted[sample_id].index
+        cut = sum(m.get("finish_reason") == "length" for m in line["row"]["messages"])
+        generated[row // shard_size][row] = (line.get("generated_tokens", 0), cut)
+    return generated

@@ -22,7 +22,8 @@ from sglang_patch.sample_files import ids_sha256, mask_from_runs, mask_runs
 
 INDEX_DIR = "index"
 ERRORS_DIR = "errors"
-REGENERATED_DIR = "regenerated"  # a regenerated run's rows: {"sample_id", "ids_sha256", "row"}, before the index record
+# A regenerated run's rows, each logged before its index record: {"sample_id", "ids_sha256", "row", "generated_tokens"}.
+REGENERATED_DIR = "regenerated"
 RETIRED_DIR = "retired"  # samples taken out again: {"sample_id", "sha256"} of the record retired
 
 

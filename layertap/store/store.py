@@ -112,7 +112,8 @@ class OutputStore:
         record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
         self._log(TOKEN_FREQ_DIR).append(count_line(sample, record.ids_sha256))  # counted as committed
         if sample.regenerated is not None:
-            line = {"sample_id": sample.sample_id, "ids_sha256": record.ids_sha256, "row": sample.regenerated}
+            line = {"sample_id": sample.sample_id, "ids_sha256": record.ids_sha256, "row": sample.regenerated,
+                    "generated_tokens": sample.generated_tokens}  # fmt: skip
             self._log(REGENERATED_DIR).append(json.dumps(line, ensure_ascii=False))
         self._log(INDEX_DIR).append(record.to_json())
         return record
@@ -187,14 +188,19 @@ class OutputStore:
         return out
 
     def regenerated_rows(self, records: dict[str, SampleRecord]) -> dict[str, dict[str, Any]]:
-        """sample_id -> the regenerated row committed with the sample of ``records`` (the one logged with its ids);
-        samples with none are left out."""
-        rows = {}
+        """sample_id -> the regenerated row committed with the sample of ``records``; samples with none are left
+        out."""
+        return {sample_id: line["row"] for sample_id, line in self.regenerated_lines(records).items()}
+
+    def regenerated_lines(self, records: dict[str, SampleRecord]) -> dict[str, dict[str, Any]]:
+        """sample_id -> the ``regenerated/`` line logged with the sample of ``records`` (with its ids): its ``row``
+        and ``generated_tokens`` (absent from a store written before they were logged)."""
+        lines = {}
         for line in read_jsonl_dir(self.root / REGENERATED_DIR):
             rec = records.get(line["sample_id"])
             if rec is not None and rec.ids_sha256 == line["ids_sha256"]:
-                rows[rec.sample_id] = line["row"]
-        return rows
+                lines[rec.sample_id] = line
+        return lines
 
     def _file_sha256(self, rel: str) -> str | None:
         try:

@@ -4,9 +4,12 @@ from pathlib import Path
 
 import pytest
 
+from layertap.engines.factory import sglang_engine_factory
 from layertap.errors import StoreError
+from layertap.models.folder import ModelFolder
 from layertap.pipeline import ProgressEvents, run_shard
 from layertap.sample import TokenizedSample
+from layertap.settings import RunSettings
 from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
 from layertap.state.rebuild import rebuild_job
@@ -14,6 +17,7 @@ from layertap.state.views import job_errors, job_view
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.hf_engines import hf_engine
+from tests.sglang_fixtures import DEFAULT_LAYERS
 from tests.state.support import KEYS
 
 
@@ -64,6 +68,37 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
     again = rebuild_job(redis_client, KEYS, planned.spec.out, replace=True)
     assert (again.shards_done, again.samples_done) == (1, done - 1)
     assert redis_client.smembers(KEYS.open("job7")) == {"0", "2"}
+
+
+def test_rebuild_counts_a_regenerating_jobs_generation_as_its_workers_did(
+    sglang_servers, tiny_llama, tmp_path, redis_client
+) -> None:
+    """Generated tokens and cut turns come back from the store (each done sample's regenerated row, its tokens as
+    logged with it): the job's generation figures after a rebuild are those its run counted, not 0."""
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=6))
+    spec = JobSpec(model=tiny_llama, data=data, layers=DEFAULT_LAYERS["llama"], out=Path("job"), shard_size=5,
+                   regenerate="all", max_new_tokens=12, temperature=0.0)  # fmt: skip
+    planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="regen")
+    store = OutputStore.open_existing(planned.spec.out)
+    folder = ModelFolder.read(tiny_llama)
+    make = sglang_engine_factory(planned.spec, RunSettings(server_url=server.url), job="regen",
+                                 dump_root=server.dump_root, log_path=tmp_path / "unused.log")  # fmt: skip
+    engine = make(planned.spec.resolve(folder.num_layers), folder)
+    reports = [run_shard(planned.spec.extraction(), store, engine, start=a, stop=b, folder=folder)
+               for a, b in ((0, 5), (5, 10))]  # fmt: skip
+    engine.close()
+    store.close()
+    assert all(r.generated_tokens > 0 for r in reports) and sum(r.turns_cut for r in reports) > 0
+
+    rebuild_job(redis_client, KEYS, planned.spec.out)
+    view = job_view(redis_client, KEYS, "regen")
+    assert (view.samples_done, view.shards) == (10, {"done": 2, "pending": 1})
+    assert (view.generated_rows, view.generated_tokens, view.cut_turns) == (
+        10,
+        sum(r.generated_tokens for r in reports),
+        sum(r.turns_cut for r in reports),
+    )
 
 
 def test_rebuild_refuses_a_folder_not_made_by_a_job(tmp_path, redis_client) -> None:
