@@ -115,8 +115,8 @@ def build(kind: str, work: Path, smoke: bool) -> Path:
 
 def ordinary_outputs(model: Path) -> None:
     """Zero the output rows (``lm_head``) of the tokenizer's special and reserved ids, so that the random model
-    writes ordinary tokens. The tiny tokenizer has ~1.5K ordinary tokens in Kimi's 163,840-id vocabulary; the
-    rest are reserved ids whose names (``<|reserved_token_N|>``) a trainer re-tokenizes as text, ~4.5 tokens each.
+    writes ordinary tokens. The tiny tokenizer has ~1.5K ordinary tokens in this folder's 4,096-id vocabulary;
+    most of the rest are reserved ids whose names (``<|reserved_token_N|>``) a trainer re-tokenizes as text, ~4.5 tokens each.
     A random model's greedy turns were mostly those, so the stored conversations were ~4.5x what was generated
     (57 KB per token captured at this width: more hidden states per generated token than a real model's text,
     whose tokens re-tokenize as themselves, and more than this node's 125 GiB hold for 500 chats). The folder's
