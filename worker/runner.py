@@ -301,18 +301,16 @@ class WorkerContext:
                 bad.add(failure.kind, failure.reason)
         return run_verdict(rows=rows, stored=stored, bad=bad, max_bad_rows=spec.max_bad_rows)
 
-    def release_for_retry(self, job_id: str, shard: int, token: str, delay_s: float) -> None:
-        self.attempt(job_id, shard, token).release(retry_in_s=delay_s)
+    def release(self, job_id: str, shard: int, token: str, retry_in_s: float | None = None) -> None:
+        """Give a shard attempt back (`ShardAttempt.release`): to ``pending``, for the coordinator to dispatch to
+        another worker, or with ``retry_in_s`` to ``queued`` for this message's Celery retry; a no-op when the token
+        is no longer the shard's."""
+        self.attempt(job_id, shard, token).release(retry_in_s=retry_in_s)
 
     def broken(self, error: BaseException) -> None:
         """This worker's server cannot start as configured: say so in its record and metrics (state ``broken``)."""
         self.status.set("broken", str(error).splitlines()[0])
         log.error("this worker's server cannot start as configured; it takes no more shards until restarted: %s", error)
-
-    def hand_back(self, job_id: str, shard: int, token: str) -> None:
-        """Give a shard this worker will not run back to ``pending``, for the coordinator to dispatch to another
-        (a no-op when the token is no longer the shard's)."""
-        self.attempt(job_id, shard, token).release()
 
     def give_up(self, job_id: str, shard: int, token: str, error: BaseException) -> None:
         outcome = self.attempt(job_id, shard, token).fail(f"{type(error).__name__}: {error}")

@@ -55,7 +55,7 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
     Every attempt's outcome is counted (``layertap_worker_shards_total``)."""
     ctx = context()
     if ctx.status.state == "broken":  # a message that reached it before it stopped consuming
-        ctx.hand_back(job_id, shard, token)
+        ctx.release(job_id, shard, token)
         return "broken"
     try:
         outcome = ctx.run_shard(job_id, shard, token)
@@ -69,7 +69,7 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
         ctx.metrics.error("server").inc()
         ctx.broken(exc)
         app.control.cancel_consumer(SHARD_QUEUE, destination=[self.request.hostname], reply=False)
-        ctx.hand_back(job_id, shard, token)
+        ctx.release(job_id, shard, token)
         outcome = "broken"
     except Exception as exc:
         ctx.metrics.error("server" if isinstance(exc, ServerError) else "task").inc()
@@ -78,7 +78,7 @@ def run_shard(self: Task, job_id: str, shard: int, token: str) -> str:
             outcome = "failed"
         else:
             delay = retry_delay(self.request.retries)
-            ctx.release_for_retry(job_id, shard, token, delay)
+            ctx.release(job_id, shard, token, retry_in_s=delay)
             ctx.metrics.shard_ended("retried")
             raise self.retry(exc=exc, countdown=delay) from exc
     ctx.metrics.shard_ended(outcome)

@@ -22,12 +22,12 @@ stage) and the table:
 
 The generation rate of a layertap run is its generated tokens over its generation span (the first ``/generate``
 request to the last reply; the regenerated rows' capture prefills run on the same server meanwhile). On the
-device, after ``on_device.sh install .whl1`` (kernel cache tarball in .whl2/), per model two calls, each inside
+device, after ``on_device.sh install .whl1`` (kernel cache tarball in .whl2/), per model a call per stage, each inside
 ``timeout -s INT 560`` so that an overrun still returns the logs and the parts that ended:
 
     bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.regenerate_bench --model bf16 \\
-        --stage plain,cli --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT"
-    ... --stage job ...
+        --stage plain --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT"
+    ... --stage cli ...; ... --stage job ...
 
 ``--cpu-smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
 
@@ -35,8 +35,8 @@ Device time (2026-12-02, one H200, bf16; `benchmarks/results/gpu_regenerate_firs
 server's start took 150-210 s whatever the kernel cache held (decode graph capture 50-76 s, SGLang's warm-up
 prefill 74-103 s); the first layertap run on a node stalled its server 87-131 s while FlashInfer built its
 sampling kernels for the capture requests' throw-away token (they are greedy since); verify 41 s, audit 26 s
-for 512 chats. So per model: ``--stage plain,cli`` (~500 s) in one call, ``--stage job`` (~300 s) in another,
-after ``install .whl1`` (~100 s with the machine's start). A call's ``--results`` is the JSON the calls before it
+for 512 chats. So per model ~260 s for ``plain``, ~280 s for ``cli``, ~300 s for ``job`` (one call each is the
+safer split: an overrun loses one stage), after ``install .whl1`` (~100 s with the machine's start). A call's ``--results`` is the JSON the calls before it
 returned (copy it into benchmarks/results/ between calls).
 """
 
@@ -148,9 +148,9 @@ def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> di
 
 
 def chats(n: int) -> list[dict[str, Any]]:
-    """``harness.chat_rows`` in OpenAI form, cut to their first two user/assistant pairs: a random model's 256 ids
-    decode partly to reserved tokens' names, which re-tokenize as ~4.5 tokens each, and a third turn's prompt
-    outgrew the 4,096-token context of the Kimi-K2-width folder."""
+    """``harness.chat_rows`` in OpenAI form, cut to their first two user/assistant pairs (before `ordinary_outputs`
+    the random model's turns re-tokenized ~4.5x and a third turn's prompt outgrew the folder's 4,096-token context;
+    the runs measured since keep the cut)."""
     roles = {"human": "user", "gpt": "assistant"}
     rows = []
     for row in harness.chat_rows(n, random.Random(33)):

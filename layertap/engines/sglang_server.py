@@ -178,6 +178,11 @@ def decisive_log_line(path: Path, offset: int = 0, *, limit: int = 300) -> str:
     return repr(line if len(line) <= limit else line[: limit - 3] + "...")
 
 
+def command_line_refused(failure: str) -> bool:
+    """Whether a start ended as the launcher ends on flags it (or SGLang's parser) rejects."""
+    return failure == f"exited {describe_exit(USAGE_ERROR)}"
+
+
 def not_retried(failure: str, decisive: str) -> str | None:
     """Why a start that ended so would end so again, which is then not retried; None when a retry may succeed.
 
@@ -190,7 +195,7 @@ def not_retried(failure: str, decisive: str) -> str | None:
                 "flags")  # fmt: skip
     if IMPORT_FAILED.search(decisive):
         return "a module did not import, and would not again"
-    if failure == f"exited {describe_exit(USAGE_ERROR)}":
+    if command_line_refused(failure):
         return "its command line was refused, and would be again"
     return None
 
@@ -271,8 +276,7 @@ class SGLangServer:
             if reason := not_retried(failure, decisive_log_line(cfg.log_path, self._log_offset)):
                 # A refused command line is the flags this process was given: any model's start ends so. A module
                 # that did not import, a hang, may be the model's (its code, its size): not this process's fault.
-                refused = failure == f"exited {describe_exit(USAGE_ERROR)}"
-                error = ServerConfigError if refused else ServerError
+                error = ServerConfigError if command_line_refused(failure) else ServerError
                 raise error(self.failure(f"failed to start (try {attempt}, not retried: {reason}); it {failure}"))
             if attempt == cfg.start_attempts:
                 raise ServerError(self.failure(f"failed to start ({attempt} tries); the last {failure}"))

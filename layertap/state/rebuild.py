@@ -83,12 +83,11 @@ def rebuild_job(
     pipe.zadd(keys.jobs, {job_id: server_time_ms(redis)})
     for n, (start, stop) in enumerate(shards):
         shard = shard_fields(start, stop) | {"done": done[n][0], "tokens": done[n][1], "failed": len(failures[n])}
-        pipe.hset(keys.shard(job_id, n), mapping=shard | {"state": "done" if finished[n] else "pending"})
         if rows := generated[n]:  # as ShardAttempt.row_generated leaves them: row -> "tokens cut", and their sums
             pipe.hset(keys.generation(job_id, n), mapping={row: f"{t} {c}" for row, (t, c) in rows.items()})
-            totals = {"generated_rows": len(rows), "generated": sum(t for t, _ in rows.values()),
+            shard |= {"generated_rows": len(rows), "generated": sum(t for t, _ in rows.values()),
                       "cut": sum(c for _, c in rows.values())}  # fmt: skip
-            pipe.hset(keys.shard(job_id, n), mapping=totals)
+        pipe.hset(keys.shard(job_id, n), mapping=shard | {"state": "done" if finished[n] else "pending"})
         if failures[n]:
             pipe.hset(keys.errors(job_id, n), mapping={f.row: json.dumps(asdict(f)) for f in failures[n]})
     if not all(finished):
