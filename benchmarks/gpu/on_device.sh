@@ -16,7 +16,7 @@ shift 2
 [[ "${1:-}" == -- ]] || exit 0
 shift
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a
-export PATH=$CUDA_HOME/bin:$PATH
+export PATH=$CUDA_HOME/bin:/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "cores: $(nproc), memory: $(free -g | awk '/Mem/{print $2}') GiB"
 exec python3 "$@"

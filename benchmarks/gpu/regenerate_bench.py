@@ -83,13 +83,24 @@ def layertap_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "layertap", *args]
 
 
-def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, float]:
-    """Run ``cmd`` to its end, its output appended to ``log``: (exit code, wall seconds)."""
+def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile: Path | None = None
+        ) -> tuple[int, float]:  # fmt: skip
+    """Run ``cmd`` to its end, its output appended to ``log``: (exit code, wall seconds). With ``profile``, py-spy
+    samples the thread holding the GIL meanwhile (raw flame-graph lines in that file; a py-spy that cannot attach
+    costs only the profile)."""
     t0 = time.monotonic()
     with log.open("ab") as out:
-        code = subprocess.run(
-            cmd, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
-        ).returncode
+        proc = subprocess.Popen(cmd, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT)
+        spy = None
+        if profile is not None and (py_spy := shutil.which("py-spy")) is not None:
+            spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--gil", "--threads", "--rate", "50",
+                                    "--format", "raw", "--output", str(profile)], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            proc.kill()  # a no-op once it ended
+        if spy is not None:
+            spy.wait(timeout=60)
     return code, time.monotonic() - t0
 
 
@@ -256,7 +267,9 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     logs = args.work / "logs"
     cmd = extract_cmd(args, model, data, out, args.root / "cli" / "dumps", server_args)
     harness.log("layertap extract --regenerate all ...")
-    code, wall = run(cmd, env, logs / "extract.log", 3000)
+    code, wall = run(
+        cmd, env, logs / "extract.log", 3000, profile=logs / "extract.py-spy.txt" if args.profile else None
+    )
     assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
     (report,) = reports(out)
     harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
@@ -451,6 +464,7 @@ def main() -> None:
     ap.add_argument("--generation-in-flight", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--audit-samples", type=int, default=40)
+    ap.add_argument("--profile", action="store_true", help="py-spy (on PATH) samples the cli stage's extract")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny float32 Kimi-K2.5 wrapper on the CPU SGLang")
     args = ap.parse_args()
     stages = [s for s in args.stage.split(",") if s]
