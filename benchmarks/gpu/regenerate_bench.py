@@ -20,8 +20,8 @@ stage) and the table:
   flags); ``layertap submit --regenerate all --audit-samples N --wait`` of the same data; the worker's shard
   reports give the generation span, its Prometheus metrics the capture stages' time; ``layertap verify --data``.
 
-The generation rate of a layertap run is its generated tokens over its generation span (the first ``/generate``
-request to the last reply; the regenerated rows' capture prefills run on the same server meanwhile). On the
+The generation rate of a layertap run is its generated tokens over its generation span (each round's first
+``/generate`` request to its last reply, summed: a round of rows is captured after its generation). On the
 device, after ``on_device.sh install .whl1`` (kernel cache tarball in .whl2/), per model a call per stage, each inside
 ``timeout -s INT 560`` so that an overrun still returns the logs and the parts that ended:
 
@@ -381,8 +381,9 @@ def table(results: dict[str, Any]) -> str:
     """``gpu_regenerate.md`` from every part measured so far."""
     lines = ["# Regeneration on one H200: `--regenerate all`, then capture", "",
              "Written by `benchmarks/gpu/regenerate_bench.py` (its docstring says how each figure is measured). "
-             "Generation rate: generated tokens over the generation span (first `/generate` request to the last "
-             "reply; layertap's capture prefills of the rows regenerated so far run on the same server meanwhile). "
+             "Generation rate: generated tokens over the generation span (each round's first `/generate` request to "
+             "its last reply, summed; layertap regenerates its rows in rounds of 16 decode batches (16 x the rows in flight) "
+             "and captures a round after its generation). "
              "Plain SGLang: a stock `sglang.launch_server` with the same flags, regenerating the same chats as a "
              "plain script would (each turn's prompt through the tokenizer's own `apply_chat_template`, earlier "
              "turns its own output), the same sampling settings and stop tokens, the same rows in flight, each "
@@ -407,10 +408,11 @@ def table(results: dict[str, Any]) -> str:
                  ["generation span", f"{r['generation_s']:.1f} s"],
                  ["generation tok/s", f"{r['tok_s']:,.0f}"],
                  ["ratio to plain SGLang", ratio]])  # fmt: skip
-            lines += ["", f"`layertap extract` exited {r['extract_exit']}. Where its {r['extract_wall_s']:.0f} s went: the server's start "
-                      f"{r['server_start_s'] or '?'} s (its log), the run {r['run_s']:.0f} s, of which generation "
-                      f"{r['generation_s']:.0f} s (capture alongside); the rest after it is the last rows' capture and "
-                      f"commit. Stored: {r['samples']:,} samples, {r['tokens']:,} tokens, {r['failed']} failed, "
+            rest = r["run_s"] - (r["server_start_s"] or 0) - r["generation_s"]
+            lines += ["", f"`layertap extract` exited {r['extract_exit']}. Where its {r['extract_wall_s']:.0f} s went: the run "
+                      f"{r['run_s']:.0f} s: the server's start {r['server_start_s'] or '?'} s (its log), generation "
+                      f"{r['generation_s']:.0f} s, then {rest:.0f} s capturing and committing (and scanning the data, "
+                      f"writing the report). Stored: {r['samples']:,} samples, {r['tokens']:,} tokens, {r['failed']} failed, "
                       f"{r['row_errors']} row errors; {r['turns_cut']:,} turns cut at max_new_tokens; "
                       f"{r['retokenization_mismatches']} turns re-tokenized as other ids. `layertap verify --data` "
                       f"exit {r['verify_exit']} ({r['verify_s']:.0f} s); `layertap audit --samples "

@@ -4,7 +4,7 @@
 that the template gives back the ids the generation saw; `client.py`: the SGLang ``/generate`` requests.
 """
 
-from layertap.regenerate.client import Regenerator, RowJob
+from layertap.regenerate.client import AHEAD_BATCHES, Regenerator, RowJob
 from layertap.regenerate.turns import (
     GeneratedTurn,
     Regenerated,
@@ -17,6 +17,7 @@ from layertap.regenerate.turns import (
 from layertap.spec import GenerationSettings
 
 __all__ = [
+    "AHEAD_BATCHES",
     "GeneratedTurn",
     "GenerationSettings",
     "Regenerated",

@@ -51,10 +51,10 @@ from sglang_patch.contract import generation_rid
 
 log = logging.getLogger(__name__)
 
-# Regenerated rows that may wait for their capture (their text only, a few KB each). On the first H200 run (Kimi-K2
-# width, 64 rows in flight, at most 128 of them regenerated ahead) the captures of ~3.5K-token conversations kept
-# pace with 2-3 rows/s and held the decode batch at 1-16 rows instead of 64: the capture must not set the pace.
-GENERATED_AHEAD = 1024
+# Rows taken ahead of the caller, regenerated while it is busy (their text only, a few KB each), in batches in flight;
+# also the rows of one round of a run (`layertap.pipeline`: a round is regenerated whole, then captured). Each round
+# ends with its last rows decoding in a shrinking batch: at 16 batches a round that tail is a few percent of it.
+AHEAD_BATCHES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +79,13 @@ class Regenerator:
         attempts: int = 1,
         recover: Callable[[str], None] | None = None,
         in_flight: int = 16,
-        ahead: int = GENERATED_AHEAD,
+        ahead: int | None = None,
         request_timeout_s: float = 3600.0,
     ) -> None:
         """``job`` names the run in the generation rids (for the server's log); ``attempts`` per row (as a sample's
         captures), ``recover`` after a dropped request (see the module doc); ``in_flight`` rows at once, up to
-        ``ahead`` more regenerated before the caller takes them (`regenerate_many`)."""
+        ``ahead`` more regenerated before the caller takes them (`regenerate_many`; `AHEAD_BATCHES` x ``in_flight``
+        unless given)."""
         self.server = server
         self.chat = chat
         self.settings = settings
@@ -92,18 +93,19 @@ class Regenerator:
         self.attempts = attempts
         self.recover = recover
         self.in_flight = in_flight
-        self.ahead = ahead
+        self.ahead = ahead or AHEAD_BATCHES * in_flight
         self.format = TurnFormat.of(chat)
         self.stop_token_ids = self.format.stop_token_ids(chat)
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self._span_lock = threading.Lock()
-        self._span: tuple[float, float] | None = None  # monotonic: the first request sent, the last reply
+        self._span: tuple[float, float] | None = None  # monotonic: this call's first request sent, its last reply
+        self._spent = 0.0  # the spans of the `regenerate_many` calls before
 
     @property
     def seconds(self) -> float:
-        """Wall seconds from the first generation request to the last reply (0 before any): the run's decode time,
-        capture running beside it."""
-        return self._span[1] - self._span[0] if self._span else 0.0
+        """Wall seconds generating: from each `regenerate_many` call's first request to its last reply, summed."""
+        with self._span_lock:
+            return self._spent + (self._span[1] - self._span[0] if self._span else 0.0)
 
     def regenerate(self, job: RowJob) -> Regenerated:
         """The row with its turns regenerated (see the module doc); raises RowError, SampleError, ServerError."""
@@ -183,10 +185,9 @@ class Regenerator:
 
         Generation runs ahead of the caller: a finished row's slot is refilled at once from the finishing thread,
         from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
-        server keeps decoding while the caller captures (a capture is one prefill of the whole conversation; the
-        decode of its responses took many passes), and the caller's pace holds generation back only once
-        ``ahead`` rows wait. ``jobs`` is only ever iterated in the caller's thread (the row planner records
-        errors as it goes)."""
+        server keeps decoding while the caller is busy with a row (the run tokenizes each through the template), and
+        the caller's pace holds generation back only once ``ahead`` rows wait. ``jobs`` is only ever iterated in the
+        caller's thread (the row planner records errors as it goes)."""
         source = iter(jobs)
         ready: deque[RowJob] = deque()
         finished: queue.SimpleQueue[tuple[RowJob, Future[Regenerated]]] = queue.SimpleQueue()
@@ -238,6 +239,9 @@ class Regenerator:
             with lock:
                 ready.clear()
             pool.shutdown(wait=True)
+            with self._span_lock:
+                self._spent += self._span[1] - self._span[0] if self._span else 0.0
+                self._span = None
 
     def close(self) -> None:
         self._client.close()
