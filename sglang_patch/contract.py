@@ -364,15 +364,18 @@ def _map(path: Path) -> mmap.mmap:
 
 
 def _read_states_file(path: Path, meta: DumpMeta, load_tensors: bool) -> Dump:
-    """Open the file once and check it against `meta` from its mapped bytes (names, shapes, dtypes, the input_ids
-    hash); with `load_tensors` its tensors are views of those bytes (specforge's zip: read by torch from them)."""
+    """Check the file against `meta` (names, shapes, dtypes, the input_ids hash); with `load_tensors` its tensors
+    are views of its mapped bytes. Specforge's zip is mapped by torch itself (``mmap=True``): read through a Python
+    file object, torch copied every tensor out with the GIL held, ~65 ms a 30 MB dump on an H200 host, which held a
+    run's captures to ~15 a second whatever the threads (py-spy, 2026-12-02); `data` maps it once more for the hash
+    a commit takes (`Dump.data`)."""
     import torch
 
     layout = meta.sample_layout()
     data = _map(path)
     try:
         if meta.layout == SPECFORGE:
-            tensors = torch.load(data, weights_only=True)  # the map as a file: no second open
+            tensors = torch.load(path, weights_only=True, mmap=True)
             if not isinstance(tensors, dict):
                 raise ValueError(f"it holds a {type(tensors).__name__}, not a dict of tensors")
             found = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}

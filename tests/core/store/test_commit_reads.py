@@ -1,4 +1,5 @@
-"""A committed sample's file is hashed once and read back at most once on its way into the store.
+"""A committed sample's file is hashed once and read back at most once on its way into the store (a dump is mapped,
+not read: specforge's twice, by the hash and by torch).
 
 Watched from the kernel (inotify: every open of the file, by Python, torch's C++ or safetensors' Rust readers) and
 at the hash (every sha256 that ends on the file's digest), for the two ways in: a file the store writes from an HF
@@ -162,7 +163,10 @@ def test_a_dumped_sample_is_read_once_and_hashed_once_on_its_way_into_the_store(
 
     assert (tmp_path / "out" / record.file).stat().st_ino == inode and record.sha256 == expected  # renamed
     opens = [mask for mask, _ in inotify.events() if mask & IN_OPEN]
-    assert len(opens) <= 1, f"the dump's file was opened {len(opens)} times on its way into the store"
+    # Mapped, never read into memory: once for the hash, and specforge's zip once more by torch for its tensors (read
+    # through a Python file object it was copied out with the GIL held, ~65 ms a 30 MB dump on an H200 host).
+    maps = 2 if fmt == "specforge" else 1
+    assert len(opens) <= maps, f"the dump's file was opened {len(opens)} times on its way into the store"
     assert digests.count(expected) == 1, f"the dump's file was hashed {digests.count(expected)} times"
     store.close()
     assert verify_store(tmp_path / "out", level="full").ok

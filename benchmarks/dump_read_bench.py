@@ -1,0 +1,101 @@
+"""Reading the plugin's specforge dumps on the capture client, by reader threads: `read_dump` as it reads now (torch
+maps the zip itself, ``mmap=True``) against torch reading the same zip through the mapped file as a Python file
+object (how it read before), each followed by what a commit's check does with the tensors (a float sum of every
+state, as the finiteness check reads them).
+
+Why: on one H200 host (py-spy of a regenerating run, 2026-12-02) the capture's threads held the GIL in torch's
+``load_tensor`` ~65 ms per 30 MB dump, which held the run's captures to ~15 a second whatever the threads.
+
+    .venv/bin/python -m benchmarks.dump_read_bench [--tokens 660 --hidden 7168 --samples 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from benchmarks import harness
+from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, SPECFORGE, format_rid, read_dump
+from sglang_patch.writer import build_meta, write_dump
+
+LAYERS = (1, 2, 3)
+THREADS = (1, 4, 8, 16)
+
+
+def write_dumps(root: Path, n: int, tokens: int, hidden: int) -> list[Path]:
+    """``n`` specforge dumps as the plugin writes them (bf16 states of ``LAYERS`` and the post-norm final)."""
+    g = torch.Generator().manual_seed(0)
+    captured = {INPUT_IDS: torch.randint(0, 4096, (tokens,), generator=g),
+                AUX: torch.randn(tokens, len(LAYERS), hidden, generator=g).bfloat16(),
+                FINAL_TENSORS["post"]: torch.randn(tokens, hidden, generator=g).bfloat16()}  # fmt: skip
+    dumps = []
+    for i in range(n):
+        meta = build_meta(format_rid("bench", f"s{i}", 0), captured, None, layers=LAYERS, finals=("post",),
+                          layout=SPECFORGE)  # fmt: skip
+        dumps.append(write_dump(root, meta, captured, tag="bench", loss_mask=torch.ones(tokens, dtype=torch.long)))
+    return dumps
+
+
+def checked(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(float(t.float().sum()) for k, t in tensors.items() if k != INPUT_IDS)
+
+
+def now(dump: Path) -> float:
+    dump_read = read_dump(dump)
+    assert dump_read.tensors is not None
+    return checked(dump_read.tensors)
+
+
+def before(dump: Path) -> float:
+    (file,) = (p for p in dump.iterdir() if p.suffix == ".ckpt")
+    with file.open("rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return checked(torch.load(data, weights_only=True))
+
+
+def rate(read: Callable[[Path], float], dumps: list[Path], threads: int) -> float:
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(read, dumps))
+        return len(dumps) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=660, help="tokens a dump (the regeneration bench's mean)")
+    ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2's width")
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-dump-read"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/dump_read.md"))
+    args = ap.parse_args()
+    shutil.rmtree(args.root, ignore_errors=True)
+    dumps = write_dumps(args.root, args.samples, args.tokens, args.hidden)
+    size = sum(p.stat().st_size for p in dumps[0].iterdir()) / 1e6
+    rows = []
+    for threads in THREADS:
+        rate(now, dumps[:4], threads)  # pages warm, threads started
+        old, new = rate(before, dumps, threads), rate(now, dumps, threads)
+        rows.append([threads, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}"])
+        harness.log(f"{threads} threads: before {old:.1f}/s, now {new:.1f}/s")
+    shutil.rmtree(args.root, ignore_errors=True)
+    lines = ["# Reading the plugin's specforge dumps on the capture client", "",
+             f"Written by `benchmarks/dump_read_bench.py` (its docstring says why) at commit {harness.git_commit()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{harness.command_line()}`. {args.samples} dumps "
+             f"of {args.tokens} tokens, {len(LAYERS)} layers + the final at hidden {args.hidden}, bf16 ({size:.1f} MB "
+             f"each) on tmpfs; each read followed by a float sum of every state. Dumps read per second (this machine "
+             f"is shared: compare within a row).", "",
+             *harness.table(["reader threads", "before (torch through the mapped file object)",
+                             "now (`read_dump`: torch maps it)", "now / before"], rows)]  # fmt: skip
+    args.out.write_text("\n".join(lines) + "\n")
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
