@@ -87,13 +87,14 @@ def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile:
         ) -> tuple[int, float]:  # fmt: skip
     """Run ``cmd`` to its end, its output appended to ``log``: (exit code, wall seconds). With ``profile``, py-spy
     samples the thread holding the GIL meanwhile (raw flame-graph lines in that file; a py-spy that cannot attach
-    costs only the profile)."""
+    costs only the profile), without pausing it (``--nonblocking``: by default py-spy stops the process for each
+    sample: a profiled extract generated at 0.52 of plain SGLang, the same commit's job unprofiled at 0.95)."""
     t0 = time.monotonic()
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT)
         spy = None
         if profile is not None and (py_spy := shutil.which("py-spy")) is not None:
-            spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--gil", "--threads", "--rate", "50",
+            spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--gil", "--threads", "--nonblocking", "--rate", "50",
                                     "--format", "raw", "--output", str(profile)], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             code = proc.wait(timeout=timeout)
