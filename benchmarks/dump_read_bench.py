@@ -22,25 +22,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from sglang_patch.contract import AUX, FINAL_TENSORS, INPUT_IDS, SPECFORGE, format_rid, read_dump
-from sglang_patch.writer import build_meta, write_dump
+from benchmarks.writer_bench import LAYERS, captured_states, write_dumps
+from sglang_patch.contract import INPUT_IDS, dump_dir, format_rid, read_dump
 
-LAYERS = (1, 2, 3)
 THREADS = (1, 4, 8, 16)
-
-
-def write_dumps(root: Path, n: int, tokens: int, hidden: int) -> list[Path]:
-    """``n`` specforge dumps as the plugin writes them (bf16 states of ``LAYERS`` and the post-norm final)."""
-    g = torch.Generator().manual_seed(0)
-    captured = {INPUT_IDS: torch.randint(0, 4096, (tokens,), generator=g),
-                AUX: torch.randn(tokens, len(LAYERS), hidden, generator=g).bfloat16(),
-                FINAL_TENSORS["post"]: torch.randn(tokens, hidden, generator=g).bfloat16()}  # fmt: skip
-    dumps = []
-    for i in range(n):
-        meta = build_meta(format_rid("bench", f"s{i}", 0), captured, None, layers=LAYERS, finals=("post",),
-                          layout=SPECFORGE)  # fmt: skip
-        dumps.append(write_dump(root, meta, captured, tag="bench", loss_mask=torch.ones(tokens, dtype=torch.long)))
-    return dumps
 
 
 def checked(tensors: dict[str, torch.Tensor]) -> float:
@@ -76,7 +61,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/dump_read.md"))
     args = ap.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
-    dumps = write_dumps(args.root, args.samples, args.tokens, args.hidden)
+    rids = [format_rid("bench", f"s{i}", 0) for i in range(args.samples)]
+    write_dumps(args.root, captured_states(args.tokens, args.hidden, seed=0), rids, threads=4)  # as the plugin does
+    dumps = [dump_dir(args.root, rid) for rid in rids]
     size = sum(p.stat().st_size for p in dumps[0].iterdir()) / 1e6
     rows = []
     for threads in THREADS:
