@@ -49,11 +49,18 @@ def wait_for(check: Callable[[], object], *, timeout: float, what: str, every: f
         time.sleep(every)
 
 
+class PortTaken(Exception):
+    """The process exited because another took its port between ``free_port`` and its bind."""
+
+
 def wait_until_serving(proc: Proc, url: str, *, timeout: float, what: str) -> None:
-    """Poll ``url`` until it answers 200; fail at once, with the log, if ``proc`` died meanwhile."""
+    """Poll ``url`` until it answers 200; fail at once, with the log, if ``proc`` died meanwhile (``PortTaken``
+    where it died because its port was taken, so that the caller may start it on another)."""
 
     def ok() -> bool:
         if not proc.alive():
+            if "address already in use" in proc.log_tail():
+                raise PortTaken(proc.log_tail())
             pytest.fail(f"{proc.name} exited\n{proc.log_tail()}")
         try:
             return httpx.get(url, timeout=2).status_code == 200
@@ -218,7 +225,6 @@ class Services:
     ) -> Coordinator:
         """A coordinator (``uvicorn coordinator.app:app``, or ``layertap coordinator`` with ``cli``), closed by
         ``token`` or else explicitly open; its watchdog runs every 0.5 s and a lost message is resent after 5 s."""
-        port = port or free_port()
         settings = {
             "LAYERTAP_REDIS_URL": redis_url,
             "LAYERTAP_OUTPUT_ROOT": str(output_root),
@@ -228,15 +234,23 @@ class Services:
             "LAYERTAP_API_OPEN": "false" if token else "true",  # no token: open on purpose (127.0.0.1 only)
             **env,
         }
-        cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host", "127.0.0.1", "--port", str(port)]
-        if cli:
-            cmd = [sys.executable, "-m", "layertap", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
-        proc = Proc(f"coordinator:{port}", cmd, self._env(settings), self.logs / f"coordinator-{port}.log").start()
-        self.procs.append(proc)
-        coordinator = Coordinator(proc, f"http://127.0.0.1:{port}", token)
-
-        wait_until_serving(proc, f"{coordinator.url}/health", timeout=90, what="the coordinator's /health")
-        return coordinator
+        taken = 0
+        while True:
+            chosen = port or free_port()
+            cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host", "127.0.0.1", "--port", str(chosen)]
+            if cli:
+                cmd = [sys.executable, "-m", "layertap", "coordinator", "--host", "127.0.0.1", "--port", str(chosen)]
+            log = self.logs / f"coordinator-{chosen}.log"
+            proc = Proc(f"coordinator:{chosen}", cmd, self._env(settings), log).start()
+            self.procs.append(proc)
+            coordinator = Coordinator(proc, f"http://127.0.0.1:{chosen}", token)
+            try:
+                wait_until_serving(proc, f"{coordinator.url}/health", timeout=90, what="the coordinator's /health")
+                return coordinator
+            except PortTaken as error:
+                taken += 1
+                if port or taken == 3:  # the test's own port, or three taken in a row
+                    pytest.fail(f"{proc.name} exited: its port was taken\n{error}")
 
     def worker(self, name: str, redis_url: str, *, wait: bool = True, **env: str) -> Proc:
         """A ``celery -A worker worker --pool solo`` process: leases last 2 s, retries start after 0.5 s."""

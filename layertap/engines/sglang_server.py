@@ -116,9 +116,16 @@ class ServerConfig:
         ]  # fmt: skip
 
 
-def free_port(low: int = 20000, high: int = 40000) -> int:
-    """A free port well below 64K: SGLang 0.5.14 derives other ports from it (e.g. gRPC) by adding to it."""
-    for port in random.sample(range(low, high), 200):
+def free_port(low: int = 20000, high: int | None = None) -> int:
+    """A free port well below 64K: SGLang 0.5.14 derives other ports from it (e.g. gRPC) by adding to it.
+
+    Below the kernel's ephemeral range (``ip_local_port_range``, 32768 on Linux by default, less 2,000 for what
+    SGLang adds), so that no outgoing connection is handed the port between this check and the server's bind
+    (where that range starts too low to leave room, up to 40000 as before).
+    """
+    below_ephemeral = _ephemeral_low() - 2000
+    high = high or (below_ephemeral if below_ephemeral >= low + 1000 else 40000)
+    for port in random.sample(range(low, high), min(200, high - low)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -126,6 +133,13 @@ def free_port(low: int = 20000, high: int = 40000) -> int:
                 continue
             return port
     raise ServerError(f"no free port in [{low}, {high})")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 where it does not say)."""
+    with suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 # After the last traceback's exception line: a line that names an error, then one that says something failed.
