@@ -59,9 +59,10 @@ def wait_until_serving(proc: Proc, url: str, *, timeout: float, what: str) -> No
 
     def ok() -> bool:
         if not proc.alive():
-            if "address already in use" in proc.log_tail():
-                raise PortTaken(proc.log_tail())
-            pytest.fail(f"{proc.name} exited\n{proc.log_tail()}")
+            said = proc.log_tail()
+            if "address already in use" in said:
+                raise PortTaken(said)
+            pytest.fail(f"{proc.name} exited\n{said}")
         try:
             return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -234,12 +235,11 @@ class Services:
             "LAYERTAP_API_OPEN": "false" if token else "true",  # no token: open on purpose (127.0.0.1 only)
             **env,
         }
+        entry = ["layertap", "coordinator"] if cli else ["uvicorn", "coordinator.app:app"]
         taken = 0
         while True:
             chosen = port or free_port()
-            cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--host", "127.0.0.1", "--port", str(chosen)]
-            if cli:
-                cmd = [sys.executable, "-m", "layertap", "coordinator", "--host", "127.0.0.1", "--port", str(chosen)]
+            cmd = [sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(chosen)]
             log = self.logs / f"coordinator-{chosen}.log"
             proc = Proc(f"coordinator:{chosen}", cmd, self._env(settings), log).start()
             self.procs.append(proc)

@@ -123,8 +123,9 @@ def free_port(low: int = 20000, high: int | None = None) -> int:
     SGLang adds), so that no outgoing connection is handed the port between this check and the server's bind
     (where that range starts too low to leave room, up to 40000 as before).
     """
-    below_ephemeral = _ephemeral_low() - 2000
-    high = high or (below_ephemeral if below_ephemeral >= low + 1000 else 40000)
+    if high is None:
+        below_ephemeral = _ephemeral_low() - 2000
+        high = below_ephemeral if below_ephemeral >= low + 1000 else 40000
     for port in random.sample(range(low, high), min(200, high - low)):
         with socket.socket() as s:
             try:
