@@ -5,8 +5,7 @@ messages before it with its generation prompt (system/user/tool turns as given; 
 given for ``last``, as regenerated for ``all``), the ids are sent as ``input_ids`` with the run's sampling
 settings, the turn's seed and the template's end-of-turn token as a stop token, and the generated ids become
 the new assistant message (`TurnFormat.message`). Rows run in threads (`Regenerator.regenerate_many`), the
-turns of one row one after another, the rows with the most turns to regenerate first: a row's turns are sequential,
-so a many-turn row started last decodes alone at the end of its round.
+turns of one row one after another.
 
 The server is the capture server: a generation rid (`generation_rid`) holds no ``:``, so the plugin captures
 none of its passes; generation may take prefixes from the radix cache (the launcher turns it off unless told to
@@ -23,14 +22,12 @@ generation). Without ``recover`` a dropped request is a ServerError.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,8 +53,7 @@ log = logging.getLogger(__name__)
 
 # Rows taken ahead of the caller, regenerated while it is busy (their text only, a few KB each), in batches in flight;
 # also the rows of one round of a run (`layertap.pipeline`: a round is regenerated whole, then captured). Each round
-# ends with its last rows decoding in a shrinking batch (the rows with the fewest turns, as the longest start first):
-# at 16 batches a round that tail is a few percent of it.
+# ends with its last rows decoding in a shrinking batch: at 16 batches a round that tail is a few percent of it.
 AHEAD_BATCHES = 16
 
 
@@ -191,11 +187,9 @@ class Regenerator:
         from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
         server keeps decoding while the caller is busy with a row (the run tokenizes each through the template), and
         the caller's pace holds generation back only once ``ahead`` rows wait. ``jobs`` is only ever iterated in the
-        caller's thread (the row planner records errors as it goes). Of the rows taken, those with the most turns to
-        regenerate start first (`work`), then in the order taken: the round's last rows to decode are short ones."""
+        caller's thread (the row planner records errors as it goes)."""
         source = iter(jobs)
-        order = itertools.count()
-        ready: list[tuple[int, int, RowJob]] = []  # a heap of (-work, order taken, job)
+        ready: deque[RowJob] = deque()
         finished: queue.SimpleQueue[tuple[RowJob, Future[Regenerated]]] = queue.SimpleQueue()
         lock = threading.RLock()  # a callback may run at once, in the thread that added it
         running = 0
@@ -206,7 +200,7 @@ class Regenerator:
             with lock:
                 while running < self.in_flight and ready:
                     running += 1
-                    job = heapq.heappop(ready)[2]
+                    job = ready.popleft()
                     pool.submit(self.regenerate, job).add_done_callback(lambda fut, job=job: ended(job, fut))
 
         def ended(job: RowJob, fut: Future[Regenerated]) -> None:
@@ -222,9 +216,9 @@ class Regenerator:
             while True:
                 while taken < self.in_flight + self.ahead and (nxt := next(source, None)) is not None:
                     with lock:
-                        heapq.heappush(ready, (-self.work(nxt), next(order), nxt))
+                        ready.append(nxt)
                     taken += 1
-                start_ready()
+                    start_ready()
                 if not taken:
                     return
                 job, fut = finished.get()
@@ -238,7 +232,7 @@ class Regenerator:
                         yield failed
                         continue
                     with lock:
-                        heapq.heappush(ready, (-self.work(job), next(order), job))
+                        ready.appendleft(job)
                     taken += 1
                     start_ready()
         finally:
@@ -248,15 +242,6 @@ class Regenerator:
             with self._span_lock:
                 self._spent += self._span[1] - self._span[0] if self._span else 0.0
                 self._span = None
-
-    def work(self, job: RowJob) -> int:
-        """How many turns of ``job``'s row are to be regenerated one after another (0 for a row refused)."""
-        try:
-            return len(
-                turns_to_regenerate(job.row, self.settings.mode, row_number=job.row_number, sample_id=job.sample_id)
-            )
-        except RowError:
-            return 0
 
     def close(self) -> None:
         self._client.close()

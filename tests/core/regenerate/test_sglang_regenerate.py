@@ -254,34 +254,6 @@ def test_generation_runs_ahead_of_a_busy_caller(sglang_servers, tiny_llama) -> N
     assert sorted(r.sample_id for r in [first, *rest]) == sorted(r["id"] for r in rows)
 
 
-def test_rows_with_most_turns_start_first(sglang_servers, tiny_llama) -> None:
-    """Under ``all`` a row's turns are generated one after another, so the rows with the most turns start first
-    (then in the order given): a round does not end with one many-turn row decoding alone. With one row in flight
-    the start order is the schedule itself; every row is still regenerated once."""
-    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
-    chat = ChatTokenizer(ModelFolder.read(tiny_llama).load_tokenizer())
-    turns = [1, 3, 2, 1, 3, 2]
-    rows = [{"id": f"r{i}", "messages": [m for k in range(n) for m in ({"role": "user", "content": f"Say {i}{k}."},
-                                                                      {"role": "assistant", "content": "ok"})]}
-            for i, n in enumerate(turns)]  # fmt: skip
-    regen = Regenerator(SGLangServer(url=server.url), chat, GenerationSettings(mode="all", max_new_tokens=2),
-                        job="j", in_flight=1)  # fmt: skip
-    started: list[str] = []
-    generate_row = regen.regenerate
-
-    def recorded(job: RowJob) -> Regenerated:
-        started.append(job.sample_id)
-        return generate_row(job)
-
-    regen.regenerate = recorded  # type: ignore[method-assign]
-    try:
-        out = list(regen.regenerate_many(RowJob(i, r["id"], parse_row(i, r)) for i, r in enumerate(rows)))
-    finally:
-        regen.close()
-    assert started == ["r1", "r4", "r2", "r5", "r0", "r3"]
-    assert sorted(len(r.turns) for r in out if isinstance(r, Regenerated)) == sorted(turns)
-
-
 def test_sampling_seed_on_the_cpu_server(served) -> None:
     """SGLang 0.5.10 takes ``sampling_params.sampling_seed`` but samples with it only under
     ``--enable-deterministic-inference``, which refuses every attention backend but flashinfer/fa3/triton: the CPU
