@@ -476,10 +476,11 @@ def _regenerated(
     row refused, failed every generation attempt, cut under ``drop_truncated`` or over the server's limit is
     recorded as its error.
 
-    Rows go in rounds of ``regenerator.ahead``: a round is regenerated whole (each row through the template as it
-    ends, the CPU's work hidden under the server's decode) before any of its samples is captured. Captured as they
-    ended, every capture was a prefill between two decode steps of the rows still generating: on one H200 that held
-    generation at 0.76 of SGLang's own rate, and the row-at-a-time tokenizing paced the captures at ~11 rows/s."""
+    Rows go in rounds of ``regenerator.ahead``: a round is regenerated whole, then its rows go through the template,
+    then its samples are captured. Captured as they ended, every capture was a prefill between two decode steps of
+    the rows still generating: on one H200 that held generation at 0.76 of SGLang's own rate. Tokenized as they ended,
+    this thread held the GIL just when a decode batch's rows all ended together (every turn cut at the same
+    max_new_tokens) and their threads were to send the next turns: the batch refilled late."""
     rows: dict[str, int] = {}
 
     def jobs() -> Iterator[RowJob]:
@@ -490,13 +491,16 @@ def _regenerated(
 
     source = jobs()
     while events.keep_going() and (round_jobs := list(islice(source, regenerator.ahead))):
-        samples = []
+        ended: list[tuple[Regenerated | RowError, int]] = []
         for out in regenerator.regenerate_many(round_jobs):
-            if sample := _regenerated_sample(out, rows.pop(out.sample_id or "", -1), planner, store, report, events):
-                samples.append(sample)
+            ended.append((out, number := rows.pop(out.sample_id or "", -1)))
+            if isinstance(out, Regenerated):
+                cut = sum(t.finish_reason == "length" for t in out.turns)
+                events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
             if not events.keep_going():
                 break
-        yield from samples
+        samples = [_regenerated_sample(out, number, planner, store, report, events) for out, number in ended]
+        yield from (s for s in samples if s is not None)
 
 
 def _regenerated_sample(
@@ -512,7 +516,6 @@ def _regenerated_sample(
         _row_failed(store, report, events, out)
         return None
     cut = sum(t.finish_reason == "length" for t in out.turns)
-    events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
     try:
         if cut and planner.spec.drop_truncated:
             reason = (
