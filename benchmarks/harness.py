@@ -62,12 +62,15 @@ def sglang_python(smoke: bool) -> Path:
 
 
 def git_commit() -> str:
-    """The short commit of the tree run, or what to do without git (the device's copy may have none)."""
+    """The short commit of the tree run: ``BENCH_COMMIT`` when set (the device's copy of the tree may carry no git, or
+    a stale one), else git's, else what to do."""
+    if commit := os.environ.get("BENCH_COMMIT"):
+        return commit
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git here: give --commit)"
+        return "unknown (no git here: set BENCH_COMMIT)"
 
 
 def command_line() -> str:
