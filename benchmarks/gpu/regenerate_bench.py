@@ -49,6 +49,7 @@ import random
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -378,6 +379,18 @@ def scrape_stages(url: str) -> dict[str, float]:
 # -- the table ----------------------------------------------------------------------------------------------------
 
 
+def ratio_to_plain(part: dict[str, Any], plain: dict[str, Any] | None) -> str:
+    """``part``'s generation rate over plain SGLang's, compared only when both ran on one node: plain SGLang ran
+    at 19,013 and at 15,073 tok/s on two H200 nodes a day apart (INT4, `gpu_regenerate_first_runs.md`)."""
+    if plain is None:
+        return "no plain rate measured"
+    value = part["result"]["tok_s"] / plain["result"]["tok_s"]
+    here, there = part["meta"].get("node"), plain["meta"].get("node")
+    if here and there and here != there:
+        return f"{value:.3f}, not comparable: plain SGLang ran on another node ({there})"
+    return f"**{value:.3f}**" + ("" if here and there else " (nodes not recorded)")
+
+
 def table(results: dict[str, Any]) -> str:
     """``gpu_regenerate.md`` from every part measured so far."""
     lines = ["# Regeneration on one H200: `--regenerate all`, then capture", "",
@@ -389,14 +402,15 @@ def table(results: dict[str, Any]) -> str:
              "plain script would (each turn's prompt through the tokenizer's own `apply_chat_template`, earlier "
              "turns its own output), the same sampling settings and stop tokens, the same rows in flight, each "
              "row's turns in order, no capture; measured after a warm-up pass, on the node where every "
-             "measured server after it finds the kernels built.", ""]  # fmt: skip
+             "measured server after it finds the kernels built (a cold node's first request waits for them: 5 s "
+             "of a 15 s span). A ratio compares two parts of one node only.", ""]  # fmt: skip
     for key, part in results.items():
         meta, r = part["meta"], part["result"]
         model, stage = key.split("/")
         lines += [f"## {key}", "", f"{meta['model']}; {meta['rows']} chats ({meta['data']}); command "
-                  f"`{meta['command']}` at commit {meta['commit']} ({meta['when']}); {meta['device']}.", ""]  # fmt: skip
-        plain = results.get(f"{model}/plain", {}).get("result")
-        ratio = f"**{r['tok_s'] / plain['tok_s']:.3f}**" if plain else "no plain rate measured"
+                  f"`{meta['command']}` at commit {meta['commit']} ({meta['when']}); {meta['device']}, node "
+                  f"{meta.get('node', 'not recorded')}.", ""]  # fmt: skip
+        ratio = ratio_to_plain(part, results.get(f"{model}/plain"))
         if stage == "plain":
             lines += [f"Stock server start {r['server_start_s'] or '?'} s (its log, warm-up included); warm-up pass "
                       f"of {r['warm']['turns']:,} turns {r['warm']['seconds']:.0f} s, not measured. Measured: "
@@ -510,7 +524,8 @@ def main() -> None:
             "rows": args.chats, "data": f"1-2 turns each, max_new_tokens {args.max_new_tokens}, greedy, "
             f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
             "command": harness.command_line(), "commit": harness.git_commit(),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device}  # fmt: skip
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+            "node": socket.gethostname()}  # fmt: skip
     name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
     try:
         for stage in stages:
