@@ -36,8 +36,10 @@ server's start took 150-210 s whatever the kernel cache held (decode graph captu
 prefill 74-103 s); the first layertap run on a node stalled its server 87-131 s while FlashInfer built its
 sampling kernels for the capture requests' throw-away token (they are greedy since); verify 41 s, audit 26 s
 for 512 chats. So per model ~260 s for ``plain``, ~280 s for ``cli``, ~300 s for ``job`` (one call each is the
-safer split: an overrun loses one stage), after ``install .whl1`` (~100 s with the machine's start). A call's ``--results`` is the JSON the calls before it
-returned (copy it into benchmarks/results/ between calls).
+safer split: an overrun loses one stage), after ``install .whl1`` (~100 s with the machine's start). A call starts from
+``--results`` (the committed JSON) and the parts that this node's earlier calls measured (``WORK/parts.json``, kept while
+the machine stays warm), so a ``cli`` part is compared with the ``plain`` part of its own node without copying the
+JSON between calls (`ratio_to_plain` compares parts of one node only; plain SGLang's rate differs by 25% across nodes).
 """
 
 from __future__ import annotations
@@ -517,6 +519,8 @@ def main() -> None:
     harness.log(f"model {model.name}: {folder.num_layers} layers, hidden {folder.hidden_size}, "
                 f"{harness.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
     results = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
+    this_node = args.work / "parts.json"  # the parts of this node's earlier calls (the work folder lives while it does)
+    results.update(json.loads(this_node.read_text()) if this_node.exists() and not args.cpu_smoke else {})
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke)"
     meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.cpu_smoke else
                       f"Kimi-K2.5 wrapper at Kimi-K2 width ({'INT4 routed experts, group 32' if args.model == 'int4' else 'bf16'}), "
@@ -531,6 +535,9 @@ def main() -> None:
         for stage in stages:
             run_stage = {"plain": stage_plain, "cli": stage_cli, "job": stage_job}[stage]
             results[f"{args.model}/{stage}"] = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
+            if not args.cpu_smoke:
+                ours = json.loads(this_node.read_text()) if this_node.exists() else {}
+                this_node.write_text(json.dumps({**ours, f"{args.model}/{stage}": results[f"{args.model}/{stage}"]}))
             (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
             (args.out / f"{name}.md").write_text(table(results))
     finally:
