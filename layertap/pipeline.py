@@ -496,8 +496,7 @@ def _regenerated(
         for out in regenerator.regenerate_many(round_jobs):
             ended.append((out, number := rows.pop(out.sample_id or "", -1)))
             if isinstance(out, Regenerated):
-                cut = sum(t.finish_reason == "length" for t in out.turns)
-                events.generated(row=number, tokens=out.generated_tokens, cut_turns=cut)
+                events.generated(row=number, tokens=out.generated_tokens, cut_turns=out.cut_turns)
             if not events.keep_going():
                 break
         samples = [_regenerated_sample(out, number, planner, store, report, events) for out, number in ended]
@@ -516,7 +515,7 @@ def _regenerated_sample(
     if isinstance(out, RowError):
         _row_failed(store, report, events, out)
         return None
-    cut = sum(t.finish_reason == "length" for t in out.turns)
+    cut = out.cut_turns
     try:
         if cut and planner.spec.drop_truncated:
             reason = (

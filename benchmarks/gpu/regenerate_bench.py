@@ -520,7 +520,8 @@ def main() -> None:
                 f"{harness.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
     results = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
     this_node = args.work / "parts.json"  # the parts of this node's earlier calls (the work folder lives while it does)
-    results.update(json.loads(this_node.read_text()) if this_node.exists() and not args.cpu_smoke else {})
+    ours = json.loads(this_node.read_text()) if this_node.exists() and not args.cpu_smoke else {}
+    results.update(ours)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke)"
     meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.cpu_smoke else
                       f"Kimi-K2.5 wrapper at Kimi-K2 width ({'INT4 routed experts, group 32' if args.model == 'int4' else 'bf16'}), "
@@ -534,10 +535,10 @@ def main() -> None:
     try:
         for stage in stages:
             run_stage = {"plain": stage_plain, "cli": stage_cli, "job": stage_job}[stage]
-            results[f"{args.model}/{stage}"] = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
+            part = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
+            results[f"{args.model}/{stage}"] = ours[f"{args.model}/{stage}"] = part
             if not args.cpu_smoke:
-                ours = json.loads(this_node.read_text()) if this_node.exists() else {}
-                this_node.write_text(json.dumps({**ours, f"{args.model}/{stage}": results[f"{args.model}/{stage}"]}))
+                this_node.write_text(json.dumps(ours))
             (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
             (args.out / f"{name}.md").write_text(table(results))
     finally:

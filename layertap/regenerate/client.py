@@ -185,9 +185,9 @@ class Regenerator:
 
         Generation runs ahead of the caller: a finished row's slot is refilled at once from the finishing thread,
         from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
-        server keeps decoding while the caller is busy with a row (the run tokenizes each through the template), and
-        the caller's pace holds generation back only once ``ahead`` rows wait. ``jobs`` is only ever iterated in the
-        caller's thread (the row planner records errors as it goes)."""
+        server keeps decoding while the caller is busy with a row, and the caller's pace holds generation back only once
+        ``ahead`` rows wait. ``jobs`` is only ever iterated in the caller's thread (the row planner records errors as
+        it goes)."""
         source = iter(jobs)
         ready: deque[RowJob] = deque()
         finished: queue.SimpleQueue[tuple[RowJob, Future[Regenerated]]] = queue.SimpleQueue()

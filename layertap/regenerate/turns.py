@@ -69,6 +69,11 @@ class Regenerated:
     def generated_tokens(self) -> int:
         return sum(len(t.output_ids) for t in self.turns)
 
+    @property
+    def cut_turns(self) -> int:
+        """Turns cut at max_new_tokens (finish_reason ``length``), kept as generated."""
+        return sum(t.finish_reason == "length" for t in self.turns)
+
 
 def stored_conversation(record: dict[str, Any]) -> tuple[Conversation, list[int]]:
     """A stored row (`Regenerated.record`) as the conversation it renders and the indices of its regenerated turns
