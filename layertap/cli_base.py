@@ -129,15 +129,14 @@ def _option(name: str, info: FieldInfo) -> Callable[[Command], Command]:
         if info.default is not False:
             raise TypeError(f"{name}: a flag is off by default")
         return click.option(decl, name, is_flag=True, help=info.description)
-    required = info.is_required()
-    default = None if required else info.default
+    if info.is_required():  # no default at all: click 8.3+ takes an explicit None as given and never reports it missing
+        return click.option(decl, name, type=_click_type(info.annotation, flag), required=True, help=info.description)
     return click.option(
         decl,
         name,
         type=_click_type(info.annotation, flag),
-        required=required,
-        default=default,
-        show_default=default not in (None, "", {}),
+        default=info.default,
+        show_default=info.default not in (None, "", {}),
         help=info.description,
     )
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from layertap.cli import extract
 from layertap.cli_jobs import submit
@@ -56,3 +57,15 @@ def test_a_worker_runs_with_extracts_defaults(monkeypatch: pytest.MonkeyPatch) -
     assert {"in_flight", "device", "batch_tokens", "sglang_args", "resume_check", "commit_threads"} <= shared
     ext = options(extract)
     assert {name: ext[name]["default"] for name in shared} == {name: getattr(worker, name) for name in shared}
+
+
+@pytest.mark.parametrize("command", [extract, submit])
+def test_a_required_option_left_out_is_named_by_click(command: click.Command, tmp_path) -> None:
+    """A required field's option left out is click's usage error naming it (exit 2), not the model's complaint
+    about a None it was handed ("--layers: Input should be a valid tuple", click 8.3 and later)."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    args = ["--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2, result.output
+    assert "Missing option '--layers'" in result.output
