@@ -14,6 +14,7 @@ import random
 import secrets
 import shlex
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -71,6 +72,16 @@ def git_commit() -> str:
                               check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git here: set BENCH_COMMIT)"
+
+
+def node() -> str:
+    """The machine this run is on: its host name and boot id. Every lent H200 is called ``vm``, so the host name alone
+    cannot tell two leases apart; a fresh lease boots afresh."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()} boot {boot}"
 
 
 def command_line() -> str:

@@ -51,7 +51,6 @@ import random
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -530,7 +529,7 @@ def main() -> None:
             f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
             "command": harness.command_line(), "commit": harness.git_commit(),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
-            "node": socket.gethostname()}  # fmt: skip
+            "node": harness.node()}  # fmt: skip
     name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
     try:
         for stage in stages:
