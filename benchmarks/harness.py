@@ -14,8 +14,8 @@ import random
 import secrets
 import shlex
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
