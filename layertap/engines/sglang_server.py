@@ -9,8 +9,8 @@ way again (`not_retried`: a hang, a watchdog timeout, an import error, a refused
 error says in two lines how the last try ended, the decisive line of its log, and the log's path; SGLang's
 crash diagnostics (a minute of py-spy and CUDA core dumps before a crashed server exits) are off, so a retry
 comes within seconds. The server runs in its own process group (so stop() takes the scheduler and
-detokenizer with it) and is told to die with its parent (PR_SET_PDEATHSIG), so a SIGKILLed worker leaves
-no orphan holding GPU memory.
+detokenizer with it) and is told to die with the process that launched it (PR_SET_PDEATHSIG, from a thread that
+lives as long as that process: `_Launcher`), so a SIGKILLed worker leaves no orphan holding GPU memory.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -251,6 +254,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+class _Launcher:
+    """Forks every server from one thread that lives as long as the process. PR_SET_PDEATHSIG fires when the thread
+    that forked the child ends, not the process: a server restarted from a capture or generation pool's thread was
+    SIGKILLed when that pool shut down (a worker's regeneration job restarted its server twice for one crash)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._thread: ThreadPoolExecutor | None = None
+
+    def popen(self, command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child holds none of its parent's threads
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layertap-server-launcher")
+                self._pid = os.getpid()
+            thread = self._thread
+        return thread.submit(subprocess.Popen, command, preexec_fn=_die_with_parent, **kwargs).result()
+
+
+_launcher = _Launcher()
+
+
 class SGLangServer:
     """A capture server this process launched (``config``) or one it only talks to (``url``)."""
 
@@ -344,9 +369,7 @@ class SGLangServer:
             logf.flush()
             self._log_offset = logf.tell()
             try:
-                self._proc = subprocess.Popen(
-                    cfg.command(port), env=env, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-                )
+                self._proc = _launcher.popen(cfg.command(port), env=env, stdout=logf, stderr=subprocess.STDOUT)
             except OSError as exc:  # no such python, not executable: no retry can help
                 raise ServerError(f"cannot run the SGLang server's python {cfg.python}: {exc}") from exc
         self._url = f"http://{cfg.host}:{port}"

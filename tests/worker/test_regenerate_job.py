@@ -238,7 +238,8 @@ def test_the_workers_own_server_sigkilled_mid_generation_is_restarted_and_the_jo
     check_regenerated_job(job, chats, {r["id"]: clean_rows[r["id"]] for r in rows})
     # Restarted in place, as for a capture: no shard was given up and run again, no sample stored twice.
     assert all(int(shard["attempts"]) == 1 for shard in cluster.shards(job_id))
-    assert "restarting it and resending its requests" in worker.log_path.read_text()
+    # Once: the server restarted from a generation thread outlived that thread's pool (it was SIGKILLed with it).
+    assert worker.log_path.read_text().count("restarting it and resending its requests") == 1
 
 
 # --- ``last`` on the tiny Kimi-K2.5 wrapper: the folder's tokenizer and model are code the workers must run. ---

@@ -13,6 +13,10 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,7 @@ from layertap.engines.sglang_server import (
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.service_fixtures import wait_for
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
 
 # What SGLang 0.5.10 printed when its warm-up could not reach /model_info on a cold H200, shortened.
@@ -265,10 +270,33 @@ def test_a_server_dying_at_its_first_request_is_restarted_once_then_named_attach
     assert "py-spy" not in log.lower() and log.count("--- layertap: start attempt 1/3") == 2
 
 
+def test_a_launched_process_outlives_the_thread_that_launched_it_and_dies_with_its_process(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking thread: a server restarted from a pool's thread was SIGKILLed when the pool
+    shut down. Launched from a thread that then ends, the child lives on; its process SIGKILLed, the child goes too."""
+    script = (
+        "import sys, threading\n"
+        "from layertap.engines.sglang_server import _launcher\n"
+        "box = []\n"
+        "thread = threading.Thread(target=lambda: box.append(_launcher.popen(['sleep', '600'])))\n"
+        "thread.start(); thread.join()\n"
+        "print(box[0].pid, flush=True); sys.stdin.readline()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(0.5)  # the launching thread has ended; a signal for it would have come by now
+        assert live_group_members(child) == [child]
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_for(lambda: live_group_members(child) == [], timeout=10, what="the launched process to die with its parent")
+
+
 @pytest.mark.sglang
 def test_stop_returns_once_no_process_of_the_server_is_left(tiny_llama, cuda_stub_dir, tmp_path, monkeypatch):
     """SGLang's scheduler outlives its launcher for a moment, holding what the next server of the GPU needs: stop()
-    returns once every process of the server's group is gone, SIGKILLing one that ignores SIGTERM."""
+    returns once every process of the server's group is gone, SIGKILLing one that ignores SIGTERM. The server is
+    started from a thread that ends before it is stopped (as a restart from a capture pool's thread is)."""
     monkeypatch.setattr(sglang_server, "STOP_GRACE_S", 3.0)
     python = tmp_path / "python"  # the real server, and beside it a process of its group that ignores SIGTERM
     python.write_text(f"#!/bin/bash\n( trap '' TERM; exec sleep 600 ) &\necho $! > {tmp_path}/stubborn\n"
@@ -277,7 +305,11 @@ def test_stop_returns_once_no_process_of_the_server_is_left(tiny_llama, cuda_stu
     config = _config(python, tiny_llama, tmp_path, env=cpu_server_env(cuda_stub_dir),
                      sglang_args=(*CPU_SERVER_ARGS, "--dtype", "float32"))  # fmt: skip
     server = SGLangServer(config)
-    server.start()
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    time.sleep(0.5)  # a signal for the ended thread would have come by now
+    assert server.alive()
     group = os.getpgid(int((tmp_path / "stubborn").read_text()))
     try:
         members = live_group_members(group)
