@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -260,17 +259,14 @@ class _Launcher:
     SIGKILLed when that pool shut down (a worker's regeneration job restarted its server twice for one crash)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid = 0
-        self._thread: ThreadPoolExecutor | None = None
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child holds none of its parent's threads
+
+    def _reset(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layertap-server-launcher")
 
     def popen(self, command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child holds none of its parent's threads
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layertap-server-launcher")
-                self._pid = os.getpid()
-            thread = self._thread
-        return thread.submit(subprocess.Popen, command, preexec_fn=_die_with_parent, **kwargs).result()
+        return self._executor.submit(subprocess.Popen, command, preexec_fn=_die_with_parent, **kwargs).result()
 
 
 _launcher = _Launcher()
