@@ -14,7 +14,7 @@ from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import target_folder, write_training_guide
-from layertap.store.index import SampleRecord
+from layertap.store.index import SampleRecord, count_json_lines
 from layertap.store.manifest import Manifest, model_facts
 from layertap.store.store import REGENERATED, CheckLevel, OutputStore
 from layertap.store.token_freq import read_token_freq, recount, write_token_freq
@@ -135,7 +135,7 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
         if not rec.describes(sample):
             problems.append(f"{where}: its ids or loss mask are not its regenerated row through the chat template")
     path = store.root / REGENERATED
-    if store.manifest.complete and (n := len(path.read_text().splitlines()) if path.exists() else 0) != len(rows):
+    if store.manifest.complete and (n := count_json_lines(path)) != len(rows):
         problems.append(f"{REGENERATED} holds {n} rows, the store {len(rows)} regenerated samples")
     return problems
 

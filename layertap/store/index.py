@@ -82,6 +82,13 @@ class JsonlLog:
         os.close(self._fd)
 
 
+def count_json_lines(path: Path) -> int:
+    """How many records the JSONL file ``path`` holds, as written: one per ``\\n``. Never ``str.splitlines()``,
+    which also splits at U+2028 / U+2029 and other line breaks that JSON text written with ``ensure_ascii=False``
+    carries inside its strings."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 def read_jsonl_dir(folder: Path) -> Iterator[dict]:
     """Every well-formed JSON object in ``folder/*.jsonl``, in file-name then line order."""
     if not folder.is_dir():
@@ -160,7 +167,7 @@ class IndexReader:
             data = f.read(st.st_size - state.offset)
         whole = data[: data.rfind(b"\n") + 1]
         state.offset += len(whole)
-        for line in whole.splitlines():
+        for line in whole.split(b"\n")[:-1]:  # records end at \n alone (see count_json_lines)
             try:
                 obj = json.loads(line)
                 state.records.append(SampleRecord.from_dict(obj))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layertap.sample import CapturedSample
-from layertap.store.index import INDEX_DIR, REGENERATED_DIR, JsonlLog
+from layertap.store.index import INDEX_DIR, REGENERATED_DIR, JsonlLog, count_json_lines
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.store.test_adopt import H, K, T, _sample, _store
@@ -110,3 +110,26 @@ def test_a_regenerated_text_without_its_index_record_never_counts(tmp_path: Path
     resumed.close()
     lines = (made.root / REGENERATED).read_text().splitlines()
     assert [json.loads(line) for line in lines] == [row("s0", "committed")]
+
+
+def test_regenerated_rows_are_counted_by_json_lines_not_by_line_breaks_in_their_text(tmp_path: Path) -> None:
+    """Regenerated text may carry U+2028 / U+2029 (kept as is: ``ensure_ascii=False``); ``str.splitlines()`` splits
+    there too, so verify once counted 42 rows in a 40-row ``regenerated.jsonl``. Records are counted by ``\\n``."""
+    made = _store(tmp_path / "out", "specforge")
+    manifest = made.manifest.model_copy(update={"generation": {"mode": "all"}})
+    made.close()
+    store = OutputStore(made.root, manifest, writer_id="w")
+    texts = ["one\u2028two", "three\u2029four\x85five"]
+    for index, text in enumerate(texts):
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]
+        sample = dataclasses.replace(
+            _sample(index), sample_id=f"s{index}", index=index, regenerated={"id": f"s{index}", "messages": messages}
+        )
+        g = torch.Generator().manual_seed(index)
+        store.commit(CapturedSample(sample, torch.randn(T, K, H, generator=g), torch.randn(T, H, generator=g), None))
+    store.finalize(complete=True, target=None)
+    store.close()
+    path = made.root / REGENERATED
+    assert len(path.read_text(encoding="utf-8").splitlines()) > len(texts)  # what the old count saw
+    assert count_json_lines(path) == len(texts)
+    assert [json.loads(line)["messages"][1]["content"] for line in path.read_bytes().split(b"\n")[:-1]] == texts
