@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.audit.test_run import KIMI_LAYERS, assert_passes, extract
+from tests.core.audit.test_run import KIMI_LAYERS, assert_passes, extract
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLangServer
 
 pytestmark = pytest.mark.sglang

@@ -21,9 +21,9 @@ from layertap.verify import verify_store
 from sglang_patch.contract import read_dump
 from sglang_patch.sample_files import FP8, FP8_SCALES, dequantize_fp8
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.engines.test_sglang_engine import _samples
 from tests.core.store.test_fp8 import _within_fp8
 from tests.sglang_fixtures import DEFAULT_LAYERS
-from tests.worker.test_sglang_engine import _samples
 
 pytestmark = pytest.mark.sglang
 LAYERS = DEFAULT_LAYERS["llama"]

@@ -24,7 +24,7 @@ from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 from tests.sglang_fixtures import DEFAULT_LAYERS
 
-DATA = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
+DATA = Path(__file__).resolve().parents[2] / "assets" / "datasets" / "kimi_chats.jsonl"
 KIMI_LAYERS = DEFAULT_LAYERS["kimi-k2"]  # 1 (after the dense layer only), 2 and 4 (after MoE layers)
 
 

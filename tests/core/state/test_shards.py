@@ -10,7 +10,7 @@ from layertap.state.model import SampleFailure
 from layertap.state.plan import plan_shards
 from layertap.state.shards import ShardAttempt, renew_lease
 from layertap.state.views import job_errors, job_view
-from tests.state.support import KEYS, SPEC, new_job
+from tests.core.state.support import KEYS, SPEC, new_job
 
 
 def test_plan_shards_cover_every_row_exactly_once() -> None:

@@ -16,9 +16,9 @@ from layertap.state.rebuild import rebuild_job
 from layertap.state.views import job_errors, job_view
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.state.support import KEYS
 from tests.hf_engines import hf_engine
 from tests.sglang_fixtures import DEFAULT_LAYERS
-from tests.state.support import KEYS
 
 
 class StopAfter(ProgressEvents):

@@ -5,7 +5,7 @@ from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK
 from layertap.state.plan import plan_shards
 from layertap.state.shards import FinalizeAttempt, ShardAttempt, publish_worker
 from layertap.state.views import job_view, list_job_ids
-from tests.state.support import KEYS, SPEC, new_job
+from tests.core.state.support import KEYS, SPEC, new_job
 
 
 class Outbox:

@@ -4,7 +4,7 @@ import pytest
 
 from layertap.state.shards import ShardAttempt, publish_worker
 from layertap.state.views import job_view
-from tests.state.support import KEYS, new_job, regenerating
+from tests.core.state.support import KEYS, new_job, regenerating
 
 
 def live(redis, *, samples_per_s: float, generated_tokens_per_s: float) -> None:

@@ -91,7 +91,7 @@ def test_launched_server_speculators_computes_in_the_folders_dtype(
     env = {**os.environ, **cpu_server_env(cuda_stub_dir)}
     cli = subprocess.run(
         [sys.executable, "-m", "layertap", "extract", "--model", str(tiny_kimi25),
-         "--data", str(Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"),
+         "--data", str(Path(__file__).resolve().parents[2] / "assets" / "datasets" / "kimi_chats.jsonl"),
          "--layers", ",".join(map(str, LAYERS)), "--out", str(out), "--store-dtype", "float32",
          "--format", "speculators", "--engine", "sglang", "--sglang-python", str(sglang_python),
          "--sglang-args", sglang_args, "--dump-root", str(dumps), "--in-flight", "4", "--trust-remote-code"],

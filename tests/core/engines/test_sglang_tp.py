@@ -11,9 +11,9 @@ import re
 import pytest
 
 from layertap.sample import CapturedSample
+from tests.core.engines.test_sglang_engine import REL_TOL, _engine, _samples
 from tests.sglang_fixtures import DEFAULT_LAYERS
 from tests.sglang_patch.test_server import rel
-from tests.worker.test_sglang_engine import REL_TOL, _engine, _samples
 
 pytestmark = pytest.mark.sglang
 LOG_RANK = re.compile(r"^\[[^\]]* (TP\d+)\] (.*)$")
