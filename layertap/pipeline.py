@@ -445,11 +445,11 @@ def _regenerator(
     spec: ExtractionSpec, engine: Engine, planner: RowPlanner, job: str, attempts: int
 ) -> Regenerator | None:
     """The run's Regenerator on the engine's own server (None when the run does not regenerate), failing as the
-    capture does: ``attempts`` per row, a dropped request recovered by the engine (`Engine.recover`: an owned server
-    that died restarted); SpecError for an engine that cannot generate (the in-process HF engine)."""
+    capture does: ``attempts`` per row, a dropped request recovered by the capture's own `ServerSession` (an owned
+    server that died restarted); SpecError for an engine that cannot generate (the in-process HF engine)."""
     if (settings := spec.generation) is None:
         return None
-    if engine.generation_server is None:
+    if engine.session is None:
         raise SpecError(
             f"regenerate needs an SGLang capture server to generate on; the {engine.describe().get('name')} engine "
             "cannot (run with --engine sglang)"
@@ -460,8 +460,8 @@ def _regenerator(
             "the turns' seeds only under it, so a row regenerated again (its sample not yet committed when a run "
             "stopped) gets other text; committed text is kept either way", settings.temperature,
         )  # fmt: skip
-    return Regenerator(engine.generation_server, planner.chat, settings, job=job, attempts=attempts,
-                       recover=engine.recover, in_flight=engine.generation_in_flight)  # fmt: skip
+    return Regenerator(engine.session, planner.chat, settings, job=job, attempts=attempts,
+                       in_flight=engine.generation_in_flight)  # fmt: skip
 
 
 def _regenerated(

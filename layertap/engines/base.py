@@ -7,12 +7,11 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from layertap.engines.server_facts import ServerFacts
-from layertap.errors import ServerError
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 from layertap.spec import CaptureSpec
 
 if TYPE_CHECKING:
-    from layertap.engines.sglang_server import SGLangServer
+    from layertap.engines.sglang.session import ServerSession
 
 
 class Engine(ABC):
@@ -28,8 +27,8 @@ class Engine(ABC):
     compute_dtype: str  # torch's name of the dtype the states are computed in: the manifest's compute_dtype
     # The server the states come from, as it described itself (checked before any sample); None in process.
     provenance: ServerFacts | None = None
-    # The server that writes a regenerated run's responses: the capture server itself; None: this engine cannot.
-    generation_server: SGLangServer | None = None
+    # The session of the capture server, which writes a regenerated run's responses too; None: in process, none.
+    session: ServerSession | None = None
     generation_in_flight: int = 1  # rows regenerating at once on it
 
     @abstractmethod
@@ -44,11 +43,6 @@ class Engine(ABC):
     def max_input_tokens(self) -> int | None:
         """The longest sample the engine takes, when it is below the model's context length (a server's limit)."""
         return None
-
-    def recover(self, reason: str) -> None:
-        """Requests to ``generation_server`` were dropped (``reason``): return once it serves again; ServerError when
-        it cannot (an engine that serves none has nothing to recover)."""
-        raise ServerError(f"the {type(self).__name__} has no server to recover: {reason}")
 
     def release(self, captured: CapturedSample) -> None:  # noqa: B027 - in-memory engines hold nothing
         """The consumer is done with ``captured``: free what backs it (e.g. its dump files)."""

@@ -7,29 +7,28 @@ settings, the turn's seed and the template's end-of-turn token as a stop token, 
 the new assistant message (`TurnFormat.message`). Rows run in threads (`Regenerator.regenerate_many`), the
 turns of one row one after another.
 
-The server is the capture server: a generation rid (`generation_rid`) holds no ``:``, so the plugin captures
-none of its passes; generation may take prefixes from the radix cache (the launcher turns it off unless told to
-keep it; the capture requests that follow bring their own unique ``extra_key``).
+The server is the capture server, and its `ServerSession` the capture's own: a generation rid (`generation_rid`)
+holds no ``:``, so the plugin captures none of its passes; generation may take prefixes from the radix cache (the
+launcher turns it off unless told to keep it; the capture requests that follow bring their own unique
+``extra_key``).
 
-Failures follow the capture's rules (`layertap.engines.sglang`): a row with nothing to regenerate, or one the server
-refuses (HTTP 4xx, e.g. a prompt past the context length), is a RowError (kinds ``regenerate``, ``generation``); an
-aborted generation (a SampleError) costs the row one of its ``attempts`` (the row is regenerated again), and after the
-last it is the row's RowError (``generation``); a request the server dropped (no answer, HTTP 5xx) is sent again once
-``recover`` has the server serving (the engine's `SGLangEngine.recover`: an owned server that died is restarted, a dead
-attached one is a ServerError), up to `SERVER_DOWN_TRIES` times while the server stays up (then an aborted
-generation). Without ``recover`` a dropped request is a ServerError.
+Failures follow the capture's rules: a row with nothing to regenerate, or one the server refuses (HTTP 4xx, e.g. a
+prompt past the context length), is a RowError (kinds ``regenerate``, ``generation``); an aborted generation (a
+SampleError) costs the row one of its ``attempts`` (the row is regenerated again), and after the last it is the row's
+RowError (``generation``); a request the server dropped is sent again by the session's one policy
+(`ServerSession.until_served`: an owned server that died is restarted, a dead attached one is a ServerError; a request
+dropped again and again while the server stays up is an aborted generation).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +36,8 @@ import httpx
 
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import Conversation, ParsedRow
-from layertap.engines.sglang_server import SERVER_DOWN_TRIES, SGLangServer
-from layertap.errors import RowError, SampleError, ServerError
+from layertap.engines.sglang.session import ServerSession
+from layertap.errors import RowError, SampleError
 from layertap.regenerate.turns import (
     GeneratedTurn,
     Regenerated,
@@ -51,9 +50,9 @@ from sglang_patch.contract import generation_rid
 
 log = logging.getLogger(__name__)
 
-# Rows taken ahead of the caller, regenerated while it is busy (their text only, a few KB each), in batches in flight;
-# also the rows of one round of a run (`layertap.pipeline`: a round is regenerated whole, then captured). Each round
-# ends with its last rows decoding in a shrinking batch: at 16 batches a round that tail is a few percent of it.
+# The rows of one round of a run, in batches in flight (`Regenerator.ahead`: the run regenerates a round whole, then
+# captures it). Each round ends with its last rows decoding in a shrinking batch: at 16 batches that tail is a few
+# percent of the round.
 AHEAD_BATCHES = 16
 
 
@@ -67,36 +66,31 @@ class RowJob:
 
 
 class Regenerator:
-    """Regenerates rows on one SGLang server with one chat template; thread-safe, one HTTP client."""
+    """Regenerates rows through one server's `ServerSession` with one chat template, ``in_flight`` rows at once on
+    threads that live as long as it (`close`)."""
 
     def __init__(
         self,
-        server: SGLangServer,
+        session: ServerSession,
         chat: ChatTokenizer,
         settings: GenerationSettings,
         *,
         job: str,
         attempts: int = 1,
-        recover: Callable[[str], None] | None = None,
         in_flight: int = 16,
-        ahead: int | None = None,
-        request_timeout_s: float = 3600.0,
     ) -> None:
         """``job`` names the run in the generation rids (for the server's log); ``attempts`` per row (as a sample's
-        captures), ``recover`` after a dropped request (see the module doc); ``in_flight`` rows at once, up to
-        ``ahead`` more regenerated before the caller takes them (`regenerate_many`; `AHEAD_BATCHES` x ``in_flight``
-        unless given)."""
-        self.server = server
+        captures); ``in_flight`` rows at once."""
+        self.session = session
         self.chat = chat
         self.settings = settings
         self.job = job
         self.attempts = attempts
-        self.recover = recover
         self.in_flight = in_flight
-        self.ahead = ahead or AHEAD_BATCHES * in_flight
+        self.ahead = AHEAD_BATCHES * in_flight  # the rows of one round of a run
         self.format = TurnFormat.of(chat)
         self.stop_token_ids = self.format.stop_token_ids(chat)
-        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="regenerate")
         self._span_lock = threading.Lock()
         self._span: tuple[float, float] | None = None  # monotonic: this call's first request sent, its last reply
         self._spent = 0.0  # the spans of the `regenerate_many` calls before
@@ -145,26 +139,14 @@ class Regenerator:
         return GeneratedTurn(index, prompt, output, kind, seed)
 
     def _send(self, job: RowJob, index: int, body: dict[str, Any]) -> tuple[str, httpx.Response]:
-        """``POST /generate`` of ``body`` under a fresh rid until the server answers (below 5xx): (rid, reply). A
-        dropped request is sent again after ``recover``; SampleError once dropped `SERVER_DOWN_TRIES` times more with
-        the server up, ServerError without ``recover`` or when it fails."""
-        drops = 0
-        while True:
+        """``POST /generate`` of ``body`` under a fresh rid for each try, until the server answers (below HTTP 500):
+        (rid, reply). A dropped request follows the session's policy (`ServerSession.until_served`)."""
+
+        def one_try() -> tuple[str, httpx.Response]:
             rid = generation_rid(self.job, job.sample_id, index, uuid.uuid4().hex[:12])
-            try:
-                reply = self._client.post(self.server.url + "/generate", json={**body, "rid": rid})
-            except httpx.TransportError as exc:
-                dropped = f"{type(exc).__name__}: {exc}"
-            else:
-                if reply.status_code < 500:
-                    return rid, reply
-                dropped = f"HTTP {reply.status_code}: {reply.text[:300]}"
-            if self.recover is None:
-                raise ServerError(f"the SGLang server at {self.server.url} dropped generation {rid}: {dropped}")
-            if drops >= SERVER_DOWN_TRIES and self.server.alive():
-                raise SampleError(f"the server kept dropping generation {rid}: {dropped}")
-            self.recover(dropped)
-            drops += 1
+            return rid, self.session.post("/generate", {**body, "rid": rid})
+
+        return self.session.until_served(one_try)
 
     def _attempt_failed(self, job: RowJob, error: SampleError, tries: Counter[str]) -> RowError | None:
         """Count a failed generation of ``job``'s row: None while it has attempts left (regenerate it again), else
@@ -183,65 +165,32 @@ class Regenerator:
         as its RowError, as is a row whose generation failed all its ``attempts`` (kind ``generation``; one that has
         attempts left is regenerated again). ServerError propagates (after the rows in flight end).
 
-        Generation runs ahead of the caller: a finished row's slot is refilled at once from the finishing thread,
-        from rows taken from ``jobs`` ahead of need, and up to ``ahead`` regenerated rows wait for the caller. So the
-        server keeps decoding while the caller is busy with a row, and the caller's pace holds generation back only once
-        ``ahead`` rows wait. ``jobs`` is only ever iterated in the caller's thread (the row planner records errors as
-        it goes)."""
-        source = iter(jobs)
-        ready: deque[RowJob] = deque()
-        finished: queue.SimpleQueue[tuple[RowJob, Future[Regenerated]]] = queue.SimpleQueue()
-        lock = threading.RLock()  # a callback may run at once, in the thread that added it
-        running = 0
-        pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="regenerate")
-
-        def start_ready() -> None:
-            nonlocal running
-            with lock:
-                while running < self.in_flight and ready:
-                    running += 1
-                    job = ready.popleft()
-                    pool.submit(self.regenerate, job).add_done_callback(lambda fut, job=job: ended(job, fut))
-
-        def ended(job: RowJob, fut: Future[Regenerated]) -> None:
-            nonlocal running
-            with lock:
-                running -= 1
-            finished.put((job, fut))
-            start_ready()
-
+        ``jobs`` is taken whole at once (a run hands one round, `ahead` rows): the server decodes every row of it
+        without waiting for the caller."""
+        pending = {self._pool.submit(self.regenerate, job): job for job in jobs}
         tries: Counter[str] = Counter()  # failed generations per sample id
-        taken = 0  # rows taken from jobs and not yet yielded
         try:
-            while True:
-                while taken < self.in_flight + self.ahead and (nxt := next(source, None)) is not None:
-                    with lock:
-                        ready.append(nxt)
-                    taken += 1
-                    start_ready()
-                if not taken:
-                    return
-                job, fut = finished.get()
-                taken -= 1
-                try:
-                    yield fut.result()
-                except RowError as exc:
-                    yield exc
-                except SampleError as exc:
-                    if (failed := self._attempt_failed(job, exc, tries)) is not None:
-                        yield failed
-                        continue
-                    with lock:
-                        ready.appendleft(job)
-                    taken += 1
-                    start_ready()
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = pending.pop(fut)
+                    try:
+                        yield fut.result()
+                    except RowError as exc:
+                        yield exc
+                    except SampleError as exc:
+                        if (failed := self._attempt_failed(job, exc, tries)) is not None:
+                            yield failed
+                        else:
+                            pending[self._pool.submit(self.regenerate, job)] = job
         finally:
-            with lock:
-                ready.clear()
-            pool.shutdown(wait=True)
+            for fut in pending:
+                fut.cancel()
+            wait(pending)
             with self._span_lock:
                 self._spent += self._span[1] - self._span[0] if self._span else 0.0
                 self._span = None
 
     def close(self) -> None:
-        self._client.close()
+        """End the generation threads (the session is its engine's to close)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

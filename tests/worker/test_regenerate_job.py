@@ -15,7 +15,9 @@ import pytest
 
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
-from layertap.engines.sglang_server import SGLangServer, cpu_server_env
+from layertap.engines.sglang.launch import cpu_server_env
+from layertap.engines.sglang.process import SGLangServer
+from layertap.engines.sglang.session import ServerSession
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import GenerationSettings, Regenerated, Regenerator, RowJob
 from layertap.settings import COMMIT_THREADS
@@ -52,11 +54,13 @@ def greedy_rows(url: str, model: Path, rows: list[dict], mode: str, *, trust_rem
     """sample id -> the row a clean run of the `Regenerator` alone regenerates greedily on the server at ``url``."""
     chat = ChatTokenizer(ModelFolder.read(model).load_tokenizer(trust_remote_code))
     settings = GenerationSettings(mode=mode, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
-    regen = Regenerator(SGLangServer(url=url), chat, settings, job="clean")
+    session = ServerSession(SGLangServer(url=url))
+    regen = Regenerator(session, chat, settings, job="clean")
     try:
         out = list(regen.regenerate_many(RowJob(i, r["id"], parse_row(i, r)) for i, r in enumerate(rows)))
     finally:
         regen.close()
+        session.close()
     assert all(isinstance(r, Regenerated) for r in out), out
     return {r.sample_id: r.record() for r in out}
 

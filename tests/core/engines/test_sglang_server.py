@@ -22,15 +22,9 @@ from pathlib import Path
 import pytest
 
 import sglang_patch
-from layertap.engines import sglang_server
-from layertap.engines.sglang_server import (
-    CPU_SERVER_ARGS,
-    PluginFolder,
-    ServerConfig,
-    SGLangServer,
-    cpu_server_env,
-    live_group_members,
-)
+from layertap.engines.sglang import process
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang.process import PluginFolder, SGLangServer, live_group_members
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -149,7 +143,7 @@ def test_cli_prints_the_short_error_and_exits_2_without_a_traceback(layertap_cli
     assert "Traceback" not in cli.stderr and 'File "' not in cli.stderr
     *retries, error, log = [line for line in cli.stderr.splitlines() if line.strip()]
     assert [r.split(" failed")[0] for r in retries] == [
-        f"{stamp} WARNING layertap.engines.sglang_server: SGLang server start {n}/3"
+        f"{stamp} WARNING layertap.engines.sglang.process: SGLang server start {n}/3"
         for stamp, n in zip([r[:23] for r in retries], (1, 2), strict=True)
     ]  # the log's one format: time, level, logger, message
     assert error.startswith("error: SGLang server failed to start (3 tries); the last exited with code 3: ")
@@ -275,7 +269,7 @@ def test_a_launched_process_outlives_the_thread_that_launched_it_and_dies_with_i
     shut down. Launched from a thread that then ends, the child lives on; its process SIGKILLed, the child goes too."""
     script = (
         "import sys, threading\n"
-        "from layertap.engines.sglang_server import _launcher\n"
+        "from layertap.engines.sglang.process import _launcher\n"
         "box = []\n"
         "thread = threading.Thread(target=lambda: box.append(_launcher.popen(['sleep', '600'])))\n"
         "thread.start(); thread.join()\n"
@@ -297,7 +291,7 @@ def test_stop_returns_once_no_process_of_the_server_is_left(tiny_llama, cuda_stu
     """SGLang's scheduler outlives its launcher for a moment, holding what the next server of the GPU needs: stop()
     returns once every process of the server's group is gone, SIGKILLing one that ignores SIGTERM. The server is
     started from a thread that ends before it is stopped (as a restart from a capture pool's thread is)."""
-    monkeypatch.setattr(sglang_server, "STOP_GRACE_S", 3.0)
+    monkeypatch.setattr(process, "STOP_GRACE_S", 3.0)
     python = tmp_path / "python"  # the real server, and beside it a process of its group that ignores SIGTERM
     python.write_text(f"#!/bin/bash\n( trap '' TERM; exec sleep 600 ) &\necho $! > {tmp_path}/stubborn\n"
                       f'exec {SGLANG_PYTHON} "$@"\n')  # fmt: skip

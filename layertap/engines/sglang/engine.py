@@ -11,20 +11,17 @@ store's format, loss mask included (sent with the request): the yielded sample t
 and the store commits it by renaming it, no bytes copied when the dump root shares its filesystem.
 
 Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
-process can never be taken for a fresh one. A dead server this process launched is restarted and the
-requests it held are sent again (not counted against the samples); a dead server given by URL ends the
-run (someone else runs it). One sample's failure is yielded as a FailedCapture. The same recovery
-(`SGLangEngine.recover`, one restart at a time) serves a regenerating run's generation requests, sent from
-other threads to the same server.
+process can never be taken for a fresh one. Requests go through the server's `ServerSession` (`session`), which
+checks the server before any sample and sends a dropped request again once the server serves (a dead server this
+process launched restarted, one given by URL ending the run), as it does a regenerating run's generations
+(`layertap.regenerate.client`). One sample's failure is yielded as a FailedCapture.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import shlex
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -32,11 +29,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from layertap.engines.base import Engine
-from layertap.engines.server_facts import ServerFacts, check_server, expectation_for
-from layertap.engines.sglang_server import SERVER_DOWN_TRIES, ServerConfig, SGLangServer
+from layertap.engines.server_facts import ServerFacts, expectation_for
+from layertap.engines.sglang.launch import sglang_compute_dtype
+from layertap.engines.sglang.process import SGLangServer
+from layertap.engines.sglang.session import ServerDown, ServerSession
 from layertap.errors import SampleError, ServerError
 from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample, FailedCapture, SampleFile, TokenizedSample
@@ -49,7 +46,6 @@ from sglang_patch.contract import (
     FORMAT_FINAL,
     LOSS_MASK_PARAM,
     SCALES,
-    SPECULATORS,
     Dump,
     DumpError,
     dump_dir,
@@ -61,10 +57,6 @@ from sglang_patch.sample_files import ids_sha256, mask_runs, unpack_sample
 
 log = logging.getLogger(__name__)
 STALE_DUMP_AGE_S = 3600  # no live client leaves a dump unread this long (it waits dump_timeout_s at most)
-
-
-class _ServerDown(Exception):
-    """The request could not reach the server (connection refused/reset): not the sample's fault."""
 
 
 class SGLangEngine(Engine):
@@ -95,86 +87,66 @@ class SGLangEngine(Engine):
         the forward pass waited for the writers, queue depth, host memory held), since the plugin
         runs in the server's process and has no metrics endpoint of its own."""
         self.spec = spec
-        self.server = server
         self.dump_root = dump_root
         self.job = job
         self.rid_prefix = rid_prefix
         self.in_flight = in_flight
         self.generation_in_flight = generation_in_flight
         self.dump_timeout_s = dump_timeout_s
-        self.max_server_restarts = max_server_restarts
         self.observe = observe
         self.on_writer = on_writer
         self._attempts = itertools.count(time.time_ns() // 1_000_000)
-        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self.folder = folder
-        self.expected = expectation_for(folder, spec, rid_prefix=rid_prefix, dump_root=dump_root,
-                                        allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         self._sent: set[str] = set()  # rids whose dumps may still exist on disk, not yet yielded
         self._yielded: dict[str, str] = {}  # sample id -> rid of a yielded dump the consumer has not released
-        self._recovering = threading.Lock()  # one restart at a time: capture and generation threads share the server
         dump_root.mkdir(parents=True, exist_ok=True)
         swept = sweep_stale_dumps(dump_root, STALE_DUMP_AGE_S)
         if swept:
             log.warning(
                 "removed %d dumps left in %s over %d s ago by clients that died", swept, dump_root, STALE_DUMP_AGE_S
             )
+        expected = expectation_for(folder, spec, rid_prefix=rid_prefix, dump_root=dump_root,
+                                   allow_dummy_weights=allow_dummy_weights)  # fmt: skip
         try:
-            self.facts: ServerFacts = self._checked_facts()
+            self.session = ServerSession(server, expected=expected, request_timeout_s=request_timeout_s,
+                                         max_restarts=max_server_restarts)  # fmt: skip
         except ServerError:  # nothing was sent: an owned server goes with the refused engine
-            self.close()
+            server.stop()
             raise
 
     @property
-    def provenance(self) -> ServerFacts:
-        """The server's facts as read and checked on attach (a restart must keep its settings: `_checked_facts`)."""
-        return self.facts
+    def server(self) -> SGLangServer:
+        return self.session.server
 
     @property
-    def generation_server(self) -> SGLangServer:
-        """The capture server generates a regenerated run's responses too (the plugin captures none of them)."""
-        return self.server
+    def provenance(self) -> ServerFacts:
+        """The server's facts as read and checked on attach (a restart must keep its settings: `ServerSession`)."""
+        return self.session.facts
 
     @property
     def compute_dtype(self) -> str:
         """The dtype the server computes in (for the manifest): its ``--dtype``, or for ``auto`` what SGLang
         makes of the model folder's own dtype (the server serves ``folder``: checked)."""
-        return sglang_compute_dtype(self.facts.dtype, self.folder.dtype)
+        return sglang_compute_dtype(self.provenance.dtype, self.folder.dtype)
 
     @property
     def max_input_tokens(self) -> int | None:
         """The longest prompt the server accepts (its scheduler's limit, below the model's context length)."""
-        return self.facts.max_input_tokens
+        return self.provenance.max_input_tokens
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight, "server": self.facts.record()}
-
-    def _server_facts(self) -> ServerFacts:
-        """The server's facts as it reports them now (``/server_info``; ``/get_server_info`` on older SGLang)."""
-        for endpoint in ("/server_info", "/get_server_info"):
-            try:
-                reply = self._client.get(self.server.url + endpoint, timeout=60.0)
-            except httpx.TransportError as exc:
-                raise ServerError(f"the SGLang server at {self.server.url} does not answer {endpoint}: {exc}") from exc
-            if reply.status_code != 404:
-                break
-        if reply.status_code != 200:
-            raise ServerError(
-                f"the SGLang server at {self.server.url} answered {endpoint} with HTTP {reply.status_code}"
-            )
-        return ServerFacts.from_info(self.server.url, reply.json())
-
-    def _checked_facts(self, pinned: ServerFacts | None = None) -> ServerFacts:
-        """The server's facts, refused (ServerError, one line) unless it is the run's server, with the settings it
-        had before (``pinned``) after a restart."""
-        facts = self._server_facts()
-        check_server(facts, self.expected, pinned)
-        return facts
+        return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight,
+                "server": self.provenance.record()}  # fmt: skip
 
     # -- one request ------------------------------------------------------------------------------
 
     def _request(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
-        """Prefill one sample and read back its dump (and its rid); SampleError if this attempt is unusable."""
+        """Prefill one sample and read back its dump (and its rid), sent again while the server drops it
+        (`ServerSession.until_served`); SampleError if this attempt is unusable."""
+        return self.session.until_served(lambda: self._try(sample))
+
+    def _try(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
+        """One request for ``sample`` under a fresh rid; ServerDown when the server dropped it."""
         rid = format_rid(self.job, sample.sample_id, next(self._attempts), prefix=self.rid_prefix)
         self._sent.add(rid)
         restarts = self.server.restarts
@@ -192,13 +164,8 @@ class SGLangEngine(Engine):
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
         t0 = time.perf_counter()
-        try:
-            reply = self._client.post(self.server.url + "/generate", json=body)
-        except httpx.TransportError as exc:
-            raise _ServerDown(f"{type(exc).__name__}: {exc}") from exc
+        reply = self.session.post("/generate", body)
         self._observe("prefill", t0)
-        if reply.status_code >= 500:
-            raise _ServerDown(f"HTTP {reply.status_code}: {reply.text[:300]}")
         if reply.status_code != 200:
             raise SampleError(f"server refused {rid}: HTTP {reply.status_code}: {reply.text[:300]}")
         meta = reply.json()["meta_info"]
@@ -218,7 +185,7 @@ class SGLangEngine(Engine):
         """Wait (bounded) for the dump folder of a request the server has answered; returns it.
 
         The reply comes when the forward pass ends and the dump is written after it, so a server that
-        dies in between answers and never writes: that is the server's fault (_ServerDown, resent),
+        dies in between answers and never writes: that is the server's fault (ServerDown, resent),
         not the sample's, and is noticed within a second instead of at the timeout.
         """
         path = dump_dir(self.dump_root, rid)
@@ -230,7 +197,7 @@ class SGLangEngine(Engine):
                 raise SampleError(f"no dump for {rid} within {self.dump_timeout_s:.0f} s of the reply")
             if now > next_check:
                 if self.server.restarts != restarts or not self.server.alive(probe=False):
-                    raise _ServerDown(f"the server went down after answering {rid}, before writing its dump")
+                    raise ServerDown(f"the server went down after answering {rid}, before writing its dump")
                 next_check = now + 1.0
             time.sleep(0.002)
         return path
@@ -264,10 +231,9 @@ class SGLangEngine(Engine):
 
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
         if not self.server.owned:  # someone else's server may have been restarted with another model meanwhile
-            self._checked_facts(self.facts)
+            self.session.check()
         source = iter(samples)
         pending: dict[Future, TokenizedSample] = {}
-        dropped: dict[str, int] = {}
         with ThreadPoolExecutor(self.in_flight, thread_name_prefix="sglang-req") as pool:
             try:
                 while True:
@@ -276,59 +242,22 @@ class SGLangEngine(Engine):
                     if not pending:
                         return
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    resend: list[TokenizedSample] = []
                     for fut in done:
                         sample = pending.pop(fut)
                         try:
                             captured, rid = fut.result()
-                        except _ServerDown as exc:
-                            reason = str(exc)
-                            dropped[sample.sample_id] = dropped.get(sample.sample_id, 0) + 1
-                            if dropped[sample.sample_id] > SERVER_DOWN_TRIES and self.server.alive():
-                                yield FailedCapture(sample, f"server kept dropping this request: {reason}")
-                            else:
-                                resend.append(sample)
-                            continue
                         except SampleError as exc:
                             yield FailedCapture(sample, str(exc))
                             continue
                         self._sent.discard(rid)
                         self._yielded[sample.sample_id] = rid
                         yield captured
-                    if resend:
-                        self.recover(reason)
-                        for sample in resend:
-                            pending[pool.submit(self._request, sample)] = sample
             finally:
                 for fut in pending:
                     fut.cancel()
                 pool.shutdown(wait=True)
                 for rid in list(self._sent):  # dumps of requests abandoned mid-flight
                     self._discard(rid)
-
-    def recover(self, reason: str) -> None:
-        """The server dropped requests (``reason``): return once it serves again, restarting it if it is down and ours,
-        within the restart budget; ServerError otherwise, naming how it ended and the decisive line of its log (the
-        exception that killed it). Thread-safe: callers that saw the same death wait for the one restart."""
-        with self._recovering:
-            self._recover(reason)
-
-    def _recover(self, reason: str) -> None:
-        if self.server.alive():
-            return
-        if not self.server.owned:
-            raise ServerError(
-                f"the SGLang server at {self.server.url} is down ({reason}). It was given by URL, so layertap does "
-                "not restart it: restart it and run again (committed samples are kept)"
-            )
-        ended, restarts = self.server.ended(), self.server.restarts
-        if restarts >= self.max_server_restarts:
-            raise ServerError(
-                self.server.failure(f"{ended}, down again after {restarts} restart{'s' * (restarts != 1)}")
-            )
-        log.warning("%s\nrestarting it and resending its requests", self.server.failure(ended))
-        self.server.restart()
-        self._checked_facts(self.facts)
 
     def release(self, captured: CapturedSample) -> None:
         rid = self._yielded.pop(captured.sample.sample_id, None)
@@ -339,7 +268,7 @@ class SGLangEngine(Engine):
         for rid in self._yielded.values():
             self._discard(rid)
         self._yielded.clear()
-        self._client.close()
+        self.session.close()
         self.server.stop()
 
 
@@ -370,93 +299,3 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
         source=source,
         scales=t.get(SCALES),
     )
-
-
-def dump_layout(store_format: str, capture: CaptureSpec) -> str:
-    """The dump layout a server should write for a store in `store_format`: that format itself when
-    it holds exactly the final state asked for (commits become renames), else "states"."""
-    if FORMAT_FINAL.get(store_format) == capture.final_kind:
-        return store_format
-    return "states"
-
-
-def dump_quantize(layout: str, store_dtype: str) -> str:
-    """What the server quantizes to: "fp8" for speculators dumps of an FP8 store (on the device, before the copy
-    to the host), else "none" (a "states" dump of an FP8 store is quantized by the store as it writes)."""
-    return "fp8" if store_dtype == "fp8" and layout == SPECULATORS else "none"
-
-
-def sglang_compute_dtype(server_dtype: str, folder_dtype: str) -> str:
-    """What SGLang computes in for ``--dtype server_dtype`` on a folder saved in ``folder_dtype``: ``auto``
-    keeps the folder's dtype except float32, which it downcasts to float16 (sglang 0.5.10 and 0.5.14)."""
-    if server_dtype != "auto":
-        return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(server_dtype, server_dtype)
-    return "float16" if folder_dtype == "float32" else folder_dtype
-
-
-# layertap's own opt-out of --skip-tokenizer-init, given in --sglang-args; never passed to SGLang.
-KEEP_TOKENIZER_FLAG = "--no-skip-tokenizer-init"
-
-
-def server_model_args(folder: ModelFolder, sglang_args: list[str], *, trust_remote_code: bool) -> list[str]:
-    """Every flag a launched server gets for ``folder``: the user's ``sglang_args``, then
-
-    - ``--skip-tokenizer-init``: the engine sends token ids and reads no text, and SGLang's detokenizer
-      would kill the server on a generated id the folder's tokenizer lacks; ``--no-skip-tokenizer-init``
-      in ``sglang_args`` keeps SGLang's tokenizer (and is not passed on);
-    - the folder's own dtype unless ``--dtype`` is given (a warning when the given one downcasts);
-    - ``--trust-remote-code`` when the run allows the folder's code;
-    - ``--load-format dummy`` (random weights, a warning) for a config-only folder.
-    """
-    args = [a for a in sglang_args if a != KEEP_TOKENIZER_FLAG]
-    if KEEP_TOKENIZER_FLAG not in sglang_args and "--skip-tokenizer-init" not in args:
-        args.append("--skip-tokenizer-init")
-    given = next((a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
-                  if a == "--dtype" or a.startswith("--dtype=")), None)  # fmt: skip
-    if given is None:
-        args += ["--dtype", folder.dtype]
-    elif (computed := sglang_compute_dtype(given, folder.dtype)) != folder.dtype:
-        log.warning(
-            "the SGLang server will compute in %s (--dtype %s) while %s is saved in %s: expect states to differ "
-            "from the model's own (MoE routing can flip on near-ties); leave --dtype out to compute in %s",
-            computed, given, folder.path, folder.dtype, folder.dtype,
-        )  # fmt: skip
-    if trust_remote_code and "--trust-remote-code" not in args:
-        args.append("--trust-remote-code")
-    if not folder.has_weights and not any(a.startswith("--load-format") for a in args):
-        log.warning("%s has no weight files: the server makes random weights (--load-format dummy); its states are "
-                    "for benchmarks, not for training", folder.path)  # fmt: skip
-        args += ["--load-format", "dummy"]
-    return args
-
-
-def start_server(
-    capture: CaptureSpec,
-    folder: ModelFolder,
-    *,
-    dump_root: Path,
-    server_url: str | None,
-    python: Path,
-    sglang_args: str,
-    rid_prefix: str,
-    log_path: Path,
-    store_format: str,
-    store_dtype: str = "bfloat16",
-    trust_remote_code: bool = False,
-) -> SGLangServer:
-    """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
-    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited; SGLang's crash diagnostics are off),
-    writing dumps for a store in `store_format` and `store_dtype` (`dump_layout`, `dump_quantize`), with the
-    flags of `server_model_args` (no SGLang tokenizer, the model's own dtype, unless ``sglang_args`` say
-    otherwise); returns it ready."""
-    if server_url:
-        server = SGLangServer(url=server_url)
-    else:
-        args = server_model_args(folder, shlex.split(sglang_args), trust_remote_code=trust_remote_code)
-        config = ServerConfig(python=python, model=folder.path, dump_root=dump_root, layers=capture.layers,
-                              final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
-                              sglang_args=tuple(args), layout=(layout := dump_layout(store_format, capture)),
-                              quantize=dump_quantize(layout, store_dtype))  # fmt: skip
-        server = SGLangServer(config)
-    server.start()
-    return server

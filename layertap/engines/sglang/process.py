@@ -1,4 +1,4 @@
-"""``SGLangServer``: the one class that owns a capture server's lifecycle.
+"""``SGLangServer``: the one class that owns a capture server's process (`start_server`: attach or launch one).
 
 It starts ``python -m sglang_patch.launch`` in SGLang's own environment (or attaches to a given URL),
 waits until ``/health`` answers, keeps the server's log, notices when the process died and restarts
@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,95 +28,29 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 import sglang_patch
+from layertap.engines.sglang.launch import ServerConfig, dump_layout, dump_quantize, server_model_args
 from layertap.errors import ServerConfigError, ServerError
-from sglang_patch.contract import DEFAULT_RID_PREFIX
+from layertap.models.folder import ModelFolder
+from layertap.spec import CaptureSpec
 from sglang_patch.launch import USAGE_ERROR
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
-# What a tiny model needs to run on SGLang 0.5.10's CPU backend (see scripts/setup_sglang_cpu.sh).
-# --sleep-on-idle: an idle scheduler otherwise busy-polls half a core, which starves everything else
-# on a small CPU box (the test suite keeps a few servers up for the whole session).
-CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
-                   "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
-
 # Seconds a stopped server's processes get between SIGTERM and SIGKILL, and after SIGKILL to be gone.
 STOP_GRACE_S = 30.0
 KILL_WAIT_S = 10.0
-
-# Resends of one request a server dropped (no answer, HTTP 5xx) while it stayed up, before the attempt counts as failed.
-SERVER_DOWN_TRIES = 3
 
 # Crash diagnostics of SGLang 0.5.14 (0.5.10 reads neither): before a crashed server exits, a py-spy dump of
 # every scheduler and a CUDA core dump with a 60 s wait. An owned server is restarted at once instead, so
 # they are off unless the server's environment turns them on (its variables win over these).
 CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
-
-
-def cpu_server_env(cuda_stub_dir: Path, tp_size: int = 1) -> dict[str, str]:
-    """Environment of a CPU server: SGLang's CPU engine switch and the libcuda stub.
-
-    At ``--tp-size`` > 1 the ranks talk over gloo: each rank gets its own share of this process's
-    cores (SGLang otherwise wants one NUMA node per rank), and NCCL is pointed at nothing (the
-    venv's CUDA torch ships it, and SGLang would try to open a GPU communicator with it).
-    """
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(cuda_stub_dir)}
-    if tp_size > 1:
-        cores = sorted(os.sched_getaffinity(0))
-        shares = [cores[r::tp_size] or [cores[r % len(cores)]] for r in range(tp_size)]
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, share)) for share in shares)
-        env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so"
-    return env
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """How to launch one capture server. ``sglang_args`` go to SGLang (model flags, device, chunking)."""
-
-    python: Path
-    model: Path
-    dump_root: Path
-    layers: tuple[int, ...]
-    final: str
-    log_path: Path
-    rid_prefix: str = DEFAULT_RID_PREFIX
-    layout: str = "states"
-    quantize: str = "none"  # "fp8": the plugin quantizes speculators dumps on the device
-    writer_threads: int | None = None  # None: the plugin's default (sglang_patch.settings)
-    pinned_cap: str | None = None  # bytes, e.g. "4G"; None: the plugin's default
-    sglang_args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int | None = None
-    # A first start on a fresh node loads the weights (554 GB for Kimi-K2.5) and builds kernels in SGLang's warm-up
-    # (the launcher allows that pass 1800 s): a start that outlasts this hangs, and is not retried.
-    startup_timeout_s: float = 3600.0
-    start_attempts: int = 3
-    start_backoff_s: float = 5.0  # before the 2nd try; doubles after each failed try
-
-    def command(self, port: int) -> list[str]:
-        return [
-            str(self.python), "-m", "sglang_patch.launch",
-            "--dump-root", str(self.dump_root),
-            "--capture-layers", ",".join(map(str, self.layers)),
-            "--capture-final", self.final,
-            "--rid-prefix", self.rid_prefix,
-            "--dump-layout", self.layout,
-            *(["--quantize", self.quantize] if self.quantize != "none" else []),
-            *(["--writer-threads", str(self.writer_threads)] if self.writer_threads else []),
-            *(["--pinned-cap", self.pinned_cap] if self.pinned_cap else []),
-            "--model-path", str(self.model),
-            "--host", self.host, "--port", str(port),
-            *self.sglang_args,
-        ]  # fmt: skip
 
 
 def free_port(low: int = 20000, high: int | None = None) -> int:
@@ -374,17 +309,21 @@ class SGLangServer:
     def _wait_ready(self, timeout: float) -> str | None:
         """None once ``/health`` answers 200; else how the wait ended ("exited with code 1", ...)."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=10.0) as client:
-            while time.monotonic() < deadline:
-                if self._proc is not None and (code := self._proc.poll()) is not None:
-                    return f"exited {describe_exit(code)}"
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        return None
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
+        while time.monotonic() < deadline:
+            if self._proc is not None and (code := self._proc.poll()) is not None:
+                return f"exited {describe_exit(code)}"
+            if self._healthy(10.0):
+                return None
+            time.sleep(0.5)
         return f"{NOT_HEALTHY} {timeout:.0f} s"
+
+    def _healthy(self, timeout: float) -> bool:
+        """Whether ``/health`` answers 200 within ``timeout`` s: one request of its own (requests go through the
+        server's `ServerSession`; a probe must get through while that session's client is busy or closed)."""
+        try:
+            return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def alive(self, *, probe: bool = True) -> bool:
         """Whether the server answers ``/health`` (for an owned one: also whether its process still runs).
@@ -397,10 +336,7 @@ class SGLangServer:
                 return False
             if not probe:
                 return True
-        try:
-            return httpx.get(self.url + "/health", timeout=30.0).status_code == 200
-        except httpx.TransportError:
-            return False
+        return self._healthy(30.0)
 
     def restart(self) -> None:
         """Replace a dead server (owned ones only; an attached server is someone else's to restart)."""
@@ -445,3 +381,35 @@ class SGLangServer:
                 return False
             time.sleep(0.05)
         return True
+
+
+def start_server(
+    capture: CaptureSpec,
+    folder: ModelFolder,
+    *,
+    dump_root: Path,
+    server_url: str | None,
+    python: Path,
+    sglang_args: str,
+    rid_prefix: str,
+    log_path: Path,
+    store_format: str,
+    store_dtype: str = "bfloat16",
+    trust_remote_code: bool = False,
+) -> SGLangServer:
+    """Attach to ``server_url``, or launch a capture server for ``capture`` that this process owns (its
+    environment, e.g. SGLANG_USE_CPU_ENGINE on a CPU box, is inherited; SGLang's crash diagnostics are off),
+    writing dumps for a store in `store_format` and `store_dtype` (`dump_layout`, `dump_quantize`), with the
+    flags of `server_model_args` (no SGLang tokenizer, the model's own dtype, unless ``sglang_args`` say
+    otherwise); returns it ready."""
+    if server_url:
+        server = SGLangServer(url=server_url)
+    else:
+        args = server_model_args(folder, shlex.split(sglang_args), trust_remote_code=trust_remote_code)
+        config = ServerConfig(python=python, model=folder.path, dump_root=dump_root, layers=capture.layers,
+                              final=capture.final_kind, rid_prefix=rid_prefix, log_path=log_path,
+                              sglang_args=tuple(args), layout=(layout := dump_layout(store_format, capture)),
+                              quantize=dump_quantize(layout, store_dtype))  # fmt: skip
+        server = SGLangServer(config)
+    server.start()
+    return server
