@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 
 from layertap.demo import demo_rows
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, cpu_server_env, free_port
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, cpu_server_env
+from layertap.engines.sglang.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.monotonic()

@@ -25,7 +25,7 @@ import pytest
 import torch
 from redis import Redis
 
-from layertap.engines.sglang_server import free_port  # one definition: the product's
+from layertap.engines.sglang.process import free_port  # one definition: the product's
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Torch threads of every worker and coordinator process a test starts, and of the test process itself, so that

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
-from layertap.engines.sglang_server import SGLangServer as ServerProcess
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang.process import SGLangServer as ServerProcess
 from tests.venvs import SGLANG_PYTHON
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def run_sglang_server(
     layout: str = "states",
     quantize: str = "none",
 ) -> Iterator[SGLangServer]:
-    """Start a CPU capture server with the product's own `layertap.engines.sglang_server.SGLangServer` (launched through
+    """Start a CPU capture server with the product's own `layertap.engines.sglang.process.SGLangServer` (launched through
     `sglang_patch.launch`, dies with this process), wait until healthy, stop it on exit."""
     config = ServerConfig(
         python=SGLANG_PYTHON,

@@ -83,7 +83,8 @@ from benchmarks.gpu.acceptance_target import (
     train_target,
 )
 from benchmarks.harness import GPU_COMMON, REPO, git_commit, log, sglang_python, smoke_env
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig
+from layertap.engines.sglang.process import SGLangServer
 from layertap.store.store import OutputStore
 from layertap.trainers import GUIDE
 

@@ -22,7 +22,8 @@ import torch
 from benchmarks.harness import GPU_COMMON, log, plain_rate, prompts, sglang_python, smoke_args, smoke_env
 from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.engines.sglang.launch import ServerConfig
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec

@@ -57,7 +57,7 @@ from benchmarks.harness import (
     stop_all,
     write_dataset,
 )
-from layertap.engines.sglang_server import free_port
+from layertap.engines.sglang.process import free_port
 from layertap.models.folder import ModelFolder
 from layertap.store.index import SampleRecord, read_jsonl_dir
 from layertap.tiny import build_tiny_model

@@ -40,7 +40,8 @@ from benchmarks.harness import (
 from layertap.audit import audit_store
 from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.engines.sglang.launch import ServerConfig
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_shard
 from layertap.spec import ExtractionSpec

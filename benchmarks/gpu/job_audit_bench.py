@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from layertap.engines.sglang_server import free_port
+from layertap.engines.sglang.process import free_port
 from layertap.models.folder import ModelFolder
 from layertap.tiny import build_tiny_model
 

@@ -68,7 +68,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks import harness
 from layertap.data.chat import ChatTokenizer
-from layertap.engines.sglang_server import free_port
+from layertap.engines.sglang.process import free_port
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import TurnFormat
 from layertap.tiny import build_tiny_model

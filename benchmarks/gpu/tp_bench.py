@@ -51,7 +51,8 @@ from benchmarks.harness import plain_rate, sglang_python, smoke_args, smoke_env
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
 from layertap.audit.compare import token_errors
 from layertap.audit.run import read_states, state_name
-from layertap.engines.sglang_server import ServerConfig, SGLangServer
+from layertap.engines.sglang.launch import ServerConfig
+from layertap.engines.sglang.process import SGLangServer
 from layertap.store.store import OutputStore
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",

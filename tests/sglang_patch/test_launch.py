@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from layertap.engines.sglang_server import PluginFolder
+from layertap.engines.sglang.process import PluginFolder
 from sglang_patch.launch import USAGE_ERROR, forced_flags, hook_specs, parse_launch_args, unsafe_settings
 from sglang_patch.settings import CaptureSettings
 

@@ -13,7 +13,7 @@ import pytest
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import SGLangServer
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import CaptureSpec, ExtractionSpec

@@ -17,7 +17,7 @@ import pytest
 
 from layertap.engines.server_facts import ServerFacts, check_server, expectation_for, quantization_mismatch
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import SGLangServer
+from layertap.engines.sglang.process import SGLangServer
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from layertap.spec import resolve_capture

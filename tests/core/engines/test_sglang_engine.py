@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, ServerConfig, SGLangServer, cpu_server_env
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder, model_dims
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample, TokenizedSample

@@ -11,7 +11,7 @@ import torch
 
 from layertap.audit import audit_store
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import SGLangServer
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.sample import CapturedSample

@@ -1,6 +1,6 @@
 """`layertap extract --engine sglang` as a user runs it: layertap installed from a wheel (not editable) in a fresh
 venv, started from a folder of the user's. Its server must find the capture plugin through the installed package
-(`layertap.engines.sglang_server.PluginFolder`), not through a working directory that happens to be this repository.
+(`layertap.engines.sglang.process.PluginFolder`), not through a working directory that happens to be this repository.
 
 The fresh venv takes layertap and its plugin from the wheel and the dependencies (torch, transformers, ...) from the
 venv running the tests, through a ``.pth`` line: that path's own ``.pth`` files are not read, so this checkout's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang_server import CPU_SERVER_ARGS, cpu_server_env
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS, cpu_server_env
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, REPO_ROOT

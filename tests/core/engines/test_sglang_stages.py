@@ -12,7 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang_server import SGLangServer
+from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder, model_dims
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import resolve_capture
