@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -79,8 +80,25 @@ def dropping_server(info: dict[str, Any], *, vanish: bool = False) -> Iterator[t
         http.server_close()
 
 
-def _sample() -> TokenizedSample:
-    return TokenizedSample("s0", 0, torch.arange(4, 20), torch.ones(16, dtype=torch.uint8))
+@contextmanager
+def engine_and_regenerator(
+    server: SGLangServer, model: Path, dump_root: Path, *, attempts: int
+) -> Iterator[tuple[SGLangEngine, Regenerator]]:
+    """An SGLang engine on ``server`` capturing the tiny Llama's test layers, and a Regenerator on its session."""
+    folder = ModelFolder.read(model)
+    capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="both")
+    engine = SGLangEngine(server, capture, folder=folder, dump_root=dump_root, job="t", in_flight=4)
+    regen = Regenerator(engine.session, ChatTokenizer(folder.load_tokenizer()),
+                        GenerationSettings(mode="last", max_new_tokens=8), job="t", attempts=attempts, in_flight=4)  # fmt: skip
+    try:
+        yield engine, regen
+    finally:
+        regen.close()
+        engine.close()
+
+
+def _sample(i: int = 0) -> TokenizedSample:
+    return TokenizedSample(f"s{i}", i, torch.arange(4, 40 + i), torch.ones(36 + i, dtype=torch.uint8))
 
 
 def _job(number: int, row: dict) -> RowJob:
@@ -90,21 +108,15 @@ def _job(number: int, row: dict) -> RowJob:
 def test_a_request_dropped_again_and_again_costs_a_capture_and_a_generation_one_attempt_after_as_many_resends(
     tiny_llama, tmp_path
 ) -> None:
-    folder = ModelFolder.read(tiny_llama)
-    capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="both")
     row = conversation_rows(1, seed=3, max_words=6)[0]
-    with dropping_server(_info(tiny_llama, tmp_path)) as (url, dropped):
-        engine = SGLangEngine(SGLangServer(url=url), capture, folder=folder, dump_root=tmp_path, job="t", in_flight=2)
-        regen = Regenerator(engine.session, ChatTokenizer(folder.load_tokenizer()), GenerationSettings(mode="last"),
-                            job="t", attempts=1)  # fmt: skip
-        try:
-            (failed,) = engine.capture([_sample()])
-            captures = dropped[:]
-            dropped.clear()
-            (refused,) = regen.regenerate_many([_job(0, row)])
-        finally:
-            regen.close()
-            engine.close()
+    with (
+        dropping_server(_info(tiny_llama, tmp_path)) as (url, dropped),
+        engine_and_regenerator(SGLangServer(url=url), tiny_llama, tmp_path, attempts=1) as (engine, regen),
+    ):
+        (failed,) = engine.capture([_sample()])
+        captures = dropped[:]
+        dropped.clear()
+        (refused,) = regen.regenerate_many([_job(0, row)])
     assert isinstance(failed, FailedCapture) and "the server kept dropping this request" in failed.reason
     assert isinstance(refused, RowError) and refused.kind == "generation"
     assert "the server kept dropping this request" in refused.reason and "failed all 1 attempts" in refused.reason
@@ -115,22 +127,16 @@ def test_a_request_dropped_again_and_again_costs_a_capture_and_a_generation_one_
 def test_a_server_given_by_url_that_goes_away_ends_a_capture_and_a_generation_with_one_error(
     tiny_llama, tmp_path
 ) -> None:
-    folder = ModelFolder.read(tiny_llama)
-    capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="both")
     row = conversation_rows(1, seed=3, max_words=6)[0]
     said = []
-    with dropping_server(_info(tiny_llama, tmp_path), vanish=True) as (url, dropped):
-        engine = SGLangEngine(SGLangServer(url=url), capture, folder=folder, dump_root=tmp_path, job="t", in_flight=2)
-        regen = Regenerator(engine.session, ChatTokenizer(folder.load_tokenizer()), GenerationSettings(mode="last"),
-                            job="t", attempts=3)  # fmt: skip
-        try:
-            for run in (lambda: list(engine.capture([_sample()])), lambda: list(regen.regenerate_many([_job(0, row)]))):
-                with pytest.raises(ServerError) as info:
-                    run()
-                said.append(str(info.value))
-        finally:
-            regen.close()
-            engine.close()
+    with (
+        dropping_server(_info(tiny_llama, tmp_path), vanish=True) as (url, dropped),
+        engine_and_regenerator(SGLangServer(url=url), tiny_llama, tmp_path, attempts=3) as (engine, regen),
+    ):
+        for run in (lambda: list(engine.capture([_sample()])), lambda: list(regen.regenerate_many([_job(0, row)]))):
+            with pytest.raises(ServerError) as info:
+                run()
+            said.append(str(info.value))
     assert len(dropped) == 1  # the capture's request; the generation's found no server
     for message in said:
         assert message.startswith(f"the SGLang server at {url} is down (")
@@ -161,28 +167,19 @@ def test_an_owned_server_sigkilled_mid_generation_and_mid_capture_is_restarted_o
                           env=cpu_server_env(cuda_stub_dir), start_backoff_s=0.5)  # fmt: skip
     server = SGLangServer(config)
     server.start()
-    folder = ModelFolder.read(tiny_llama)
-    capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="both")
-    engine = SGLangEngine(server, capture, folder=folder, dump_root=config.dump_root, job="t", in_flight=4)
-    regen = Regenerator(engine.session, ChatTokenizer(folder.load_tokenizer()),
-                        GenerationSettings(mode="last", max_new_tokens=8), job="t", attempts=1, in_flight=4)  # fmt: skip
     rows = conversation_rows(8, seed=4, max_words=12)
-    samples = [TokenizedSample(f"s{i}", i, torch.arange(4, 40 + i), torch.ones(36 + i, dtype=torch.uint8))
-               for i in range(8)]  # fmt: skip
     restarts = []
-    try:
-        with caplog.at_level(logging.WARNING):
-            generated = threading.Event()
-            _freeze_then_kill_at_next_post(engine.session, generated)
-            regenerated = list(regen.regenerate_many(_job(i, r) for i, r in enumerate(rows)))
-            restarts.append(server.restarts)
-            captured_ = threading.Event()
-            _freeze_then_kill_at_next_post(engine.session, captured_)
-            captured = list(engine.capture(samples))
-            restarts.append(server.restarts)
-    finally:
-        regen.close()
-        engine.close()
+    generated, captured_ = threading.Event(), threading.Event()
+    with (
+        caplog.at_level(logging.WARNING),
+        engine_and_regenerator(server, tiny_llama, config.dump_root, attempts=1) as (engine, regen),
+    ):
+        _freeze_then_kill_at_next_post(engine.session, generated)
+        regenerated = list(regen.regenerate_many(_job(i, r) for i, r in enumerate(rows)))
+        restarts.append(server.restarts)
+        _freeze_then_kill_at_next_post(engine.session, captured_)
+        captured = list(engine.capture([_sample(i) for i in range(8)]))
+        restarts.append(server.restarts)
     assert generated.is_set() and captured_.is_set()
     assert all(isinstance(r, Regenerated) for r in regenerated), regenerated
     assert all(isinstance(c, CapturedSample) for c in captured), [c for c in captured if isinstance(c, FailedCapture)]
