@@ -18,7 +18,8 @@ from layertap.data.reader import iter_rows
 from layertap.data.rows import ID_FIELDS
 from layertap.data.scan import dataset_sha256, scan_dataset
 from layertap.models.folder import ModelFolder
-from layertap.row_plan import RowPlanner
+from layertap.pipeline.rows import RowPlanner
+from layertap.pipeline.steps import Tokenize
 from layertap.spec import ExtractionSpec
 from layertap.tiny.build import build_tiny_model
 
@@ -60,9 +61,9 @@ def main() -> None:
 
     model = build_tiny_model("llama", args.out / "tiny-llama")
     spec = ExtractionSpec(model=model, data=data, layers=(1, 3, 5))
-    planner, few = RowPlanner(spec, ModelFolder.read(model)), args.tokenize_rows
+    planner, few = RowPlanner(spec, Tokenize(ModelFolder.read(model), spec, spec.max_length)), args.tokenize_rows
     rows = list(iter_rows(data, stop=few))
-    tok_s, _ = timed(lambda: [planner.outcome(n, row, spec.max_length) for n, row in rows])
+    tok_s, _ = timed(lambda: [planner.outcome(n, row) for n, row in rows])
     print(
         f"| dataset | scan ids (before) | sha256 of the bytes | scan_dataset (ids + sha256) | "
         f"re-tokenize a done row (resume) |\n|---|---|---|---|---|\n"

@@ -42,7 +42,7 @@ from torch.utils.serialization import config as serialization_config
 
 from layertap.engines.base import Engine
 from layertap.engines.sglang import captured_from_dump
-from layertap.pipeline import run_shard
+from layertap.pipeline import plan_run, run_shard
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec, resolve_capture
 from layertap.store.manifest import Manifest
@@ -300,7 +300,8 @@ def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
         )  # fmt: skip
         store = OutputStore.create_or_resume(root, manifest)
         t0 = time.perf_counter()
-        report = run_shard(spec, store, engine, commit_threads=n, check_level="quick")
+        plan = plan_run(spec, stored=manifest).on(engine)
+        report = run_shard(plan, store, engine, commit_threads=n, check_level="quick")
         dt = time.perf_counter() - t0
         assert len(report.computed) == len(rids) and report.failed == 0, report
         written = sum(r.nbytes for r in store.records().values())

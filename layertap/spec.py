@@ -102,6 +102,11 @@ class CaptureSpec(BaseModel):
     def final_kind(self) -> str:
         return "both" if self.final_post and self.final_pre else ("post" if self.final_post else "pre")
 
+    @property
+    def finals(self) -> tuple[str, ...]:
+        """The final states captured, ``post`` before ``pre``: the names dumps, layouts and servers use."""
+        return tuple(k for k, on in (("post", self.final_post), ("pre", self.final_pre)) if on)
+
 
 def resolve_capture(
     ids: list[int] | tuple[int, ...],

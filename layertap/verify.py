@@ -9,8 +9,9 @@ from pathlib import Path
 from layertap.data.scan import scan_dataset
 from layertap.errors import RowError
 from layertap.models.folder import ModelFolder
+from layertap.pipeline.rows import RowPlanner
+from layertap.pipeline.steps import Tokenize
 from layertap.regenerate import stored_conversation
-from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.atomic import TMP_MARK
 from layertap.store.guide import target_folder, write_training_guide
@@ -103,12 +104,12 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
 
 
 def _store_spec(manifest: Manifest, data: Path, trust_remote_code: bool) -> ExtractionSpec:
-    """The spec a store's run tokenized rows of ``data`` with, as its manifest records it (its effective max length,
+    """The spec a store's run tokenized rows of ``data`` with, as its manifest records it (its input limit,
     overlong policy, chat template variables and, for a regenerated store, its generation settings)."""
     generation = dict(manifest.generation or {})
     regenerate = {"regenerate": generation.pop("mode"), **generation} if generation else {}
     return ExtractionSpec(model=Path(manifest.model_path), data=data, layers=tuple(manifest.capture_indices),
-                          format=manifest.format, max_length=manifest.effective_max_length, overlong=manifest.overlong,
+                          format=manifest.format, max_length=manifest.input_limit, overlong=manifest.overlong,
                           chat_template_kwargs=manifest.chat_template_kwargs, trust_remote_code=trust_remote_code,
                           **regenerate)  # fmt: skip
 
@@ -117,7 +118,7 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
     """Each committed sample of a regenerated store against its regenerated row: one is stored, and the folder's
     chat template applied to it gives the sample's ids and loss mask (at its stored length when truncated)."""
     spec = _store_spec(store.manifest, Path(store.manifest.dataset_path), trust_remote_code)
-    planner = RowPlanner(spec, ModelFolder.read(spec.model))
+    tokenize = Tokenize(ModelFolder.read(spec.model), spec, spec.max_length)
     rows = store.regenerated_rows({r.sample_id: r for r in records})
     problems = []
     for rec in records:
@@ -127,8 +128,8 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
             continue
         conversation, turns = stored_conversation(row)
         try:
-            max_length = rec.num_tokens if rec.truncated else spec.max_length
-            sample = planner.tokenized(rec.index, rec.sample_id, conversation, max_length, turns)
+            sample = tokenize(rec.index, rec.sample_id, conversation, turns,
+                              within=rec.num_tokens if rec.truncated else None)  # fmt: skip
         except RowError as err:
             problems.append(f"{where}: its regenerated row no longer tokenizes: {err.reason}")
             continue
@@ -142,7 +143,7 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
 
 def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust_remote_code: bool = False) -> None:
     """Add to ``report`` what differs between the store and dataset ``data`` tokenized as the store's run
-    tokenized it (the manifest's model folder, effective max length and overlong policy; a truncated sample at its
+    tokenized it (the manifest's model folder, input limit and overlong policy; a truncated sample at its
     stored length): a stored sample its row no longer gives (``changed`` in `RowPlanner.plan`, as a resume retires
     them), a tokenizer or chat template other than the store's; rows with no sample are counted in a warning (bad
     rows, or not done yet)."""
@@ -160,7 +161,8 @@ def data_problems(store: OutputStore, data: Path, report: VerifyReport, *, trust
                                f"({manifest.dataset_path}, sha256 {str(manifest.dataset_sha256)[:12]})")  # fmt: skip
     records = store.records()
     regenerated = store.regenerated_rows(records) if manifest.generation is not None else None
-    planner = RowPlanner(spec, folder, duplicates=scan.duplicates, regenerated=regenerated)
+    tokenize = Tokenize(folder, spec, spec.max_length)
+    planner = RowPlanner(spec, tokenize, duplicates=scan.duplicates, regenerated=regenerated)
     planned = planner.plan(records, unrecorded=False)
     report.problems += [
         f"{p.record.file} ({p.record.sample_id}): {p.why}" for p in planned if p.status == "changed" and p.record

@@ -21,10 +21,8 @@ from redis.retry import Retry
 
 from layertap.engines.base import Engine
 from layertap.errors import ServerConfigError, ServerError
-from layertap.models.folder import ModelFolder
-from layertap.pipeline import FailureTally, run_shard, run_verdict
+from layertap.pipeline import FailureTally, RunPlan, plan_run, run_shard, run_verdict
 from layertap.sample import TokenizedSample
-from layertap.spec import CaptureSpec
 from layertap.state.jobs import Send
 from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
@@ -32,6 +30,7 @@ from layertap.state.shards import FinalizeAttempt, ShardAttempt, publish_input_l
 from layertap.state.views import job_errors
 from layertap.store.guide import target_folder
 from layertap.store.index import SampleRecord
+from layertap.store.manifest import read_manifest
 from layertap.store.store import OutputStore
 from worker.config import WorkerSettings
 from worker.engines import EngineCache
@@ -151,7 +150,7 @@ class WorkerContext:
     def run_shard(self, job_id: str, shard: int, token: str) -> str:
         """Run one shard attempt; returns what happened (``done``, ``finalized``, ``released``, or why skipped)."""
         t0 = time.monotonic()
-        folder = self.prepare_engine(job_id)
+        plan = self.prepare_engine(job_id)
         attempt = self.attempt(job_id, shard, token)
         claim = attempt.claim(self.settings.lease_ms)
         if claim.status != "ok":
@@ -169,10 +168,10 @@ class WorkerContext:
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             try:
-                folder = folder or ModelFolder.read(spec.model)  # the attempt's one read: its engine's, its rows'
-                engine = self._engine(spec, store, folder)
+                plan = plan or self.plan(spec)  # the attempt's one plan: its engine's, its rows'
+                engine = self.engine_for(spec, plan)
                 report = run_shard(
-                    spec.extraction(),
+                    plan.on(engine),
                     store,
                     engine,
                     start=claim.start,
@@ -181,7 +180,6 @@ class WorkerContext:
                     attempts=spec.sample_attempts,
                     check_level=self.settings.resume_check,
                     commit_threads=self.settings.commit_threads,
-                    folder=folder,
                 )
             except ServerError:
                 self.engines.close()  # the next task starts a fresh engine (and server)
@@ -212,44 +210,38 @@ class WorkerContext:
             return self.finalize(job_id, token)
         return outcome
 
-    def _engine(self, spec: JobSpec, store: OutputStore, folder: ModelFolder) -> Engine:
-        """This process's engine for the job, refused if it would not compute in the manifest's dtype or the
-        job wants model code run that this worker was not allowed to run."""
-        self.check_remote_code(spec)
-        engine = self.engine_for(spec, spec.resolve(store.manifest.num_layers), folder)
-        if (dtype := engine.compute_dtype) != store.manifest.compute_dtype:
-            raise ServerError(
-                f"this worker's {self.settings.engine} engine computes in {dtype}, the job's manifest "
-                f"says {store.manifest.compute_dtype}; fix the worker's engine settings"
-            )
-        return engine
-
-    def prepare_engine(self, job_id: str) -> ModelFolder | None:
+    def prepare_engine(self, job_id: str) -> RunPlan | None:
         """Start (or keep) the engine for a running job before claiming one of its shards: a server that takes
         minutes to start (a restarted worker's, a 1T model's) then holds no shard meanwhile, and the watchdog
         hands the shard, still queued, to a worker that is ready (``LAYERTAP_QUEUED_GRACE_S``). A failure here
-        is left to the claimed attempt, which reports it the usual way. Returns the job's model folder as read here
-        (None when it was not), for the attempt."""
+        is left to the claimed attempt, which reports it the usual way. Returns the job's plan as made here (None
+        when it was not), for the attempt."""
         state, raw = self.redis.hmget(self.keys.job(job_id), "state", "spec")
         if state != "running" or raw is None:
             return None
-        folder = None
+        plan = None
         try:
             spec = JobSpec.model_validate_json(raw)
-            self.check_remote_code(spec)
-            folder = ModelFolder.read(spec.model)
-            self.engine_for(spec, spec.resolve(folder.num_layers), folder)
+            plan = self.plan(spec)
+            self.engine_for(spec, plan)
         except ServerConfigError:  # the worker's own fault, whatever the shard: it is out of the job
             raise
         except Exception as exc:  # reported by the attempt that claims the shard
             log.warning("job %s: engine not ready before the claim (%s: %s)", job_id, type(exc).__name__, exc)
-        return folder
+        return plan
 
-    def engine_for(self, spec: JobSpec, capture: CaptureSpec, folder: ModelFolder) -> Engine:
-        """This process's engine for ``spec`` (`EngineCache`; ``folder`` is ``spec.model`` as read for it); its
-        server's input limit is told to Redis, where the coordinator refuses a job whose max_length is above it."""
-        engine = self.engines.get(spec, capture, folder)
-        publish_input_limit(self.redis, self.keys, str(spec.model), self.name, engine.max_input_tokens)
+    def plan(self, spec: JobSpec) -> RunPlan:
+        """The job's plan as its store's manifest records it (`plan_run`: the model folder read once, the layers
+        resolved once), refused when the job wants model code run that this worker was not allowed to run."""
+        self.check_remote_code(spec)
+        assert spec.out is not None
+        return plan_run(spec.extraction(), stored=read_manifest(spec.out))
+
+    def engine_for(self, spec: JobSpec, plan: RunPlan) -> Engine:
+        """This process's engine for ``spec`` (`EngineCache`, from the plan's capture and folder); its server's input
+        limit is told to Redis, where the coordinator refuses a job whose max_length is above it."""
+        engine = self.engines.get(spec, plan.capture, plan.folder)
+        publish_input_limit(self.redis, self.keys, str(spec.model), self.name, engine.input_limit)
         return engine
 
     def check_remote_code(self, spec: JobSpec) -> None:

@@ -20,14 +20,11 @@ import httpx
 import torch
 
 from benchmarks.harness import GPU_COMMON, log, plain_rate, prompts, sglang_python, smoke_args, smoke_env
-from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer
-from layertap.models.folder import ModelFolder
-from layertap.pipeline import run_shard
+from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
-from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import FORMAT_FINAL
@@ -139,20 +136,17 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
                           store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
-    folder = ModelFolder.read(bench.model)
-    cap = spec.resolve(folder.num_layers)
+    plan = plan_run(spec)
+    folder, cap = plan.folder, plan.capture
     writer: list[dict[str, float]] = []
     engine = SGLangEngine(bench.server, cap, folder=folder, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
                           on_writer=writer.append)  # fmt: skip
-    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
-                              compute_dtype="bfloat16", dataset_rows=len(batch),
-                              dataset_sha256=dataset_sha256(data),
-                              engine=engine.describe())  # fmt: skip
+    plan = plan.on(engine)
     store_root = root / f"store-{tag}"
-    store = TimedStore.create_or_resume(store_root, manifest)
+    store = TimedStore.create_or_resume(store_root, plan.manifest())
     store.commit_s = []
     t0 = time.perf_counter()
-    report = run_shard(spec, store, engine, check_level="quick", commit_threads=commit_threads)
+    report = run_shard(plan, store, engine, check_level="quick", commit_threads=commit_threads)
     dt = time.perf_counter() - t0
     assert len(report.computed) == len(batch) and report.failed == 0, report
     nbytes = sum(r.nbytes for r in store.records().values())

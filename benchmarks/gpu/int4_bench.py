@@ -38,14 +38,11 @@ from benchmarks.harness import (
     write_jsonl,
 )
 from layertap.audit import audit_store
-from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer
-from layertap.models.folder import ModelFolder
-from layertap.pipeline import run_shard
+from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
-from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
@@ -67,16 +64,13 @@ def start(server: SGLangServer) -> float:
 def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Path) -> tuple[float, int, list]:
     """Every row of ``data`` captured through ``server`` into a specforge store at ``out``: (seconds, tokens, ids)."""
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
-    folder = ModelFolder.read(model)
-    cap = spec.resolve(folder.num_layers)
+    plan = plan_run(spec)
+    folder, cap = plan.folder, plan.capture
     engine = SGLangEngine(server, cap, folder=folder, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
-    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
-                              compute_dtype="bfloat16",
-                              dataset_rows=sum(1 for _ in data.open()), dataset_sha256=dataset_sha256(data),
-                              engine=engine.describe())  # fmt: skip
-    store = OutputStore.create_or_resume(out, manifest)
+    plan = plan.on(engine)
+    store = OutputStore.create_or_resume(out, plan.manifest())
     t0 = time.perf_counter()
-    report = run_shard(spec, store, engine, check_level="quick")
+    report = run_shard(plan, store, engine, check_level="quick")
     seconds = time.perf_counter() - t0
     assert report.failed == 0 and report.row_errors == 0, report
     store.finalize(complete=True, target=folder)

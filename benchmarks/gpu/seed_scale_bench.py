@@ -36,14 +36,11 @@ import torch
 
 from benchmarks.gpu.capture import repoint, volume_rate
 from benchmarks.harness import GPU_COMMON, log, prompts, sglang_python, smoke_args, smoke_env
-from layertap.data.scan import dataset_sha256
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer
-from layertap.models.folder import ModelFolder
-from layertap.pipeline import run_shard
+from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
-from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 
@@ -128,18 +125,15 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     data = root / f"data-{tag}.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
-    folder = ModelFolder.read(model)
-    cap = spec.resolve(folder.num_layers)
+    plan = plan_run(spec)
+    folder, cap = plan.folder, plan.capture
     engine = SGLangEngine(server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
                           allow_dummy_weights=True)  # fmt: skip
-    manifest = build_manifest(spec, cap, folder=folder, effective_max_length=engine.max_input_tokens,
-                              compute_dtype="bfloat16", dataset_rows=len(batch),
-                              dataset_sha256=dataset_sha256(data),
-                              engine=engine.describe())  # fmt: skip
-    store = FinishTimes.create_or_resume(root / f"store-{tag}", manifest)
+    plan = plan.on(engine)
+    store = FinishTimes.create_or_resume(root / f"store-{tag}", plan.manifest())
     finishes = store.finishes = []
     t0 = time.perf_counter()
-    report = run_shard(spec, store, engine, check_level="quick", commit_threads=8)
+    report = run_shard(plan, store, engine, check_level="quick", commit_threads=8)
     assert len(report.computed) == len(batch) and report.failed == 0, report
     store.finalize(complete=True, target=folder)
     store.close()

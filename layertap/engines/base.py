@@ -30,6 +30,10 @@ class Engine(ABC):
     # The session of the capture server, which writes a regenerated run's responses too; None: in process, none.
     session: ServerSession | None = None
     generation_in_flight: int = 1  # rows regenerating at once on it
+    # What each capture request's id begins with (`sglang_patch.contract.format_rid`): its prefix and the job it
+    # names; None for an engine that sends no requests (in process).
+    rid_prefix: str | None = None
+    job: str | None = None
 
     @abstractmethod
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:
@@ -40,7 +44,7 @@ class Engine(ABC):
         """Facts the manifest records about this engine (name, versions; a server's `ServerFacts.record`)."""
 
     @property
-    def max_input_tokens(self) -> int | None:
+    def input_limit(self) -> int | None:
         """The longest sample the engine takes, when it is below the model's context length (a server's limit)."""
         return None
 

@@ -32,7 +32,7 @@ class ServerFacts:
     """What a capture server says about itself. ``dtype`` is its ``--dtype`` as given (``auto`` included);
     ``model`` the plugin's ``{"config_sha256", "weights_sha256"}`` of the folder it loaded ({} from a launcher
     that did not report it); ``capture`` the plugin's capture settings (None: no layertap hooks);
-    ``max_input_tokens`` the longest prompt it accepts (None when it does not say); ``deterministic`` whether it
+    ``input_limit`` the longest prompt it accepts (None when it does not say); ``deterministic`` whether it
     samples with the seeds requests carry."""
 
     url: str
@@ -48,7 +48,7 @@ class ServerFacts:
     attention_backend: str | None
     chunked_prefill_size: int | None
     capture: dict[str, Any] | None
-    max_input_tokens: int | None
+    input_limit: int | None
     # --enable-deterministic-inference: only then does SGLang sample with a request's sampling_seed (0.5.10 and 0.5.14:
     # sampling_batch_info builds per-request seeds under it alone; the sampler otherwise draws from torch's generator).
     deterministic: bool = False
@@ -74,7 +74,7 @@ class ServerFacts:
             attention_backend=info.get("attention_backend"),
             chunked_prefill_size=info.get("chunked_prefill_size"),
             capture=ours["capture"] if ours else None,
-            max_input_tokens=limit - 1 if isinstance(limit, int) and limit > 1 else None,
+            input_limit=limit - 1 if isinstance(limit, int) and limit > 1 else None,
             deterministic=bool(info.get("enable_deterministic_inference")),
         )
 
@@ -98,7 +98,7 @@ class ServerFacts:
     def settings(self) -> dict[str, Any]:
         """What must stay the same across restarts of one server: everything but its address and its input limit
         (its KV pool, which can bound it, is sized from the memory free at each start)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("url", "max_input_tokens")}
+        return {k: v for k, v in asdict(self).items() if k not in ("url", "input_limit")}
 
     def record(self) -> dict[str, Any]:
         """The facts as the manifest records them."""
@@ -142,9 +142,10 @@ class ServerExpectation:
         cap = facts.capture
         if tuple(cap.get("layers", ())) != self.capture.layers:
             out.append(f"it captures layers {list(cap.get('layers', ()))}, this run {list(self.capture.layers)}")
-        wanted = {k for k, on in (("post", self.capture.final_post), ("pre", self.capture.final_pre)) if on}
-        if not wanted <= set(cap.get("finals", ())):
-            out.append(f"it captures final states {list(cap.get('finals', ()))}, this run needs {sorted(wanted)}")
+        if not set(self.capture.finals) <= set(cap.get("finals", ())):
+            out.append(
+                f"it captures final states {list(cap.get('finals', ()))}, this run needs {sorted(self.capture.finals)}"
+            )
         if cap.get("rid_prefix") != self.rid_prefix:
             out.append(f"it captures rids prefixed {cap.get('rid_prefix')!r}, this run sends {self.rid_prefix!r}")
         if os.path.realpath(str(cap.get("dump_root"))) != os.path.realpath(self.dump_root):

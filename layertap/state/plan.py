@@ -11,13 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layertap.data.scan import save_duplicates, scan_dataset
+from layertap.data.scan import save_duplicates
 from layertap.diskspace import bytes_per_token
 from layertap.errors import SpecError, StoreError
-from layertap.models.folder import ModelFolder
+from layertap.pipeline.plan import plan_run
 from layertap.state.model import JOB_FILE, JobSpec
 from layertap.store.atomic import atomic_write_json
-from layertap.store.manifest import build_manifest
 from layertap.store.store import OutputStore
 
 
@@ -79,32 +78,19 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
     for name in ("model", "data"):
         if not getattr(spec, name).is_absolute():
             raise SpecError(f"{name} must be an absolute path that every worker can read, got {getattr(spec, name)}")
-    try:
-        folder = ModelFolder.read(spec.model)
-    except (OSError, ValueError) as exc:  # a name the filesystem refuses (too long, NUL, not UTF-8), a file
-        raise SpecError(f"model {spec.model} cannot be read as a model folder: {exc}") from exc
-    folder.preflight(trust_remote_code=spec.trust_remote_code, max_length=spec.max_length)
     out = resolve_out(spec.out, output_root, job_id)
     if (existing := job_of_store(out)) is not None:
         raise StoreError(
             f"{out} already belongs to job {existing[0]}: resume that job, or rebuild its state "
             "(layertap rebuild-state) if Redis lost it"
         )
-    capture = spec.resolve(folder.num_layers)
-    scan = scan_dataset(spec.data)
     resolved = spec.model_copy(update={"out": out})
-    manifest = build_manifest(
-        resolved.extraction(),
-        capture,
-        folder=folder,
-        effective_max_length=spec.max_length,  # its workers' servers are not known yet
-        compute_dtype=folder.dtype,
-        dataset_rows=scan.num_rows,
-        dataset_sha256=scan.sha256,
-        engine={"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"},
-    )
+    engine = {"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"}
+    plan = plan_run(resolved.extraction(), engine=engine)  # its workers' servers are not known yet
+    assert plan.scan is not None
+    manifest = plan.manifest()
     OutputStore.create_or_resume(out, manifest).close()
-    save_duplicates(out, scan)  # before any shard runs: shards see only their rows, the scan saw every id
+    save_duplicates(out, plan.scan)  # before any shard runs: shards see only their rows, the scan saw every id
     atomic_write_json(out / JOB_FILE, {"job_id": job_id, "spec": json.loads(resolved.model_dump_json())})
-    return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(scan.num_rows, spec.shard_size),
-                      bytes_per_token=bytes_per_token(capture, folder.hidden_size, spec.store_dtype))  # fmt: skip
+    return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(plan.dataset_rows, spec.shard_size),
+                      bytes_per_token=bytes_per_token(plan.capture, plan.folder.hidden_size, spec.store_dtype))  # fmt: skip

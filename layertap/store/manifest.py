@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from layertap import __version__
 from layertap.errors import StoreError
 from layertap.models.folder import ModelFolder
-from layertap.spec import CaptureSpec, ExtractionSpec
+from layertap.spec import CaptureSpec, Convention
 from sglang_patch.contract import FP8_DTYPE, SampleLayout
 
 FORMAT_VERSION = 1
@@ -25,11 +25,12 @@ CONVENTION_TEXT = (
 )
 # Fields that may legitimately differ between the run that created a store and one resuming it.
 # The dataset's content hash is one of them: a resume re-tokenizes every row and recomputes the samples whose
-# tokens or loss mask changed (`row_plan.RowPlanner`), so the manifest names the dataset the store now holds. So is
-# the effective max length: a resume on a server with another input limit re-plans every row under its own.
+# tokens or loss mask changed (`pipeline.rows.RowPlanner`), so the manifest names the dataset the store now holds. So
+# is the input limit: a resume on a server with another limit re-plans every row under its own.
 _RUNTIME_FIELDS = {
-    "engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers", "effective_max_length"
+    "engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers", "input_limit"
 }  # fmt: skip
+_OLD_INPUT_LIMIT = "effective_max_length"  # the input limit's key in manifests written before it was renamed
 
 
 class Manifest(BaseModel):
@@ -54,17 +55,18 @@ class Manifest(BaseModel):
     hidden_size: int
     num_layers: int
     layer_ids_given: list[int]
-    layer_convention: str
+    layer_convention: Convention
     capture_indices: list[int]
     capture_convention: str = CONVENTION_TEXT
     final_post_norm: bool
     final_pre_norm: bool
     max_length: int | None
-    # The length rows were kept within: max_length, or the engine's input limit below it (an SGLang server's, a few
-    # tokens below its context length); None with neither. A store made before it was recorded has max_length's
-    # value here. A job is planned before its workers' servers are known: a worker keeps a job without max_length
-    # within its own server's limit, and the job's finalize records the servers' limit (`store.served_max_length`).
-    effective_max_length: int | None = None
+    # The length rows were kept within (`RunPlan.input_limit`): max_length, or the engine's limit below it (an SGLang
+    # server's, a few tokens below its context length); None with neither. A store made before it was recorded has
+    # max_length's value here. A job is planned before its workers' servers are known: a worker keeps a job without
+    # max_length within its own server's limit, and the job's finalize records the servers' limit
+    # (`store.servers_input_limit`).
+    input_limit: int | None = None
     overlong: str
     dataset_path: str
     dataset_rows: int
@@ -81,20 +83,27 @@ class Manifest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _effective_max_length_of_old_stores(cls, data: Any) -> Any:
-        """A manifest written before ``effective_max_length`` was recorded: its ``max_length``."""
-        if isinstance(data, dict) and "effective_max_length" not in data:
-            return {**data, "effective_max_length": data.get("max_length")}
+    def _input_limit_of_old_stores(cls, data: Any) -> Any:
+        """A manifest written before ``input_limit`` had its name: its old key's value; before it was recorded at
+        all: its ``max_length``."""
+        if isinstance(data, dict) and "input_limit" not in data:
+            data = dict(data)
+            data["input_limit"] = data.pop(_OLD_INPUT_LIMIT, data.get("max_length"))
         return data
 
     def identity(self) -> dict[str, Any]:
         return self.model_dump(exclude=_RUNTIME_FIELDS)
 
+    def capture(self) -> CaptureSpec:
+        """The capture this store was made with, as its run resolved it."""
+        return CaptureSpec(layers=tuple(self.capture_indices), final_post=self.final_post_norm,
+                           final_pre=self.final_pre_norm, convention=self.layer_convention,
+                           given_ids=tuple(self.layer_ids_given), num_layers=self.num_layers)  # fmt: skip
+
     def sample_layout(self) -> SampleLayout:
         """What each sample file of this store holds: the layout the plugin's dumps are checked against too."""
-        finals = tuple(k for k, on in (("post", self.final_post_norm), ("pre", self.final_pre_norm)) if on)
         dtype = FP8_DTYPE if self.store_dtype == "fp8" else self.store_dtype
-        return SampleLayout(self.format, tuple(self.capture_indices), finals, dtype, self.hidden_size)
+        return SampleLayout(self.format, tuple(self.capture_indices), self.capture().finals, dtype, self.hidden_size)
 
 
 def _sha256(path: Path) -> str:
@@ -128,46 +137,6 @@ def model_facts(folder: ModelFolder) -> dict[str, Any]:
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
         "quantization": folder.quantization.describe() if folder.quantization else None,
     }
-
-
-def build_manifest(
-    spec: ExtractionSpec,
-    capture: CaptureSpec,
-    *,
-    folder: ModelFolder,
-    effective_max_length: int | None,
-    compute_dtype: str,
-    dataset_rows: int,
-    dataset_sha256: str | None,
-    engine: dict[str, Any],
-) -> Manifest:
-    """The manifest of a new run from its spec, the resolved capture and the facts of its model ``folder``; rows are
-    kept within ``effective_max_length`` (`pipeline.within_engine_limit`)."""
-    return Manifest(
-        format=spec.format,
-        model_path=str(spec.model.resolve()),
-        compute_dtype=compute_dtype,
-        store_dtype=spec.store_dtype,
-        hidden_size=folder.hidden_size,
-        num_layers=capture.num_layers,
-        layer_ids_given=list(capture.given_ids),
-        layer_convention=capture.convention,
-        capture_indices=list(capture.layers),
-        final_post_norm=capture.final_post,
-        final_pre_norm=capture.final_pre,
-        max_length=spec.max_length,
-        effective_max_length=effective_max_length,
-        overlong=spec.overlong,
-        chat_template_kwargs=spec.chat_template_kwargs,
-        dataset_path=str(spec.data.resolve()),
-        dataset_rows=dataset_rows,
-        dataset_sha256=dataset_sha256,
-        engine=engine,
-        generation=(
-            None if (gen := spec.generation) is None else {**gen.model_dump(), "drop_truncated": spec.drop_truncated}
-        ),
-        **model_facts(folder),
-    )
 
 
 def read_manifest(root: Path) -> Manifest:

@@ -267,17 +267,21 @@ class OutputStore:
         write_token_freq(self.root, committed_counts(self.root, records, self.layout.ids_key))
         servers = self.servers()
         update = {"complete": complete, "samples_committed": len(records), "servers": servers}
-        if self.manifest.effective_max_length is None and (limit := served_max_length(servers)) is not None:
-            update["effective_max_length"] = limit  # a job without max_length: its workers' servers' limit
+        if self.manifest.input_limit is None and (limit := servers_input_limit(servers)) is not None:
+            update["input_limit"] = limit  # a job without max_length: its workers' servers' limit
         self.manifest = self.manifest.model_copy(update=update)
         atomic_write_json(self.root / MANIFEST, self.manifest.model_dump())
         write_training_guide(self.root, self.manifest, records, target)
         return records
 
 
-def served_max_length(servers: list[dict[str, Any]]) -> int | None:
+_OLD_SERVER_LIMIT = "max_input_tokens"  # a server's input limit in writer records made before it was renamed
+
+
+def servers_input_limit(servers: list[dict[str, Any]]) -> int | None:
     """The length rows were kept within by the servers of ``servers`` (`OutputStore.servers`): the largest of their
     input limits (each kept its rows within its own; a sample its server truncated says so in its record), None
     when none is recorded or one server stated no limit."""
-    limits = [entry["engine"]["server"].get("max_input_tokens") for entry in servers]
+    facts = [entry["engine"]["server"] for entry in servers]
+    limits = [server.get("input_limit", server.get(_OLD_SERVER_LIMIT)) for server in facts]
     return None if not limits or None in limits else max(limits)

@@ -1,4 +1,4 @@
-"""The row planner (`layertap.row_plan`): each row of a run planned from one stream of the dataset, with the model
+"""The row planner (`layertap.pipeline.rows`): each row of a run planned from one stream of the dataset, with the model
 folder read once; the plan a resume follows and `verify --data` reports."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 from layertap.data.scan import scan_dataset
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
-from layertap.row_plan import RowPlanner
+from layertap.pipeline.rows import RowPlanner
+from layertap.pipeline.steps import Tokenize
 from layertap.spec import ExtractionSpec
 from layertap.store.manifest import MANIFEST, read_manifest
 from layertap.store.store import OutputStore
@@ -83,7 +84,7 @@ def test_a_run_reads_the_model_folders_facts_once_for_its_engine_its_rows_and_it
     for _ in ("fresh", "resumed"):
         with counting_folder_reads(monkeypatch) as reads:
             run_extraction(spec, tmp_path / "out", cpu_hf(batch_size=1))
-        assert reads == {"layertap.pipeline": 1}, reads
+        assert reads == {"layertap.pipeline.plan": 1}, reads
     with counting_folder_reads(monkeypatch) as reads:
         verify_store(tmp_path / "out")
     assert reads == {"layertap.store.guide": 1}, reads  # the count sees a read outside the pipeline
@@ -101,7 +102,8 @@ def test_each_row_is_planned_done_changed_todo_or_error_as_a_resume_handles_it(t
     write_jsonl(data, [*rows[:7], rows[7] | {"id": "new-7"}])  # row 7 gives a sample under another id
 
     records = OutputStore.open_existing(out).records()
-    planner = RowPlanner(spec, ModelFolder.read(tiny_llama), duplicates=scan_dataset(data).duplicates)
+    tokenize = Tokenize(ModelFolder.read(tiny_llama), spec, spec.max_length)
+    planner = RowPlanner(spec, tokenize, duplicates=scan_dataset(data).duplicates)
     plan = [(p.row, p.status) for p in planner.plan(records)]
     assert plan == [(0, "done"), (1, "done"), (2, "changed"), (2, "todo"), (3, "done"), (4, "done"),
                     (5, "changed"), (5, "error"), (6, "error"), (7, "changed"), (7, "todo")]  # fmt: skip
@@ -113,13 +115,13 @@ def test_each_row_is_planned_done_changed_todo_or_error_as_a_resume_handles_it(t
     assert recorded == [item for item in plan if item != (6, "error")]  # verify asks only about stored rows
 
     write_jsonl(data, rows[:5])  # rows 5 to 7 gone: their records are changed once the stream ends
-    gone = RowPlanner(spec, ModelFolder.read(tiny_llama)).plan(records, start=4)
+    gone = RowPlanner(spec, tokenize).plan(records, start=4)
     assert [(p.row, p.status, p.why.endswith(f"is not in {data}")) for p in gone] == [
         (4, "done", False), (5, "changed", True), (7, "changed", True)
     ]  # fmt: skip
 
 
-def test_a_store_made_before_the_effective_max_length_was_recorded_opens_and_verifies_with_its_max_length(
+def test_a_store_made_before_the_input_limit_was_recorded_or_named_so_opens_and_verifies_with_its_limit(
     tiny_llama, tmp_path
 ) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(5, seed=3, max_words=30))
@@ -129,10 +131,23 @@ def test_a_store_made_before_the_effective_max_length_was_recorded_opens_and_ver
     stored = len(first.computed)
     assert stored and first.truncated, first  # truncated samples too, compared at their stored length
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest.pop("effective_max_length") == 40  # the HF engine has no input limit of its own
-    (out / MANIFEST).write_text(json.dumps(manifest))  # as an older layertap wrote it
-
-    assert read_manifest(out).effective_max_length == 40
+    assert manifest.pop("input_limit") == 40  # the HF engine has no input limit of its own
+    (out / MANIFEST).write_text(json.dumps(manifest | {"effective_max_length": 40}))  # the limit's old name
+    assert read_manifest(out).input_limit == 40
+    (out / MANIFEST).write_text(json.dumps(manifest))  # as a layertap older still wrote it: no limit recorded
+    assert read_manifest(out).input_limit == 40
     check = verify_store(out, data=data)
     assert check.ok and check.samples == stored, check.problems
     assert run_extraction(spec, out, cpu_hf(batch_size=1)).already_done == stored  # and a resume takes it as it is
+
+
+def test_a_new_row_whose_id_no_capture_request_can_name_is_its_own_error_when_planned(tiny_llama, tmp_path) -> None:
+    rows = conversation_rows(3, seed=2, max_words=10)
+    rows[1]["id"] = "x" * 190  # within a dump folder's name alone, not once the rid's prefix, job and attempt join it
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 3, 5))
+    tokenize = Tokenize(ModelFolder.read(tiny_llama), spec, spec.max_length)
+    planned = list(RowPlanner(spec, tokenize, rid=("hscap", "job")).plan({}))
+    assert [(p.row, p.status) for p in planned] == [(0, "todo"), (1, "error"), (2, "todo")]
+    assert planned[1].error is not None and "too long for a dump folder name" in planned[1].error.reason
+    assert [p.status for p in RowPlanner(spec, tokenize).plan({})] == ["todo"] * 3  # in process: no request to name

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.pipeline import run_shard
+from layertap.pipeline import plan_run, run_shard
 from layertap.state.jobs import create_job, reap
 from layertap.state.keys import FINALIZE_TASK, Keys
 from layertap.state.model import JobSpec
@@ -144,7 +144,9 @@ def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_
     spec = JobSpec(model=tiny_llama, data=data, layers=(1, 3, 5), shard_size=10)
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="jc")
     store = OutputStore.open_existing(planned.spec.out)
-    run_shard(planned.spec.extraction(), store, hf_engine(tiny_llama, planned.spec.resolve(6)))  # an earlier attempt's
+    engine = hf_engine(tiny_llama, planned.spec.resolve(6))
+    plan = plan_run(planned.spec.extraction(), stored=store.manifest).on(engine)
+    run_shard(plan, store, engine)  # an earlier attempt's
     store.close()
     rows[4]["messages"][-1]["content"] += " edited"
     write_jsonl(data, rows)
@@ -182,11 +184,11 @@ def test_a_shard_attempt_reads_the_model_folder_once_for_its_engine_and_its_rows
 
     with counting_folder_reads(monkeypatch) as reads:
         context.prepare_engine("jr")  # the engine built before the claim
-    assert reads == {"worker.runner": 1}, reads
+    assert reads == {"layertap.pipeline.plan": 1}, reads
     with counting_folder_reads(monkeypatch) as reads:
         assert context.run_shard(*sent[0][1]) == "done"
-    assert reads == {"worker.runner": 1}, reads  # one read for the engine (kept) and the shard's rows
+    assert reads == {"layertap.pipeline.plan": 1}, reads  # one read for the engine (kept) and the shard's rows
     with counting_folder_reads(monkeypatch) as reads:
         assert context.run_shard(*sent[1][1]) == "finalized"
-    assert reads == {"worker.runner": 1, "layertap.store.guide": 1}, reads  # and its finalize's guide
+    assert reads == {"layertap.pipeline.plan": 1, "layertap.store.guide": 1}, reads  # and its finalize's guide
     assert verify_store(planned.spec.out).samples == 12

@@ -34,7 +34,7 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
 ) -> None:
     server = sglang_servers(tiny_llama, layers=LAYERS, extra_args=("--context-length", str(CONTEXT)))
     limit = ServerFacts.from_info(server.url, httpx.get(f"{server.url}/server_info", timeout=30).json())
-    limit = limit.max_input_tokens
+    limit = limit.input_limit
     assert limit is not None and limit < MAX_LENGTH
     rows = conversation_rows(8, seed=4, max_words=18)
     rows[5]["messages"][-1]["content"] = "state " * (limit + 50)  # over the server's limit, within max_length
@@ -72,7 +72,7 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
     # A job without max_length: the worker keeps its rows within its server's limit, and its manifest says so.
     unbounded = cluster.wait_state(cluster.submit(tiny_llama, data), "done")
     manifest = read_manifest(Path(unbounded["out"]))
-    assert (manifest.effective_max_length, manifest.max_length) == (limit, None)
+    assert (manifest.input_limit, manifest.max_length) == (limit, None)
     assert verify_store(Path(unbounded["out"]), data=data).ok  # row 5 truncated at it, judged by it
 
     # A worker counts while it lives: once its record has expired, no limit is known and the job is accepted.
@@ -84,7 +84,7 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
 
 
 @pytest.mark.sglang
-def test_a_run_records_the_servers_limit_as_its_effective_max_length_and_verify_judges_rows_by_it(
+def test_a_run_records_the_servers_limit_as_its_input_limit_and_verify_judges_rows_by_it(
     sglang_servers, tiny_llama, tmp_path
 ) -> None:
     server = sglang_servers(tiny_llama, layers=LAYERS, extra_args=("--context-length", str(CONTEXT)))
@@ -100,11 +100,9 @@ def test_a_run_records_the_servers_limit_as_its_effective_max_length_and_verify_
 
     out = tmp_path / "out"
     first = run_extraction(spec, out, engine)
-    limit = ServerFacts.from_info(
-        server.url, httpx.get(f"{server.url}/server_info", timeout=30).json()
-    ).max_input_tokens
+    limit = ServerFacts.from_info(server.url, httpx.get(f"{server.url}/server_info", timeout=30).json()).input_limit
     assert limit is not None and limit < CONTEXT
-    assert (read_manifest(out).effective_max_length, read_manifest(out).max_length) == (limit, None)
+    assert (read_manifest(out).input_limit, read_manifest(out).max_length) == (limit, None)
     assert first.skipped_overlong == 1 and len(first.computed) == len(rows) - 1
 
     rows[4]["messages"][-1]["content"] = long  # a stored row grown past the limit: the run would skip it now

@@ -14,7 +14,7 @@ from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
 from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
 from layertap.errors import SpecError
-from layertap.pipeline import within_engine_limit
+from layertap.pipeline.plan import input_limit_of
 from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
 from layertap.state.keys import Keys
 from layertap.state.model import JobSpec
@@ -76,7 +76,7 @@ def submit_job(
         except DiskSpaceError:
             SUBMISSIONS.labels("no_space").inc()
             raise
-    within_engine_limit(spec.extraction(), input_limit(redis, keys, str(spec.model)))  # 422 above the workers' limit
+    input_limit_of(spec.extraction(), input_limit(redis, keys, str(spec.model)))  # 422 above the workers' limit
     planned = plan_job(spec, output_root=settings.output_root, job_id=job_id)
     create_job(redis, keys, job_id, planned.spec, planned.shards, bytes_per_token=planned.bytes_per_token)
     dispatch_pending(redis, keys, job_id, dispatcher.send)

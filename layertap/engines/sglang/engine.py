@@ -130,9 +130,9 @@ class SGLangEngine(Engine):
         return sglang_compute_dtype(self.provenance.dtype, self.folder.dtype)
 
     @property
-    def max_input_tokens(self) -> int | None:
+    def input_limit(self) -> int | None:
         """The longest prompt the server accepts (its scheduler's limit, below the model's context length)."""
-        return self.provenance.max_input_tokens
+        return self.provenance.input_limit
 
     def describe(self) -> dict[str, Any]:
         return {"name": "sglang", "url": self.server.url, "in_flight": self.in_flight,
@@ -279,7 +279,7 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
     it without reading it again), the tensors being views of those bytes."""
     meta = dump.meta
     finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
-    wanted = tuple(k for k, on in (("post", spec.final_post), ("pre", spec.final_pre)) if on)
+    wanted = spec.finals
     if meta.status != "ok":
         raise SampleError(meta.error or "error dump")
     if meta.num_tokens != sample.num_tokens or meta.input_ids_sha256 != ids_sha256(sample.input_ids):

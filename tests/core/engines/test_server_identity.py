@@ -90,7 +90,7 @@ def test_each_difference_is_named_with_both_sides(tiny_llama, tmp_path) -> None:
     capture = resolve_capture(list(LAYERS), convention="capture", num_layers=6, final="post")
     expected = expectation_for(ModelFolder.read(tiny_llama), capture, rid_prefix="hscap", dump_root=tmp_path)
     good = ServerFacts.from_info("http://s", _info(tiny_llama, tmp_path))
-    assert expected.problems(good) == [] and good.max_input_tokens == 4089  # SGLang refuses max_req_input_len
+    assert expected.problems(good) == [] and good.input_limit == 4089  # SGLang refuses max_req_input_len
     elsewhere = {"dump_root": "/elsewhere", "layers": list(LAYERS), "finals": ["post"], "rid_prefix": "hscap"}
     unnamed = [{"config": {"capture": {**elsewhere, "dump_root": str(tmp_path)}}}]  # a launcher naming no weights
     cases = {

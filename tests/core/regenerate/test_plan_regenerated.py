@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from layertap.models.folder import ModelFolder
+from layertap.pipeline.rows import RowPlanner
+from layertap.pipeline.steps import Tokenize
 from layertap.regenerate import RowJob, stored_conversation
-from layertap.row_plan import RowPlanner
 from layertap.spec import ExtractionSpec
 from layertap.store.index import SampleRecord
 from sglang_patch.sample_files import ids_sha256, mask_runs
@@ -34,12 +35,13 @@ STORED = {"id": "a", "messages": [
 def planner(tiny_llama: Path, data: Path, rows: list[dict], stored: dict | None) -> RowPlanner:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = ExtractionSpec(model=tiny_llama, data=data, layers=(1, 2, 4), regenerate="last")
-    return RowPlanner(spec, ModelFolder.read(tiny_llama), regenerated={"a": stored} if stored else None)
+    tokenize = Tokenize(ModelFolder.read(tiny_llama), spec, spec.max_length)
+    return RowPlanner(spec, tokenize, regenerated={"a": stored} if stored else None)
 
 
 def record_of(plan: RowPlanner, stored: dict) -> SampleRecord:
     conversation, turns = stored_conversation(stored)
-    sample = plan.tokenized(0, "a", conversation, None, turns)
+    sample = plan.tokenize(0, "a", conversation, turns)
     return SampleRecord("a", 0, sample.num_tokens, "f", 1, "x", ids_sha256(sample.input_ids),
                         mask_runs(sample.loss_mask))  # fmt: skip
 
@@ -58,8 +60,8 @@ def test_todo_rows_are_jobs_and_rows_without_turns_are_errors(tiny_llama: Path, 
 def test_loss_mask_is_on_the_regenerated_turn_only(tiny_llama: Path, tmp_path: Path) -> None:
     plan = planner(tiny_llama, tmp_path / "d.jsonl", [ROW], STORED)
     conversation, turns = stored_conversation(STORED)
-    last_only = plan.tokenized(0, "a", conversation, None, turns)
-    every = plan.tokenized(0, "a", conversation, None, [1, 3])
+    last_only = plan.tokenize(0, "a", conversation, turns)
+    every = plan.tokenize(0, "a", conversation, [1, 3])
     assert torch.equal(last_only.input_ids, every.input_ids)
     assert 0 < int(last_only.loss_mask.sum()) < int(every.loss_mask.sum())
     assert bool((last_only.loss_mask <= every.loss_mask).all())

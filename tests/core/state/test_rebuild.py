@@ -6,8 +6,7 @@ import pytest
 
 from layertap.engines.factory import sglang_engine_factory
 from layertap.errors import StoreError
-from layertap.models.folder import ModelFolder
-from layertap.pipeline import ProgressEvents, run_shard
+from layertap.pipeline import ProgressEvents, plan_run, run_shard
 from layertap.sample import TokenizedSample
 from layertap.settings import RunSettings
 from layertap.state.model import JobSpec
@@ -43,9 +42,10 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="job7")
     store = OutputStore.open_existing(planned.spec.out)
     engine = hf_engine(tiny_llama, spec.resolve(6), batch_size=1)
-    run_shard(spec.extraction(), store, engine, start=0, stop=10)
-    run_shard(spec.extraction(), store, engine, start=10, stop=20)  # row 13 is bad
-    partial = run_shard(spec.extraction(), store, engine, start=20, stop=30, events=StopAfter(4))
+    plan = plan_run(spec.extraction(), stored=store.manifest).on(engine)
+    run_shard(plan, store, engine, start=0, stop=10)
+    run_shard(plan, store, engine, start=10, stop=20)  # row 13 is bad
+    partial = run_shard(plan, store, engine, start=20, stop=30, events=StopAfter(4))
     assert partial.stopped and 4 <= len(partial.computed) < 10  # the sample in flight may finish too
     store.close()
     tokens = {r.sample_id: r.num_tokens for r in store.records().values()}
@@ -81,12 +81,11 @@ def test_rebuild_counts_a_regenerating_jobs_generation_as_its_workers_did(
                    regenerate="all", max_new_tokens=12, temperature=0.0)  # fmt: skip
     planned = plan_job(spec, output_root=tmp_path / "outputs", job_id="regen")
     store = OutputStore.open_existing(planned.spec.out)
-    folder = ModelFolder.read(tiny_llama)
+    plan = plan_run(planned.spec.extraction(), stored=store.manifest)
     make = sglang_engine_factory(planned.spec, RunSettings(server_url=server.url), job="regen",
                                  dump_root=server.dump_root, log_path=tmp_path / "unused.log")  # fmt: skip
-    engine = make(planned.spec.resolve(folder.num_layers), folder)
-    reports = [run_shard(planned.spec.extraction(), store, engine, start=a, stop=b, folder=folder)
-               for a, b in ((0, 5), (5, 10))]  # fmt: skip
+    engine = make(plan.capture, plan.folder)
+    reports = [run_shard(plan.on(engine), store, engine, start=a, stop=b) for a, b in ((0, 5), (5, 10))]
     engine.close()
     store.close()
     assert all(r.generated_tokens > 0 for r in reports) and sum(r.turns_cut for r in reports) > 0

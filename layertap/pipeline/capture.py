@@ -1,0 +1,123 @@
+"""The capture and commit steps: samples -> the engine -> validated files in the store, several commits in flight.
+
+The engine captures a stream of samples (several requests in flight); each capture is committed by a thread of
+``commit_threads`` (check, hash, write or rename, fsync: they release the GIL) while the engine goes on. A sample that
+fails is retried alone, a bounded number of times, so one poison sample never fails its batch-mates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from layertap.engines.base import Engine
+from layertap.errors import LayertapError, SampleError
+from layertap.pipeline.ledger import Ledger
+from layertap.pipeline.steps import Item
+from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
+
+log = logging.getLogger(__name__)
+
+
+class Capture:
+    """Engine -> store for one stream of samples, with poison samples isolated and retried alone.
+
+    When the engine raises (anything but a ``LayertapError`` other than ``SampleError``), every
+    sample it was holding becomes a suspect and is captured again on its own, so one bad sample
+    never fails its batch-mates. A capture that fails on its own, or whose commit is refused
+    (``SampleError``: non-finite values, wrong shapes), costs that sample one attempt; after
+    ``attempts`` it is recorded as failed and the run goes on.
+    """
+
+    def __init__(self, engine: Engine, ledger: Ledger, *, attempts: int, commit_threads: int) -> None:
+        self.engine, self.ledger, self.store = engine, ledger, ledger.store
+        self.attempts = attempts
+        self.tries: Counter[str] = Counter()
+        self.alone: list[TokenizedSample] = []
+        # Commits (check finiteness, hash, write or rename, fsync) release the GIL, so threads keep the
+        # disk busy while the engine runs; at most 2 x threads captured samples wait in memory.
+        self.commits = ThreadPoolExecutor(commit_threads, thread_name_prefix="commit")
+        self.max_pending = 2 * commit_threads
+
+    def run(self, items: Iterator[Item]) -> None:
+        """Capture and commit the samples of ``items`` (``todo`` items with their samples)."""
+        samples = (item.sample for item in items if item.sample is not None)
+        try:
+            while (failure := self._stream(samples)) is not None:
+                self.alone.extend(failure[0])  # suspects: captured again alone, not blamed yet
+            while self.alone and self.ledger.keep_going():
+                sample = self.alone.pop(0)
+                if (failure := self._stream(iter([sample]))) is not None:
+                    self._attempt_failed(sample, failure[1])
+        finally:
+            self.commits.shutdown(wait=True)
+
+    def _stream(self, samples: Iterator[TokenizedSample]) -> tuple[list[TokenizedSample], str] | None:
+        """Capture and commit until ``samples`` runs out (None) or the engine raises: (held samples, reason)."""
+        held: dict[str, TokenizedSample] = {}
+        source_error: BaseException | None = None
+
+        def feed() -> Iterator[TokenizedSample]:
+            nonlocal source_error
+            while self.ledger.keep_going():
+                try:
+                    sample = next(samples)
+                except StopIteration:
+                    return
+                except BaseException as exc:  # the dataset or the store, not the engine: never a suspect
+                    source_error = exc
+                    raise
+                held[sample.sample_id] = sample
+                yield sample
+
+        captured = self.engine.capture(feed())
+        pending: deque[tuple[Future, CapturedSample]] = deque()
+        try:
+            while True:
+                try:
+                    cap = next(captured)
+                except StopIteration:
+                    return None
+                except Exception as exc:
+                    if source_error is not None or (
+                        isinstance(exc, LayertapError) and not isinstance(exc, SampleError)
+                    ):
+                        raise
+                    log.warning("engine failed with %d samples in flight: %s: %s", len(held), type(exc).__name__, exc)
+                    return list(held.values()), f"{type(exc).__name__}: {exc}"
+                held.pop(cap.sample.sample_id, None)
+                if isinstance(cap, FailedCapture):
+                    self._attempt_failed(cap.sample, cap.reason)
+                    continue
+                pending.append((self.commits.submit(self.store.commit, cap), cap))
+                while len(pending) > self.max_pending or (pending and pending[0][0].done()):
+                    self._settle(*pending.popleft())
+        finally:
+            while pending:
+                self._settle(*pending.popleft())
+
+    def _settle(self, commit: Future, captured: CapturedSample) -> None:
+        """Account for one finished commit (in the calling thread, so the ledger needs no lock)."""
+        sample = captured.sample
+        try:
+            commit.result()
+        except SampleError as err:
+            self._attempt_failed(sample, str(err))
+            return
+        finally:
+            self.engine.release(captured)
+        self.ledger.committed(sample)
+
+    def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:
+        self.tries[sample.sample_id] += 1
+        n = self.tries[sample.sample_id]
+        log.warning(
+            "sample %s (row %d, %d tokens): attempt %d/%d failed: %s",
+            sample.sample_id, sample.index, sample.num_tokens, n, self.attempts, reason,
+        )  # fmt: skip
+        if n < self.attempts:
+            self.alone.append(sample)
+            return
+        self.ledger.sample_failed(sample, f"{reason} (failed all {n} attempts)")
