@@ -14,7 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.config import CoordinatorSettings
-from tests.service_fixtures import REPO_ROOT, free_port, wait_for
+from harness.processes import REPO_ROOT, wait_for
+from layertap.engines.sglang import free_port
 
 REFUSAL = (
     "layertap coordinator refuses to start: LAYERTAP_API_TOKEN is not set: set it (clients send it as a bearer "
@@ -46,7 +47,7 @@ def test_a_coordinator_without_a_token_refuses_to_start_in_one_line(
     services, redis_server, tmp_path: Path, cli: bool
 ) -> None:
     port = free_port()
-    env = services._env({"LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_OUTPUT_ROOT": str(tmp_path)})
+    env = services.process_env({"LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_OUTPUT_ROOT": str(tmp_path)})
     env.pop("LAYERTAP_API_TOKEN", None)
     env.pop("LAYERTAP_API_OPEN", None)
     cmd = [sys.executable, "-m", "uvicorn", "coordinator.app:app", "--port", str(port)]

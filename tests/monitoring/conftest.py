@@ -20,17 +20,11 @@ import httpx
 import pytest
 import yaml
 
+from harness.processes import REPO_ROOT, Proc, wait_for, wait_until_serving
+from harness.services import Coordinator, RedisServer, Services
+from layertap.engines.sglang import free_port
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import (
-    REPO_ROOT,
-    Coordinator,
-    Proc,
-    RedisServer,
-    Services,
-    free_port,
-    wait_for,
-    wait_until_serving,
-)
+from tests.service_fixtures import quick_services
 
 TMPFS_BYTES = 256 << 20
 FLOOR_BYTES = 96 << 20  # the worker pauses below this much free space...
@@ -133,7 +127,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterato
         (base / name).mkdir()
     output_root = base / "outputs"
     on_tmpfs = mount_tmpfs(output_root, TMPFS_BYTES)
-    services = Services(base / "logs")
+    services = quick_services(base / "logs")
     redis = RedisServer(base / "redis", free_port(), ["--save", "", "--appendonly", "no"]).start()
     metrics_port = free_port()
     started = False

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.config import CoordinatorSettings
 from coordinator.dispatch import Dispatcher
 from coordinator.metrics import StateCollector, build_registry
+from harness.processes import REPO_ROOT
 from layertap.state.keys import Keys
-from tests.service_fixtures import REPO_ROOT
 from worker.metrics import WorkerMetrics
 
 MONITORING = REPO_ROOT / "monitoring"

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import REPO_ROOT, wait_for
 from layertap.diskspace import free_bytes
 from layertap.verify import verify_store
 from tests.monitoring.conftest import FLOOR_BYTES, RESUME_BYTES, Stack
 from tests.monitoring.test_configs import METRIC, dashboard_queries
-from tests.service_fixtures import REPO_ROOT, wait_for
 from worker.metrics import STATES
 
 pytestmark = pytest.mark.services

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.processes import REPO_ROOT
 from sglang_patch.contract import AUX_FINAL_PRE, TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
-from tests.service_fixtures import REPO_ROOT
 
 
 class FakeCudaEvent:

@@ -21,6 +21,8 @@ import httpx
 import pytest
 from redis import Redis
 
+from harness.processes import REPO_ROOT, Proc, wait_for
+from harness.services import Coordinator, RedisServer, Services
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.state.keys import Keys
@@ -30,7 +32,6 @@ from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import masked_token_counts, token_freq_file
 from tests.hf_engines import cpu_hf
-from tests.service_fixtures import REPO_ROOT, Coordinator, Proc, RedisServer, Services, wait_for
 
 LAYERS = (1, 3, 5)
 NUM_SAMPLES = 300

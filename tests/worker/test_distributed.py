@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import wait_for
 from layertap.store.index import INDEX_DIR
 from layertap.store.store import OutputStore
 from layertap.store.token_freq import TOKEN_FREQ_DIR
-from tests.service_fixtures import wait_for
 from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
 

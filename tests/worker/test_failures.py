@@ -18,7 +18,6 @@ from layertap.verify import verify_store
 from sglang_patch.identity import model_identity
 from tests.core.datasets import conversation_rows, malformed_dataset, strict_template_model, write_jsonl
 from tests.hf_engines import cpu_hf
-from tests.service_fixtures import REPO_ROOT
 from tests.worker.conftest import LAYERS, NUM_SAMPLES, SHARD_SIZE, check_output, layertap
 
 POISON_TOKEN = 1534  # "ĠFibonacci" in the tiny tokenizer: never produced from the conversation words
@@ -162,13 +161,7 @@ def test_after_redis_lost_everything_rebuild_state_resumes_the_job(
     check_output(out, reference)
 
 
-SGLANG_ENGINE = REPO_ROOT / "worker" / "sglang_engine.py"
-# The worker's engine factory calls worker.sglang_engine.build_engine(settings, spec, capture) (worker/engines.py).
-SGLANG_READY = SGLANG_ENGINE.exists() and "def build_engine(" in SGLANG_ENGINE.read_text()
-
-
 @pytest.mark.sglang
-@pytest.mark.skipif(not SGLANG_READY, reason="worker/sglang_engine.py has no build_engine() yet (capture issue)")
 def test_a_job_through_the_cpu_sglang_server_completes_exactly_once(
     start_cluster, sglang_llama, tiny_llama, corpus, reference, reference_store
 ) -> None:

@@ -9,13 +9,13 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.services import Services
 from layertap.state.jobs import create_job, dispatch_pending
 from layertap.state.keys import Keys
 from layertap.state.shards import ShardAttempt, publish_worker
 from layertap.state.views import job_view
 from tests.core.state.support import SPEC, regenerating
 from tests.monitoring.test_live import _Page, chromium
-from tests.service_fixtures import Services
 from tests.worker.conftest import layertap
 from worker.config import WorkerSettings
 from worker.runner import RedisEvents, WorkerContext

@@ -14,6 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.services import Services
 from layertap.device import pick_device
 from layertap.state.jobs import create_job, reap
 from layertap.state.keys import AUDIT_TASK, RUN_SHARD_TASK, Keys
@@ -24,7 +25,6 @@ from layertap.state.views import job_view
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.monitoring.test_live import _Page, chromium
-from tests.service_fixtures import Services
 from tests.worker.conftest import layertap
 from worker.audit import AuditProgress, run_job_audit
 from worker.config import WorkerSettings

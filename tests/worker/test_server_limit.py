@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.processes import wait_for
 from layertap.engines.server_facts import ServerFacts
 from layertap.engines.sglang import SGLangEngine
 from layertap.engines.sglang.process import SGLangServer
@@ -21,7 +22,6 @@ from layertap.state.shards import input_limit
 from layertap.store.manifest import read_manifest
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import wait_for
 from tests.worker.conftest import LAYERS
 
 CONTEXT = 512  # the server's --context-length: its prompt limit is a few tokens below

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 import sglang_patch
+from harness.processes import wait_for
 from layertap.engines.sglang import process
 from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
 from layertap.engines.sglang.process import PluginFolder, SGLangServer, live_group_members
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import wait_for
 from tests.sglang_fixtures import DEFAULT_LAYERS, SGLANG_PYTHON
 
 # What SGLang 0.5.10 printed when its warm-up could not reach /model_info on a cold H200, shortened.

@@ -1,6 +1,6 @@
 """Dependencies point one way: coordinator/ and worker/ import layertap/, never each other, and
 layertap/ imports neither FastAPI nor Celery (so the state model can be used anywhere); benchmarks/ never imports
-tests/ (what a benchmark stands up is its harness's)."""
+tests/, and harness/ (what tests and benchmarks both stand up) imports neither."""
 
 import ast
 from pathlib import Path
@@ -13,6 +13,7 @@ FORBIDDEN = {
     "coordinator": {"worker"},
     "worker": {"coordinator", "fastapi", "starlette"},
     "benchmarks": {"tests"},
+    "harness": {"tests", "benchmarks"},
 }
 
 
