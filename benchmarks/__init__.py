@@ -1,2 +1,3 @@
-"""Benchmarks: run each as a module from the repository root (``python -m benchmarks.NAME``, ``benchmarks.gpu.NAME``
-on the device through ``benchmarks/gpu/on_device.sh``); what they share is ``benchmarks.harness``."""
+"""Benchmarks: ``python -m benchmarks NAME [--smoke]`` from the repository root (``benchmarks/__main__.py``; on the
+device through ``benchmarks/gpu/on_device.sh``). What they stand up comes from ``harness`` (as the tests' does), what
+they share beside it from ``benchmarks.common``, and each writes one result through ``benchmarks.report``."""

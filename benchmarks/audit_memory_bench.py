@@ -8,7 +8,7 @@ resident memory (``ru_maxrss``) is read at its end. The same is done for a proce
 streamed reference (what it would need). The deeper audit's peak may exceed the shallower one's by at most one
 layer's weights (the largest layer dequantized to float32): the table says whether it does.
 
-    .venv/bin/python -m benchmarks.audit_memory_bench --out benchmarks/results/audit_memory.md
+    .venv/bin/python -m benchmarks audit_memory --out benchmarks/results/audit_memory.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, chat_rows, git_commit, write_jsonl
+from benchmarks import report
+from benchmarks.common import chat_rows, write_jsonl
+from harness.processes import REPO_ROOT, run_layertap
 from layertap.diskspace import human_bytes
 
 
@@ -44,8 +46,8 @@ def child(kind: str, path: Path, device: str) -> None:
 
 
 def measure(kind: str, path: Path, device: str) -> dict:
-    run = subprocess.run([sys.executable, "-m", __spec__.name, "--child", kind, str(path), "--device", device],
-                         capture_output=True, text=True, cwd=REPO, timeout=3600)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "audit_memory", "--child", kind, str(path), "--device",
+                          device], capture_output=True, text=True, cwd=REPO_ROOT, timeout=3600)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{kind} {path} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -62,7 +64,7 @@ def weight_bytes(folder: Path, depth: int) -> tuple[int, int]:
     return layer, sum(weights.numel(n) for n in weights.names if not n.startswith("lm_head.")) * (4 + 2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-audit-memory"))
@@ -72,7 +74,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the stores are made there too)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="two tiny depths (the code path, not a measurement)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.shape, args.depths, args.chats = "tiny", "6,8", 2
     if args.child:
         return child(args.child[0], Path(args.child[1]), args.device)
     from layertap.tiny import build_tiny_model
@@ -87,10 +92,9 @@ def main() -> None:
             build_tiny_model("kimi-k2.5", folder, shape=args.shape, quantize="int4", num_hidden_layers=depth)
         store = args.work / f"store-{depth}"
         if not (store / "manifest.json").exists():
-            subprocess.run([sys.executable, "-m", "layertap", "extract", "--model", str(folder), "--data", str(data),
-                            "--layers", "1,3,5", "--format", "speculators", "--trust-remote-code", "--out", str(store),
-                            "--device", args.device],
-                           check=True, cwd=REPO, capture_output=True, timeout=3600)  # fmt: skip
+            run_layertap("extract", "--model", folder, "--data", data, "--layers", "1,3,5", "--format", "speculators",
+                         "--trust-remote-code", "--out", store, "--device", args.device,
+                         timeout=3600).check_returncode()  # fmt: skip
         audit = measure("audit", store, args.device)
         layer, whole = weight_bytes(folder, depth)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -100,7 +104,7 @@ def main() -> None:
     peak = "gpu_peak" if gpu else "maxrss"
     shallow, deep = rows[0], rows[-1]
     growth = deep["audit"][peak] - shallow["audit"][peak]
-    commit = args.commit or git_commit()
+    commit = args.commit or report.git_commit()
     lines = [
         f"# Peak memory of `layertap audit` at two depths ({'one GPU' if gpu else 'CPU'})", "",
         f"Written by `benchmarks/audit_memory_bench.py --device {args.device} --shape {args.shape}` at commit {commit} "
@@ -143,11 +147,6 @@ def main() -> None:
                 "",
                 f"The {r['depth']}-layer audit's verdict: {r['audit']['verdict'].upper()}, " + " ".join(causes),
             ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-
-
-if __name__ == "__main__":
-    main()
+    measured = report.result("audit_memory", "\n".join(lines) + "\n", parameters=vars(args),
+                             metrics={"baseline_maxrss": baseline["maxrss"], "growth_bytes": growth}, rows=rows)  # fmt: skip
+    print(report.write(args.out, measured) if args.out else report.render(measured))

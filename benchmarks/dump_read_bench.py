@@ -6,7 +6,7 @@ state, as the finiteness check reads them).
 Why: on one H200 host (py-spy of a regenerating run, 2026-12-02) the capture's threads held the GIL in torch's
 ``load_tensor`` ~65 ms per 30 MB dump, which held the run's captures to ~15 a second whatever the threads.
 
-    .venv/bin/python -m benchmarks.dump_read_bench [--tokens 660 --hidden 7168 --samples 48]
+    .venv/bin/python -m benchmarks dump_read [--tokens 660 --hidden 7168 --samples 48]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import harness
+from benchmarks import common, report
 from benchmarks.writer_bench import LAYERS, captured_states, write_dumps
 from sglang_patch.contract import INPUT_IDS, dump_dir, format_rid, read_dump
 
@@ -52,37 +52,41 @@ def rate(read: Callable[[Path], float], dumps: list[Path], threads: int) -> floa
         return len(dumps) / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=660, help="tokens a dump (the regeneration bench's mean)")
     ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2's width")
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-dump-read"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/dump_read.md"))
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a few small dumps (the code path, not a measurement)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.hidden, args.samples = 32, 64, 4
     shutil.rmtree(args.root, ignore_errors=True)
     rids = [format_rid("bench", f"s{i}", 0) for i in range(args.samples)]
     write_dumps(args.root, captured_states(args.tokens, args.hidden, seed=0), rids, threads=4)  # as the plugin does
     dumps = [dump_dir(args.root, rid) for rid in rids]
     size = sum(p.stat().st_size for p in dumps[0].iterdir()) / 1e6
-    rows = []
+    measured = []
     for threads in THREADS:
         rate(now, dumps[:4], threads)  # pages warm, threads started
         old, new = rate(before, dumps, threads), rate(now, dumps, threads)
-        rows.append([threads, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}"])
-        harness.log(f"{threads} threads: before {old:.1f}/s, now {new:.1f}/s")
+        measured.append({"threads": threads, "before_per_s": old, "now_per_s": new})
+        common.log(f"{threads} threads: before {old:.1f}/s, now {new:.1f}/s")
     shutil.rmtree(args.root, ignore_errors=True)
     lines = ["# Reading the plugin's specforge dumps on the capture client", "",
-             f"Written by `benchmarks/dump_read_bench.py` (its docstring says why) at commit {harness.git_commit()}, "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{harness.command_line()}`. {args.samples} dumps "
+             f"Written by `benchmarks/dump_read_bench.py` (its docstring says why) at commit {report.git_commit()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{report.command_line()}`. {args.samples} dumps "
              f"of {args.tokens} tokens, {len(LAYERS)} layers + the final at hidden {args.hidden}, bf16 ({size:.1f} MB "
              f"each) on tmpfs; each read followed by a float sum of every state. Dumps read per second (this machine "
              f"is shared: compare within a row).", "",
-             *harness.table(["reader threads", "before (torch through the mapped file object)",
-                             "now (`read_dump`: torch maps it)", "now / before"], rows)]  # fmt: skip
-    args.out.write_text("\n".join(lines) + "\n")
-    print(args.out.read_text())
-
-
-if __name__ == "__main__":
-    main()
+             *report.table_lines(["reader threads", "before (torch through the mapped file object)",
+                             "now (`read_dump`: torch maps it)", "now / before"],
+                                 [[m["threads"], f"{m['before_per_s']:.1f}", f"{m['now_per_s']:.1f}",
+                                   f"{m['now_per_s'] / m['before_per_s']:.2f}"] for m in measured])]  # fmt: skip
+    print(
+        report.write(
+            args.out, report.result("dump_read", "\n".join(lines) + "\n", parameters=vars(args), rows=measured)
+        )
+    )

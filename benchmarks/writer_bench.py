@@ -17,7 +17,7 @@ Five tables, every figure measured in this run on this machine:
    stacked by the writer on the host (how it wrote before: one more full copy of each sample) against
    staged already stacked by the hook on the device (how it writes now).
 
-    .venv/bin/python -m benchmarks.writer_bench [--tokens 2000 --hidden 4096 --samples 16]
+    .venv/bin/python -m benchmarks writer [--tokens 2000 --hidden 4096 --samples 16] [--out benchmarks/results/NAME]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch.utils.serialization import config as serialization_config
 
+from benchmarks import report
 from layertap.engines.base import Engine
 from layertap.engines.sglang import captured_from_dump
 from layertap.pipeline import plan_run, run_shard
@@ -221,6 +222,8 @@ class DumpEngine(Engine):
     """Hands out the plugin's dumps as the SGLang engine does once a reply came: the dump read once (its tensors
     views of the mapped file) and its file handed over to be renamed (`captured_from_dump`)."""
 
+    compute_dtype = "bfloat16"  # what `captured_states` makes
+
     def __init__(self, root: Path, rids: dict[str, str]) -> None:
         self.spec = resolve_capture(list(LAYERS), convention="capture", num_layers=len(LAYERS) + 2, final="post")
         self.root, self.rids = root, rids
@@ -313,7 +316,7 @@ def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-writer-bench"))
     ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-writer-bench"))
@@ -321,8 +324,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2, 4, 8])
+    ap.add_argument("--out", type=Path, help="where to write the result (NAME.json and NAME.md)")
     ap.add_argument("--tables", type=lambda s: {int(t) for t in s.split(",")}, default={1, 2, 3, 4, 5})
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="small states, two threads (the code path, not a measurement)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.tokens, args.samples, args.threads = 64, 32, 4, [1, 2]
     for folder in (args.tmpfs, args.disk):
         folder.mkdir(parents=True, exist_ok=True)
     states = captured_states(args.tokens, args.hidden, 0)
@@ -344,8 +351,5 @@ def main() -> None:
             out += ["", f"### {number}. {title}", "", *table()]
     for folder in (args.tmpfs, args.disk):
         shutil.rmtree(folder, ignore_errors=True)
-    print("\n".join(out))
-
-
-if __name__ == "__main__":
-    main()
+    measured = report.result("writer", "\n".join(out) + "\n", parameters=vars(args))
+    print(report.write(args.out, measured) if args.out else report.render(measured))

@@ -22,30 +22,12 @@ Arms, each the same recipe with one mistake:
   same launched server; compared with the correct arm (responses as given) on the same prompts.
 
 Stages (each reads the previous ones' files from --work and is reproducible from --seed; `all` runs them in order):
-corpus, tokenizer, target, data, extract, controls, train, serve, report. `--cpu-smoke` runs every stage on this
+corpus, tokenizer, target, data, extract, controls, train, serve, report. `--smoke` runs every stage on this
 machine with tiny sizes (SGLang 0.5.10 CPU server, SpecForge from /opt/trainers-venv) and writes the report in
 the work folder, never into benchmarks/results/.
 
-The H200 run fits one session (30 minutes of device time; the work folder and /tmp/site live only while the
-machine stays warm, about 30 s after each call, so chain the calls). Prepared here, both folders ignored by git:
-`.whl1/` = the SGLang GPU bundle's chunk1 (sglang 0.5.14 and its kernels, ~55 MiB); `.whl2/` = its chunk2
-(transformers 5.8.1, tokenizers 0.22.2) + the cp312 wheels the device image lacks for the layertap CLI and SpecForge:
-datasets 4.4.1, ijson 3.3.0, multiprocess 0.70.18, tzlocal, pydantic-settings, python-dotenv, xxhash, tiktoken 0.12,
-redis, celery, kombu, billiard, vine, amqp, click-didyoumean, click-repl, click-plugins, prompt-toolkit, wcwidth and
-specforge-0.2.0-py3-none-any.whl (pydantic, loguru and dill come with chunk1). The calls of the committed run
-(benchmarks/results/gpu_acceptance.md), wall time measured:
-
-    1. carry .whl1:  bash benchmarks/gpu/on_device.sh install .whl1                                        (26 s)
-    2. carry .whl2:  bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.acceptance_bench \
-                         --work /dev/shm/acc corpus tokenizer target data                                 (160 s)
-    3. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc extract               (~250 s;
-                         arm d adds a regenerated store: not measured yet)
-    4. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc controls train        (450 s)
-    5. carry .whl2:  ... -- -m benchmarks.gpu.acceptance_bench --work /dev/shm/acc serve report \
-                         --out $OUT/gpu_acceptance.md                                                     (440 s)
-
-then commit the returned table as benchmarks/results/gpu_acceptance.md. A serve call that runs out of time is continued
-by the next (measured arms are kept).
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe. A serve call that runs out of time is continued by the next (measured
+arms are kept).
 """
 
 from __future__ import annotations
@@ -62,7 +44,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +52,8 @@ import httpx
 import torch
 import yaml
 
+from benchmarks import report
+from benchmarks.common import GPU_COMMON, log, sglang_python
 from benchmarks.gpu.acceptance_target import (
     GPU,
     PROBE,
@@ -82,9 +66,11 @@ from benchmarks.gpu.acceptance_target import (
     train_conversations,
     train_target,
 )
-from benchmarks.harness import GPU_COMMON, REPO, git_commit, log, sglang_python, smoke_env
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig
-from layertap.engines.sglang.process import SGLangServer
+from benchmarks.report import git_commit
+from harness.processes import LAYERTAP, REPO_ROOT, run_layertap
+from harness.sglang import cpu_env
+from layertap.engines.sglang import ServerConfig, SGLangServer
+from layertap.engines.sglang.launch import CPU_SERVER_ARGS
 from layertap.store.store import OutputStore
 from layertap.trainers import GUIDE
 
@@ -99,7 +85,7 @@ CPU_ARGS = (*CPU_SERVER_ARGS, "--chunked-prefill-size", "128")
 TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 # SpecForge's EAGLE-3 loss is a Triton kernel: on a CPU it runs through the interop tests' shim (its docstring says
 # what it bypasses); on the GPU SpecForge runs as shipped.
-SPECFORGE_CPU = REPO / "tests" / "trainers" / "run_specforge.py"
+SPECFORGE_CPU = REPO_ROOT / "tests" / "trainers" / "run_specforge.py"
 
 
 @dataclass(frozen=True)
@@ -170,7 +156,7 @@ class Run:
         log(f"{stage}: done")
 
     def server_env(self) -> dict[str, str]:
-        return {**os.environ, **smoke_env()} if self.smoke else dict(os.environ)
+        return {**os.environ, **cpu_env()} if self.smoke else dict(os.environ)
 
 
 def stage_corpus(run: Run) -> None:
@@ -205,17 +191,18 @@ def stage_data(run: Run) -> None:
 
 def layertap_extract(run: Run, out: Path, fmt: str, engine: str, *extra: str) -> dict[str, Any]:
     """`layertap extract` as a user runs it (the CLI; with the sglang engine it launches its own server)."""
-    cmd = [sys.executable, "-m", "layertap", "extract", "--engine", engine, "--model", str(run.path("target")),
+    args = ["extract", "--engine", engine, "--model", str(run.path("target")),
            "--data", str(run.path("data", "given.jsonl")), "--layers", ",".join(map(str, run.sizes.capture)),
            "--format", fmt, "--out", str(out), *extra]  # fmt: skip
     if engine == "sglang":
-        cmd += ["--sglang-python", str(run.sglang_python), "--in-flight", str(run.in_flight),
+        args += ["--sglang-python", str(run.sglang_python), "--in-flight", str(run.in_flight),
                 "--sglang-args", shlex.join(CPU_ARGS if run.smoke else GPU_EXTRACT_ARGS)]  # fmt: skip
     else:
-        cmd += ["--device", run.device]
+        args += ["--device", run.device]
+    cmd = [*LAYERTAP, *args]
     log(f"extract: {shlex.join(cmd)}")
     t0 = time.monotonic()
-    done = subprocess.run(cmd, env=run.server_env(), capture_output=True, text=True, cwd=REPO)
+    done = run_layertap(*args, env=run.server_env())
     if done.returncode != 0:
         raise SystemExit(f"layertap extract failed ({done.returncode}):\n{done.stderr[-4000:]}")
     summary = " ".join(done.stderr[done.stderr.rfind("done:") :].split())  # the CLI's last line, unwrapped
@@ -378,7 +365,7 @@ def launch_server(run: Run, name: str, memory_share: float) -> SGLangServer:
         args = (*args, *SPEC_FLAGS, "--speculative-draft-model-path", str(run.path("arms", name, "drafter")))
     config = PlainServer(python=run.sglang_python, model=run.path("target"), dump_root=run.path("serve"), layers=(),
                          final="post", log_path=run.path("serve", f"{name.replace(' ', '-')}.log"), sglang_args=args,
-                         env=smoke_env() if run.smoke else {})  # fmt: skip
+                         env=cpu_env() if run.smoke else {})  # fmt: skip
     server = SGLangServer(config)
     server.launch()
     return server
@@ -525,8 +512,12 @@ def stage_report(run: Run) -> None:
                   "--to sglang --checkpoint specforge-run --draft-config draft.json --output-dir drafter`):", "",
                   "```yaml", trained["correct"]["run_yaml"].rstrip()]  # fmt: skip
     lines += ["```", "", "TRAIN.md the drafters were trained from:", "", "````markdown", extract["train_md"], "````"]
-    run.out.parent.mkdir(parents=True, exist_ok=True)
-    run.out.write_text(portable("\n".join(lines) + "\n", run, corpus["root"]))
+    parameters = {"seed": run.seed, "smoke": run.smoke, "sizes": asdict(run.sizes), "arms": run.arms,
+                  "in_flight": run.in_flight}  # fmt: skip
+    arms = [{"arm": arm, **facts} for arm, facts in served.items()]
+    result = report.result("acceptance", portable("\n".join(lines) + "\n", run, corpus["root"]), parameters=parameters,
+                           rows=arms)  # fmt: skip
+    report.write(run.out, result)
     log(f"report: {run.out}")
 
 
@@ -564,7 +555,7 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
     ap.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)}, or all (the default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-acceptance"))
     ap.add_argument("--seed", type=int, default=20261201)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, this machine's CPU SGLang and SpecForge")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, this machine's CPU SGLang and SpecForge")
     ap.add_argument("--probe", action="store_true", help="on the GPU at a tenth of the work (one call): not a result")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS), help="comma-separated arms to train / serve")
     ap.add_argument("--corpus-root", type=Path, default=None, help="default: this Python's site-packages")
@@ -578,10 +569,10 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
         ap.error(f"unknown stages {unknown_stages}; known: {', '.join(STAGES)}, all")
     import sysconfig
 
-    smoke = args.cpu_smoke
+    smoke = args.smoke
     work = args.work.resolve()
-    out = args.out or (work / "acceptance.md" if smoke else REPO / "benchmarks" / "results" / "gpu_acceptance.md")
-    if smoke and out.resolve().is_relative_to(REPO / "benchmarks" / "results"):
+    out = args.out or (work / "acceptance.md" if smoke else REPO_ROOT / "benchmarks" / "results" / "gpu_acceptance.md")
+    if smoke and out.resolve().is_relative_to(REPO_ROOT / "benchmarks" / "results"):
         raise SystemExit("a smoke run's report never goes into benchmarks/results/")
     arms = tuple(a for a in args.arms.split(",") if a)
     if unknown := [a for a in arms if a not in ARM_BY_NAME]:
@@ -605,7 +596,3 @@ def main(argv: list[str] | None = None) -> None:
     for stage in stages:
         log(f"{stage}: start")
         steps[stage](run)
-
-
-if __name__ == "__main__":
-    main()

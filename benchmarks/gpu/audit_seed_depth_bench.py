@@ -8,10 +8,8 @@ dtype). The audit then runs on the same GPU with the folder's pages evicted from
 and the shards are read once more, raw, for the disk's own rate. The notes project the real Kimi-K2.5 (384 experts,
 554 GB) from what was measured: its work per token is this folder's (top-8 routing at the same widths).
 
-    call 1 (carry .whl2): bash benchmarks/gpu/on_device.sh install .whl2 -- \\
-        -m benchmarks.gpu.audit_seed_depth_bench --stage build,extract --commit C
-    call 2 (within 30 s, carry .whl2): ... --stage audit --out "$OUT/gpu_audit_seed_depth.md" --commit C
-    CPU first: .venv/bin/python -m benchmarks.gpu.audit_seed_depth_bench --cpu-smoke --out /tmp/seed.md
+    On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
+    CPU first: .venv/bin/python -m benchmarks audit_seed_depth --smoke --out /tmp/seed.md
 """
 
 from __future__ import annotations
@@ -21,12 +19,13 @@ import json
 import os
 import random
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, chat_rows, git_commit, log, write_jsonl
+from benchmarks import report
+from benchmarks.common import chat_rows, log, write_jsonl
+from benchmarks.report import git_commit
+from harness.processes import run_layertap
 
 KIMI_K25_BYTES = 554e9  # the released folder (kimi_k25_int4_layout.md)
 KIMI_K25_EXPERTS, SEED_EXPERTS = 384, 8
@@ -64,9 +63,9 @@ def build(args: argparse.Namespace) -> None:
     from layertap.tiny import build_tiny_model
 
     started = time.perf_counter()
-    shape = {"shape": "tiny", "num_hidden_layers": 8} if args.cpu_smoke else {"shape": "seed-depth"}
+    shape = {"shape": "tiny", "num_hidden_layers": 8} if args.smoke else {"shape": "seed-depth"}
     folder = build_tiny_model("kimi-k2.5", args.work / "folder", quantize="int4", **shape)
-    rows = chat_rows(args.chats, random.Random(61), max_words=60 if args.cpu_smoke else 400)
+    rows = chat_rows(args.chats, random.Random(61), max_words=60 if args.smoke else 400)
     write_jsonl(args.work / "chats.jsonl", rows)
     size = sum(p.stat().st_size for p in shards(args.work / "folder"))
     layers = ModelFolder.read(folder).num_layers
@@ -75,16 +74,12 @@ def build(args: argparse.Namespace) -> None:
 
 
 def extract(args: argparse.Namespace) -> None:
-    layers = "1,3,5" if args.cpu_smoke else "3,31,59"
-    device = "cpu" if args.cpu_smoke else "cuda"
+    layers = "1,3,5" if args.smoke else "3,31,59"
+    device = "cpu" if args.smoke else "cuda"
     started = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-m", "layertap", "extract", "--model", str(args.work / "folder"),
-         "--data", str(args.work / "chats.jsonl"), "--layers", layers, "--format", "speculators", "--engine", "hf",
-         "--device", device, "--trust-remote-code", "--max-length", "4096", "--batch-tokens", "16384",
-         "--out", str(args.work / "store")],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+    run = run_layertap("extract", "--model", args.work / "folder", "--data", args.work / "chats.jsonl", "--layers",
+                       layers, "--format", "speculators", "--engine", "hf", "--device", device, "--trust-remote-code",
+                       "--max-length", "4096", "--batch-tokens", "16384", "--out", args.work / "store")  # fmt: skip
     print(run.stdout[-2000:], run.stderr[-4000:])
     if run.returncode:
         raise SystemExit(f"extract failed ({run.returncode})")
@@ -100,7 +95,7 @@ def audit(args: argparse.Namespace) -> dict:
 
     folder, store = args.work / "folder", args.work / "store"
     evict(folder)
-    report = audit_store(store, samples=args.samples, seed=0, device="cpu" if args.cpu_smoke else "cuda:0",
+    report = audit_store(store, samples=args.samples, seed=0, device="cpu" if args.smoke else "cuda:0",
                          trust_remote_code=True, say=log)  # fmt: skip
     log(report.summary())
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -135,7 +130,7 @@ def table(args: argparse.Namespace) -> str:
     kimi_layer = KIMI_K25_BYTES / 61
     read_s = KIMI_K25_BYTES / read_rate
     lines = [
-        f"# `layertap audit` at the seed's depth with weights ({'CPU smoke' if args.cpu_smoke else a['gpu']})", "",
+        f"# `layertap audit` at the seed's depth with weights ({'CPU smoke' if args.smoke else a['gpu']})", "",
         f"Written by `benchmarks/gpu/audit_seed_depth_bench.py` at commit {args.commit} "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Folder: `layertap tiny-model --arch kimi-k2.5 "
         f"--shape seed-depth --quantize int4` ({folder_bytes / GB:.1f} GB: 61 layers, hidden 7168, MLA, first layer "
@@ -171,7 +166,7 @@ def table(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-seed-audit"))
@@ -179,9 +174,9 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=110)
     ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--commit", default="")
-    ap.add_argument("--cpu-smoke", action="store_true")
-    args = ap.parse_args()
-    if args.cpu_smoke:
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
         args.chats, args.samples = 8, 6
     args.commit = args.commit or git_commit()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -190,12 +185,7 @@ def main() -> None:
         if stage in stages:
             step(args)
     if "audit" in stages:
-        text = table(args)
-        print(text)
-        if args.out:
-            args.out.write_text(text)
-            args.out.with_suffix(".json").write_text((args.work / "results.json").read_text())
-
-
-if __name__ == "__main__":
-    main()
+        stages_run = json.loads((args.work / "results.json").read_text())
+        result = report.result("audit_seed_depth", table(args), parameters=vars(args),
+                               rows=[{"stage": stage, **facts} for stage, facts in stages_run.items()])  # fmt: skip
+        print(report.write(args.out, result) if args.out else report.render(result))

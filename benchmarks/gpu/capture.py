@@ -19,10 +19,9 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.harness import GPU_COMMON, log, plain_rate, prompts, sglang_python, smoke_args, smoke_env
-from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang.launch import ServerConfig
-from layertap.engines.sglang.process import SGLangServer
+from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python
+from harness.sglang import cpu_env, cpu_server_args
+from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
@@ -33,7 +32,7 @@ GPU_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-siz
             # Two servers share the GPU: each sizes its static memory from what it sees free, and
             # max-total-tokens keeps the KV pool to what 64 prompts of 4000 tokens need.
             "--mem-fraction-static", "0.45", "--max-total-tokens", "300000")  # fmt: skip
-CPU_ARGS = smoke_args("bfloat16", 128)
+CPU_ARGS = cpu_server_args("bfloat16", 128)
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bo
     """Build each model and launch its servers (one per `quantize` setting, writing `layout` dumps) without
     waiting; the next model builds meanwhile. The processes are launched from this (main) thread: a server
     dies with the thread that launched it."""
-    python, env = sglang_python(smoke), smoke_env() if smoke else {}
+    python, env = sglang_python(smoke), cpu_env() if smoke else {}
     benches, starting = [], ThreadPoolExecutor(len(shapes) * len(quantize))
     futures = []
     for shape in shapes:

@@ -15,11 +15,10 @@ indices 1, 2, 3 + final), both random bf16 weights, it measures in the same run:
 Both servers start at once (their start-up and first-request kernel builds overlap) and run one at a
 time; one server serves both volumes: its dump root is a symlink re-pointed between runs. The
 results file is rewritten after every measurement, so a run killed at its time limit leaves a
-partial table. Run on the device (sglang 0.5.14 in /tmp/site), from the repository root:
+partial table.
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    PYTHONPATH=/tmp/site python3 -m benchmarks.gpu.capture_bench --out $OUT/gpu_capture_h200.md
-
-``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
+``--smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common import T0, log, plain_rate, prompts
 from benchmarks.gpu.capture import (
     CPU_ARGS,
     GPU_ARGS,
@@ -45,25 +45,24 @@ from benchmarks.gpu.capture import (
     start_servers,
     volume_rate,
 )
-from benchmarks.harness import T0, log, plain_rate, prompts
+from benchmarks.report import Measured
 
 
 @dataclass
-class Results:
-    """Everything measured so far; `write` renders it (called after each measurement)."""
+class CaptureResults(Measured):
+    """Everything measured so far."""
 
-    path: Path
-    header: list[str]
+    benchmark = "capture"
+
     plain: dict[str, dict[int, float]] = field(default_factory=dict)
     capture: dict[tuple[str, str], dict[int, CaptureRun]] = field(default_factory=dict)
     volume: dict[tuple[str, str], float] = field(default_factory=dict)  # (shape, volume) -> bytes/s
     volume_threads: int = 8
     bytes_per_token: dict[str, float] = field(default_factory=dict)  # measured in the store
     expected_bpt: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
 
-    def write(self) -> None:
-        lines = [*self.header, "## Plain prefill (tok/s)", "", "| shape | " + " | ".join(
+    def body(self) -> list[str]:
+        lines = ["## Plain prefill (tok/s)", "", "| shape | " + " | ".join(
             f"{n} in flight" for n in IN_FLIGHT_PLAIN) + " |", "|---" * (len(IN_FLIGHT_PLAIN) + 1) + "|"]  # fmt: skip
         for shape, rates in self.plain.items():
             lines.append(
@@ -102,14 +101,14 @@ class Results:
                 f"{bpt / 1e3:.1f} KB | {f'{disk_rate / 1e6:,.0f}' if disk_rate else '-'} | "
                 f"{f'{ceiling:,.0f}' if ceiling else '-'} | {disk:,.0f} | {f'{disk / ceiling:.2f}' if ceiling else '-'} |"
             )
-        self.path.write_text("\n".join([*lines, "", *self.notes, ""]))
+        return lines
 
 
 IN_FLIGHT_PLAIN = (1, 4, 16, 64)
 MEAN_TOKENS = 0.0  # set from the prompts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     global MEAN_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -126,9 +125,9 @@ def main() -> None:
     ap.add_argument("--pinned-cap", default=None, help="the plugin's host-memory cap, e.g. 4G (default: its own)")
     ap.add_argument("--commit-threads", type=int, default=8)
     ap.add_argument("--deadline-s", type=float, default=460.0, help="skip measurements that would start past this")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
-    args = ap.parse_args()
-    smoke = args.cpu_smoke
+    ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
     args.out = args.out or (
         Path("/tmp/capture_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_capture_h200.md")
     )
@@ -144,7 +143,7 @@ def main() -> None:
     from sglang_patch.settings import DEFAULT_PINNED_CAP_BYTES
 
     writer_threads = args.writer_threads
-    results = Results(args.out, header=[
+    results = CaptureResults(args.out, parameters=vars(args), header=[
         f"# SGLang capture vs plain prefill ({'CPU smoke test, tiny models' if smoke else 'one H200, sglang 0.5.14'})", "",
         f"Written by `benchmarks/gpu/capture_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). "
         f"{args.prompts} prompts of {low}-{high} random token ids (mean {MEAN_TOKENS:.0f}), max_new_tokens 0, "
@@ -166,7 +165,7 @@ def main() -> None:
 
 
 def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], client: httpx.Client,
-            results: Results, args: argparse.Namespace) -> None:  # fmt: skip
+            results: CaptureResults, args: argparse.Namespace) -> None:  # fmt: skip
     """Every measurement of one shape, each written to the results file as it lands."""
     name = bench.shape.name
 
@@ -195,14 +194,16 @@ def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], 
                 results.write()
 
 
-def volume_rates(shapes: tuple[Shape, ...], results: Results, args: argparse.Namespace, writer_threads: int) -> None:
+def volume_rates(
+    shapes: tuple[Shape, ...], results: CaptureResults, args: argparse.Namespace, writer_threads: int
+) -> None:
     """Each volume's own write rate with files of each shape's mean sample, measured first, while
     nothing else runs (a ceiling even if the run is cut short)."""
     threads = results.volume_threads = max(8, writer_threads)  # the volume's best, not our writers'
     for shape in shapes:
         file_bytes = int(expected_bytes_per_token(shape) * MEAN_TOKENS)
         for volume, root in (("tmpfs", Path(args.tmpfs)), ("disk", Path(args.disk))):
-            total = max(8 * file_bytes, (64 << 20) if args.cpu_smoke else (4 << 30))
+            total = max(8 * file_bytes, (64 << 20) if args.smoke else (4 << 30))
             results.volume[(shape.name, volume)] = volume_rate(root / "rate", file_bytes, threads, total)
             log(f"{shape.name}: {volume} takes {results.volume[(shape.name, volume)] / 1e9:.2f} GB/s "
                 f"({threads} threads, {file_bytes / 1e6:.0f} MB files, fsync)")  # fmt: skip
@@ -212,7 +213,3 @@ def volume_rates(shapes: tuple[Shape, ...], results: Results, args: argparse.Nam
 def expected_bytes_per_token(shape: Shape) -> float:
     """A specforge sample's bytes per token: k aux states + the final, bf16, and two int64 (ids, mask)."""
     return (len(shape.layers) + 1) * shape.overrides.get("hidden_size", 64) * 2 + 16
-
-
-if __name__ == "__main__":
-    main()

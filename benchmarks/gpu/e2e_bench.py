@@ -15,11 +15,9 @@ token-id rows of the seed corpus's lengths (mean ~2,350 tokens). It then measure
 - the time from ``POST /jobs`` to the first committed sample (server start-up included), the ETA the
   coordinator reported at 25% against the actual end, and each live worker's ``/metrics`` against the store.
 
-Run on the device (sglang 0.5.14 in /tmp/site) through ``benchmarks/gpu/on_device.sh``:
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    python3 -m benchmarks.gpu.e2e_bench --out $OUT/gpu_e2e_h200.md
-
-``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny kimi-k2.5 folder.
+``--smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny kimi-k2.5 folder.
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ import argparse
 import contextlib
 import json
 import re
+import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -41,23 +38,12 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.harness import (
-    GPU_COMMON,
-    REPO,
-    Proc,
-    log,
-    plain_rate,
-    service_env,
-    sglang_python,
-    smoke_args,
-    smoke_env,
-    start_coordinator,
-    start_redis,
-    start_worker,
-    stop_all,
-    write_dataset,
-)
-from layertap.engines.sglang.process import free_port
+from benchmarks import report
+from benchmarks.common import GPU_COMMON, log, plain_rate, sglang_python, write_dataset
+from harness.processes import Proc, run_layertap
+from harness.services import RedisServer, Services
+from harness.sglang import cpu_env, cpu_server_args
+from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.store.index import SampleRecord, read_jsonl_dir
 from layertap.tiny import build_tiny_model
@@ -108,7 +94,7 @@ def store_by_worker(records: list[SampleRecord], index_dir: Path) -> dict[str, t
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_e2e_h200.md"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-e2e"), help="model, data, logs")
@@ -120,9 +106,9 @@ def main() -> None:
     ap.add_argument("--audit-samples", type=int, default=100)
     ap.add_argument("--kill-at", type=float, default=0.4, help="SIGKILL worker w1 at this share of samples")
     ap.add_argument("--deadline-s", type=float, default=480.0)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny kimi-k2.5 on this machine's CPU SGLang")
-    args = ap.parse_args()
-    smoke = args.cpu_smoke
+    ap.add_argument("--smoke", action="store_true", help="tiny kimi-k2.5 on this machine's CPU SGLang")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
     if smoke:
         args.chats, args.token_rows, args.shard_size, args.audit_samples = 60, 12, 8, 10
         args.work, args.root = Path("/tmp/layertap-e2e-smoke"), Path("/tmp/layertap-e2e-smoke/root")
@@ -132,7 +118,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     logs.mkdir()
-    procs: list[Proc] = []
+    services = Services(logs, {"LAYERTAP_ALLOW_REMOTE_CODE": "1"})  # the tiny Kimi-K2.5 wrapper's code
+    redis: RedisServer | None = None
     lines: list[str] = []
     try:
         # -- the model and the data ------------------------------------------------------------------
@@ -160,27 +147,24 @@ def main() -> None:
             args.root.mkdir()
 
         # -- redis, coordinator, two workers -----------------------------------------------------------
-        redis, redis_url = start_redis(args.work, logs)
-        procs.append(redis)
-        base_env = service_env(redis_url)
-        coordinator = start_coordinator({**base_env, "LAYERTAP_OUTPUT_ROOT": str(args.root),
-                                         "LAYERTAP_QUEUED_GRACE_S": "10"}, logs)  # fmt: skip
-        procs.append(coordinator.proc)
+        redis = RedisServer.ephemeral(args.work)
+        base_env = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
+        coordinator = services.coordinator(redis.url, args.root, token=secrets.token_hex(16),
+                                           LAYERTAP_QUEUED_GRACE_S="10")  # fmt: skip
         api = coordinator.url
-        server_args = smoke_args("float32", 256) if smoke else GPU_SERVER_ARGS
+        server_args = cpu_server_args("float32", 256) if smoke else GPU_SERVER_ARGS
         metrics_ports = {}
 
         def worker(name: str) -> Proc:
             metrics_ports[name] = free_port()
-            env = {**base_env, **(smoke_env() if smoke else {}), "LAYERTAP_WORKER_NAME": name,
+            env = {**(cpu_env() if smoke else {}),
                    "LAYERTAP_ENGINE": "sglang", "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"),
                    "LAYERTAP_SGLANG_PYTHON": str(sglang_python(smoke)), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
                    "LAYERTAP_IN_FLIGHT": str(args.in_flight), "LAYERTAP_METRICS_PORT": str(metrics_ports[name]),
                    "LAYERTAP_LEASE_TTL_S": "6", "LAYERTAP_RETRY_BACKOFF_S": "1", "LAYERTAP_COMMIT_THREADS": "8"}  # fmt: skip
-            return start_worker(name, env, logs)
+            return services.worker(name, redis.url, wait=False, **env)
 
         workers = {name: worker(name) for name in ("w1", "w2")}
-        procs += workers.values()
         time.sleep(3)
 
         # -- the job -------------------------------------------------------------------------------------
@@ -211,7 +195,6 @@ def main() -> None:
                 t.killed_at = (now, share)
                 log(f"SIGKILLed w1 and its server at {share:.0%}; restarting it as w1b")
                 restarted = worker("w1b")
-                procs.append(restarted)
             if job["state"] in ("done", "failed", "cancelled"):
                 t.ended, t.state, t.job = now, job["state"], job
                 break
@@ -228,8 +211,7 @@ def main() -> None:
         twice = sum(1 for c in ids.values() if c > 1)
         error_rows = {e["row"] for e in errors}
         tokens = sum(r.num_tokens for r in records)
-        verify = subprocess.run([sys.executable, "-m", "layertap", "verify", str(out)], env=base_env, cwd=REPO,
-                                capture_output=True, text=True)  # fmt: skip
+        verify = run_layertap("verify", out, env=base_env)
         live = {n: p for n, p in [("w2", workers["w2"]), ("w1b", restarted)] if p is not None}
         metrics = {name: scrape(metrics_ports[name]) for name in live}
         by_worker = store_by_worker(records, out / "index")
@@ -318,10 +300,7 @@ def main() -> None:
             "",
         ]
     finally:
-        stop_all(procs)
-    args.out.write_text("\n".join(lines))
-    print(args.out.read_text())
-
-
-if __name__ == "__main__":
-    main()
+        services.stop_all(groups=True)
+        if redis is not None:
+            redis.stop(signal.SIGKILL)
+    print(report.write(args.out, report.result("e2e", "\n".join(lines), parameters=vars(args))))

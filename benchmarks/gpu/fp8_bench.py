@@ -15,11 +15,10 @@ the GPU: one writing bf16 dumps, one quantizing them to FP8 on the device before
   store against HF float32 on the same weights with its noise floor and verdict (`layertap audit`'s rules).
 
 A shape's servers stop once its captures are done, before its audit (the reference needs the GPU's memory).
-The results file is rewritten after every measurement. On the device (see `on_device.sh`), from the repository root:
+The results file is rewritten after every measurement.
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.fp8_bench --out $OUT/gpu_fp8.md
-
-``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
+``--smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with the tiny models.
 """
 
 from __future__ import annotations
@@ -33,8 +32,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.common import GPU_COMMON, T0, log, plain_rate, prompts
 from benchmarks.gpu import capture
-from benchmarks.harness import GPU_COMMON, T0, command_line, git_commit, log, plain_rate, prompts
+from benchmarks.report import Measured, command_line, git_commit
 from layertap.audit import AuditReport, audit_store
 from layertap.audit.compare import token_errors
 from layertap.audit.run import state_name
@@ -55,14 +55,14 @@ class ShapeResult:
 
 
 @dataclass
-class Results:
-    path: Path
-    header: list[str]
-    shapes: dict[str, ShapeResult] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+class Fp8Results(Measured):
+    """Everything measured so far."""
 
-    def write(self) -> None:
-        lines = [*self.header, "## Capture to the local disk, bf16 and FP8", "",
+    benchmark = "fp8"
+    shapes: dict[str, ShapeResult] = field(default_factory=dict)
+
+    def body(self) -> list[str]:
+        lines = ["## Capture to the local disk, bf16 and FP8", "",
                  "Ceiling: min(plain prefill, the disk's rate for files of that size / bytes per token). Bytes per "
                  "token: the stored files (states, scales, ids, headers) over their tokens.", "",
                  "| shape | stored as | bytes/token | vs bf16 | disk MB/s | plain tok/s | ceiling tok/s | capture tok/s "
@@ -100,7 +100,7 @@ class Results:
                 verdicts = " / ".join(_verdict(r.audits.get(q), state) for q in ("none", "fp8"))
                 lines.append(f"| {name} | {state} | {per[True][0]:.3g} | {cells[0]} | {cells[1]} | {audits[0]} "
                              f"| {audits[1]} | {verdicts} |")  # fmt: skip
-        self.path.write_text("\n".join([*lines, "", *self.notes, ""]))
+        return lines
 
 
 def _verdict(report: AuditReport | None, state: str) -> str:
@@ -130,7 +130,7 @@ def rounding_errors(store_root: Path, device: str) -> dict[str, dict[bool, tuple
     return out
 
 
-def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: httpx.Client, results: Results,
+def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: httpx.Client, results: Fp8Results,
                   args: argparse.Namespace) -> None:  # fmt: skip
     """Plain prefill and capture to the disk on both servers of one shape, then (servers stopped) its errors."""
     name = pair[0].shape.name
@@ -151,7 +151,7 @@ def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: htt
     finally:
         for bench in pair:
             bench.server.stop()
-    device = "cpu" if args.cpu_smoke else "cuda"
+    device = "cpu" if args.smoke else "cuda"
     if "none" in stores:
         r.rounding = rounding_errors(stores["none"], device)
         results.write()
@@ -164,7 +164,7 @@ def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: htt
 
 
 def disk_rates(
-    shapes: tuple[capture.Shape, ...], results: Results, args: argparse.Namespace, mean_tokens: float
+    shapes: tuple[capture.Shape, ...], results: Fp8Results, args: argparse.Namespace, mean_tokens: float
 ) -> None:
     """The disk's own rate for files of each store's mean sample, measured first, nothing else running."""
     for shape in shapes:
@@ -172,14 +172,14 @@ def disk_rates(
         r = results.shapes.setdefault(shape.name, ShapeResult())
         for q, per_value in (("none", 2 * hidden), ("fp8", hidden + SCALE_BYTES)):
             file_bytes = int((k1 * per_value + 8) * mean_tokens)
-            total = max(8 * file_bytes, (64 << 20) if args.cpu_smoke else (4 << 30))
+            total = max(8 * file_bytes, (64 << 20) if args.smoke else (4 << 30))
             r.disk[q] = capture.volume_rate(args.disk / "rate", file_bytes, 8, total)
             log(
                 f"{shape.name} ({DTYPES[q]}): the disk takes {r.disk[q] / 1e9:.2f} GB/s ({file_bytes / 1e6:.0f} MB files)"
             )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="results markdown (default: benchmarks/results/gpu_fp8.md)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-fp8"), help="models, data (local disk)")
@@ -196,9 +196,9 @@ def main() -> None:
     ap.add_argument("--archs", default="llama,kimi-k2", help="the widths to run, by arch: llama (Llama-8B width), "
                     "kimi-k2 (Kimi-K2 width); one per device call if time is short")  # fmt: skip
     ap.add_argument("--commit", default=None, help="the commit of the tree run (default: git rev-parse)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
-    args = ap.parse_args()
-    smoke = args.cpu_smoke
+    ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
     args.out = args.out or (Path("/tmp/fp8_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_fp8.md"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shapes = tuple(s for s in (capture.TINY_SHAPES if smoke else capture.SHAPES) if s.arch in args.archs.split(","))
@@ -211,7 +211,7 @@ def main() -> None:
     sglang_args = capture.CPU_ARGS if smoke else (*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size",
                                           "4096", "--mem-fraction-static", args.mem_fraction,
                                           "--max-total-tokens", "300000")  # fmt: skip
-    results = Results(args.out, header=[
+    results = Fp8Results(args.out, parameters=vars(args), header=[
         f"# FP8 vs bf16 hidden states, captured to the local disk ({'CPU smoke test, tiny models' if smoke else 'one H200, sglang 0.5.14'})",
         "",
         f"Written by `benchmarks/gpu/fp8_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), "
@@ -234,7 +234,3 @@ def main() -> None:
             measure_shape([b for b in benches if b.shape == shape], batch, client, results, args)
 
     capture.run_warm(benches, (low, high), results, args.out, measure_all)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@ node (kernel builds under the launcher's first-start allowance, into a kernel ca
 finds the cache, >= 100 chats captured and committed, `layertap verify`, `layertap audit` against the dequantized
 float32 reference with its bf16 floor, and capture against plain prefill of the same server on the same ids.
 
-    python3 -m benchmarks.gpu.int4_bench --out benchmarks/results/gpu_int4.md            # on the H200
-    python3 -m benchmarks.gpu.int4_bench --cpu-smoke --out /tmp/int4.md                   # here: bf16 stand-in
+    python3 -m benchmarks int4 --out benchmarks/results/gpu_int4.md    # on the H200 (docs/performance.md)
+    python3 -m benchmarks int4 --smoke --out /tmp/int4.md              # here: bf16 stand-in
 
 On the CPU (smoke) the server serves the tiny bf16 wrapper (CPU SGLang has no INT4 MoE kernel) in bf16, and its
 store is audited against that folder; the INT4 folder is built only. The smoke PASSes (2026-12-01, SGLang 0.5.10.post1
@@ -14,7 +14,6 @@ CPU, 5 layers): every state's median error 0.86-0.90 x the HF bf16 floor's, no o
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import time
@@ -23,24 +22,21 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.harness import (
+from benchmarks import report
+from benchmarks.common import (
     GPU_COMMON,
     KIMI_K2_WIDTH,
     chat_rows,
     folder_bytes,
-    git_commit,
     log,
     plain_rate,
     sglang_python,
-    smoke_args,
-    smoke_env,
-    table,
     write_jsonl,
 )
+from benchmarks.report import git_commit, table_lines
+from harness.sglang import cpu_env, cpu_server_args
 from layertap.audit import audit_store
-from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang.launch import ServerConfig
-from layertap.engines.sglang.process import SGLangServer
+from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
@@ -79,16 +75,16 @@ def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Pat
     return seconds, report.tokens, ids
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-int4"))
     ap.add_argument("--shape", choices=tuple(SHAPES), default="mla-gpu")
     ap.add_argument("--chats", type=int, default=120)
-    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep --work's folders and kernel cache (a warm machine)")
-    args = ap.parse_args()
-    smoke = args.cpu_smoke
+    args = ap.parse_args(argv)
+    smoke = args.smoke
     if not args.reuse:
         shutil.rmtree(args.work, ignore_errors=True)
     for stale in ("store", "dumps"):
@@ -106,9 +102,9 @@ def main() -> None:
     config = ServerConfig(
         python=sglang_python(smoke), model=served,
         dump_root=dumps, layers=LAYERS, final="post", layout="specforge", log_path=args.out.with_suffix(".server.log"),
-        sglang_args=(*smoke_args("bfloat16", 128), "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
+        sglang_args=(*cpu_server_args("bfloat16", 128), "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
         env={"LAYERTAP_KERNEL_CACHE": str(cache),
-             **(smoke_env() if smoke else {})},
+             **(cpu_env() if smoke else {})},
         start_attempts=1,
     )  # fmt: skip
     server = SGLangServer(config)
@@ -135,7 +131,7 @@ def main() -> None:
         f"--quantize int4 --shape {args.shape}` ({folder_bytes(int4) / 1e6:,.0f} MB: routed experts compressed-tensors "
         f"pack-quantized INT4, group 32, the rest bf16). Server flags: `{' '.join(config.sglang_args)}` (the launcher "
         f"adds its forced flags, `--watchdog-timeout 1800` and the capture plugin); {IN_FLIGHT} in flight.", "",
-        *table(("measure", "value"), [
+        *table_lines(("measure", "value"), [
             ("first start on a fresh machine (empty kernel cache; launch to /health)", f"{cold:.0f} s"),
             ("second start (kernel cache kept)", f"{warm:.0f} s"),
             ("kernel cache", f"{folder_bytes(cache) / 1e6:,.0f} MB"),
@@ -149,10 +145,7 @@ def main() -> None:
         ]), "",
         audit.markdown(), "",
     ]  # fmt: skip
-    args.out.write_text("\n".join(lines))
-    (args.out.with_suffix(".json")).write_text(json.dumps({"cold_s": cold, "warm_s": warm, "audit": audit.to_dict()}))
+    result = report.result("int4", "\n".join(lines), parameters=vars(args),
+                           metrics={"cold_s": cold, "warm_s": warm}, rows=[audit.to_dict()])  # fmt: skip
+    report.write(args.out, result)
     log(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

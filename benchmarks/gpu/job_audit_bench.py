@@ -11,12 +11,9 @@ worker stops it before the audit). The model: the INT4 Kimi-K2.5 folder at Kimi-
 /jobs/{id}`` is polled: each audit state, device and progress (layers done / total) seen, with its time. Then, the
 worker stopped, ``layertap audit OUT --samples 40`` (seed 0, ``--device auto``) of the same store: the same samples.
 
-On the device (sglang 0.5.14 in /tmp/site, after ``on_device.sh install .whl1``; the tarball copied into .whl2/):
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.job_audit_bench \\
-        --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT/gpu_job_audit.md"
-
-``--cpu-smoke`` runs the same path on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
+``--smoke`` runs the same path on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
 """
 
 from __future__ import annotations
@@ -24,18 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks import harness
-from layertap.engines.sglang.process import free_port
+from benchmarks import common, report
+from harness.processes import layertap
+from harness.services import Coordinator, RedisServer, Services
+from harness.sglang import cpu_env, cpu_server_args
+from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.tiny import build_tiny_model
 
@@ -45,12 +45,7 @@ GPU_SERVER_ARGS = ["--mem-fraction-static", "0.85", "--chunked-prefill-size", "8
                    "--disable-cuda-graph"]  # fmt: skip
 
 
-def layertap(*args: str, env: dict[str, str], **kw) -> subprocess.Popen:
-    """The ``layertap`` command line, as a user runs it."""
-    return subprocess.Popen([sys.executable, "-m", "layertap", *args], env=env, cwd=harness.REPO, text=True, **kw)
-
-
-def follow(coordinator: harness.Coordinator, job_id: str, submit: subprocess.Popen, deadline: float
+def follow(coordinator: Coordinator, job_id: str, submit: subprocess.Popen, deadline: float
            ) -> tuple[dict, list[tuple]]:  # fmt: skip
     """Poll the job until ``submit --wait`` exits: its last JSON, and each change of its audit seen
     (seconds since the first poll, state, device, layers done, layers total)."""
@@ -77,7 +72,7 @@ def newest_report(out: Path, other_than: str) -> dict:
     return json.loads(paths[-1].read_text())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_job_audit.md"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-job-audit"), help="model, data, logs, kernels")
@@ -89,9 +84,9 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=50)
     ap.add_argument("--audit-samples", type=int, default=40)
     ap.add_argument("--deadline-s", type=float, default=420.0, help="from POST /jobs to the audit's verdict")
-    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny Kimi-K2.5 wrapper on this machine's CPU SGLang")
-    args = ap.parse_args()
-    smoke = args.cpu_smoke
+    ap.add_argument("--smoke", action="store_true", help="the tiny Kimi-K2.5 wrapper on this machine's CPU SGLang")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
     if smoke:
         args.token_rows, args.shard_size = 24, 16
         args.work, args.root = Path("/tmp/layertap-job-audit-smoke"), Path("/tmp/layertap-job-audit-smoke/root")
@@ -105,41 +100,38 @@ def main() -> None:
     if args.kernel_cache_tgz:
         with tarfile.open(args.kernel_cache_tgz) as tgz:
             tgz.extractall(cache, filter="data")
-        harness.log(f"kernel cache unpacked: {harness.folder_bytes(cache) / 1e6:,.0f} MB")
-    procs: list[harness.Proc] = []
+        common.log(f"kernel cache unpacked: {common.folder_bytes(cache) / 1e6:,.0f} MB")
+    services = Services(args.work / "logs", {"LAYERTAP_ALLOW_REMOTE_CODE": "1"})  # the wrapper's code
+    redis: RedisServer | None = None
     try:
         # -- the model and the data --------------------------------------------------------------------------
         model = args.work / "kimi-k25"
         if smoke:
             build_tiny_model("kimi-k2.5", model, dtype=torch.float32)
         else:
-            build_tiny_model("kimi-k2.5", model, quantize="int4", **harness.KIMI_K2_WIDTH)
+            build_tiny_model("kimi-k2.5", model, quantize="int4", **common.KIMI_K2_WIDTH)
         folder = ModelFolder.read(model)
         vocab = len(folder.load_tokenizer(trust_remote_code=True))
         context = int(folder.text_config.get("max_position_embeddings", 4096))
         low, high = (64, 400) if smoke else (300, min(4000, context - 1))
         data = args.work / "data.jsonl"
-        rows = harness.write_dataset(data, 0, args.token_rows, vocab, low, high)
-        harness.log(f"model built ({folder.num_layers} layers, hidden {folder.hidden_size}, {harness.folder_bytes(model) / 1e9:.1f} GB); "
+        rows = common.write_dataset(data, 0, args.token_rows, vocab, low, high)
+        common.log(f"model built ({folder.num_layers} layers, hidden {folder.hidden_size}, {common.folder_bytes(model) / 1e9:.1f} GB); "
             f"{rows} rows")  # fmt: skip
 
         # -- redis, the coordinator, one worker with no device setting -----------------------------------------
         logs = args.work / "logs"
-        redis, redis_url = harness.start_redis(args.work, logs)
-        procs.append(redis)
-        env = harness.service_env(
-            redis_url, {k: v for k, v in os.environ.items() if k != "LAYERTAP_DEVICE"}
-        )  # the default
-        coordinator = harness.start_coordinator({**env, "LAYERTAP_OUTPUT_ROOT": str(args.root)}, logs)
-        procs.append(coordinator.proc)
-        server_args = harness.smoke_args("float32", 256) if smoke else GPU_SERVER_ARGS
-        worker_env = {**env, "LAYERTAP_WORKER_NAME": "gpu-worker", "LAYERTAP_ENGINE": "sglang",
+        redis = RedisServer.ephemeral(args.work)
+        os.environ.pop("LAYERTAP_DEVICE", None)  # the default
+        env = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
+        coordinator = services.coordinator(redis.url, args.root, token=secrets.token_hex(16))
+        server_args = cpu_server_args("float32", 256) if smoke else GPU_SERVER_ARGS
+        worker_env = {"LAYERTAP_ENGINE": "sglang",
                       "LAYERTAP_DUMP_ROOT": str(args.root / ".dumps"), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": str(harness.sglang_python(smoke)), "LAYERTAP_IN_FLIGHT": "16",
-                      "LAYERTAP_METRICS_PORT": str(free_port()), **(harness.smoke_env() if smoke else {}),
+                      "LAYERTAP_SGLANG_PYTHON": str(common.sglang_python(smoke)), "LAYERTAP_IN_FLIGHT": "16",
+                      "LAYERTAP_METRICS_PORT": str(free_port()), **(cpu_env() if smoke else {}),
                       **({"LAYERTAP_KERNEL_CACHE": str(cache)} if args.kernel_cache_tgz else {})}  # fmt: skip
-        worker = harness.start_worker("gpu-worker", worker_env, logs)
-        procs.append(worker)
+        worker = services.worker("gpu-worker", redis.url, wait=False, **worker_env)
 
         # -- the job, followed while it runs ------------------------------------------------------------------
         posted = time.monotonic()
@@ -153,11 +145,11 @@ def main() -> None:
         while not (job_id := said_out.read_text().partition("\n")[0].strip()):
             assert submit.poll() is None, said_err.read_text()[-2000:]
             time.sleep(0.1)
-        harness.log(f"job {job_id} submitted")
+        common.log(f"job {job_id} submitted")
         job, seen = follow(coordinator, job_id, submit, posted + args.deadline_s)
         said = said_err.read_text().splitlines()
         audit = job["audit"]
-        harness.log(
+        common.log(
             f"job {job['state']}, audit {audit['state']} on {audit['device']}; submit --wait exited {submit.returncode}"
         )
         if audit["state"] not in ("pass", "fail", "inconclusive"):  # said, with what was seen, instead of a table
@@ -175,9 +167,11 @@ def main() -> None:
         hand_wall = time.monotonic() - t0
         assert by_hand.returncode in (0, 1), hand_said[-2000:]
         hand = newest_report(out, audit["report"])
-        harness.log(f"layertap audit: {'PASS' if hand['passed'] else 'FAIL'} on {hand['device']} in {hand_wall:.1f} s")
+        common.log(f"layertap audit: {'PASS' if hand['passed'] else 'FAIL'} on {hand['device']} in {hand_wall:.1f} s")
     finally:
-        harness.stop_all(procs)
+        services.stop_all(groups=True)
+        if redis is not None:
+            redis.stop(signal.SIGKILL)
         kept = args.out.with_suffix(".logs")  # beside the table: what each process said
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(args.work / "logs", kept)
@@ -198,7 +192,7 @@ def main() -> None:
     lines = [
         f"# A GPU worker's job audit with no device setting ({'CPU smoke' if smoke else 'one H200'})",
         "",
-        f"Written by `benchmarks/gpu/job_audit_bench.py{' --cpu-smoke' if smoke else ''}` at commit {harness.git_commit()} "
+        f"Written by `benchmarks/gpu/job_audit_bench.py{' --smoke' if smoke else ''}` at commit {report.git_commit()} "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Model: "
         + (
             "the tiny Kimi-K2.5 wrapper, float32"
@@ -206,7 +200,7 @@ def main() -> None:
             else "`layertap tiny-model --arch kimi-k2.5 --quantize int4 --shape kimi-k2-width` (4 layers; routed experts "
             "INT4 group 32, the rest bf16)"
         )
-        + f", {harness.folder_bytes(model) / 1e9:.1f} GB, {folder.num_layers} layers, hidden {folder.hidden_size}. Job: "
+        + f", {common.folder_bytes(model) / 1e9:.1f} GB, {folder.num_layers} layers, hidden {folder.hidden_size}. Job: "
         f"`layertap submit --layers {LAYERS} --shard-size {args.shard_size} --audit-samples {args.audit_samples} "
         f"--trust-remote-code --wait` of {rows} rows (the demo's 24 chats + {args.token_rows} token-id rows of "
         f"{low}-{high} tokens). One `celery -A worker worker --pool solo`, `LAYERTAP_ENGINE=sglang`, no "
@@ -241,9 +235,4 @@ def main() -> None:
         "```",
         "",
     ]
-    args.out.write_text("\n".join(lines))
-    print(args.out.read_text())
-
-
-if __name__ == "__main__":
-    main()
+    print(report.write(args.out, report.result("job_audit", "\n".join(lines), parameters=vars(args))))

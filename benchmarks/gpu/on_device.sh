@@ -2,12 +2,12 @@
 # Run a GPU benchmark on an H200 machine with no network: SGLang 0.5.14 and its dependencies come as wheels.
 #
 #   call 1 (carry .whl1):  bash benchmarks/gpu/on_device.sh install .whl1
-#   call 2 (carry .whl2):  bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.tp_bench --out "$OUT"
+#   call 2 (carry .whl2):  bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks NAME --out "$OUT"
 #
 # .whl1 holds the bundle's chunk1 (sglang 0.5.14 and its kernels), .whl2 chunk2 (transformers 5.8.1) plus
 # the cp312 wheels of datasets, multiprocess and tiktoken that the layertap CLI imports. /tmp/site survives
 # between calls only while the machine stays warm (~30 s idle). What follows -- goes to python3, from the repository
-# root: benchmarks run as modules (-m benchmarks.gpu.NAME), importing benchmarks.harness.
+# root: -m benchmarks NAME (benchmarks/__main__.py). docs/performance.md says what each call carries and how long.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [[ "${1:-}" == install ]] || { echo "usage: $0 install DIR [-- -m MODULE ARGS...]" >&2; exit 2; }

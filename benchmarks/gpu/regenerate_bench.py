@@ -3,7 +3,7 @@ rate against plain SGLang generation of the same prompts, then capture, verify a
 
 The model: the Kimi-K2.5 wrapper at Kimi-K2 width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared, 4
 layers), bf16 or the INT4 folder (``--model bf16|int4``). The data: ``--chats`` synthetic chats of 1-2 user/assistant
-turns (``harness.chat_rows``, cut to two: `chats`). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows
+turns (``common.chat_rows``, cut to two: `chats`). Greedy, ``--max-new-tokens`` per turn, ``--generation-in-flight`` rows
 at once. The random folder writes ordinary tokens only (`ordinary_outputs`), as a real model's text re-tokenizes.
 
 Stages (``--stage``, in this order on a node), each adding its part to ``--results`` (JSON, one key per model and
@@ -21,24 +21,12 @@ stage) and the table:
   reports give the generation span, its Prometheus metrics the capture stages' time; ``layertap verify --data``.
 
 The generation rate of a layertap run is its generated tokens over its generation span (each round's first
-``/generate`` request to its last reply, summed: a round of rows is captured after its generation). On the
-device, after ``on_device.sh install .whl1`` (kernel cache tarball in .whl2/), per model a call per stage, each inside
-``timeout -s INT 560`` so that an overrun still returns the logs and the parts that ended:
+``/generate`` request to its last reply, summed: a round of rows is captured after its generation). On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    bash benchmarks/gpu/on_device.sh install .whl2 -- -m benchmarks.gpu.regenerate_bench --model bf16 \\
-        --stage plain --kernel-cache-tgz .whl2/kernel-cache-h200.tgz --out "$OUT"
-    ... --stage cli ...; ... --stage job ...
+``--smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
 
-``--cpu-smoke`` runs the same stages on this machine's CPU SGLang with the tiny float32 Kimi-K2.5 wrapper.
-
-Device time (2026-12-02, one H200, bf16; `benchmarks/results/gpu_regenerate_first_runs.md` has the runs): a
-server's start took 150-210 s whatever the kernel cache held (decode graph capture 50-76 s, SGLang's warm-up
-prefill 74-103 s); the first layertap run on a node stalled its server 87-131 s while FlashInfer built its
-sampling kernels for the capture requests' throw-away token (they are greedy since); verify 41 s, audit 26 s
-for 512 chats. So per model ~260 s for ``plain``, ~280 s for ``cli``, ~300 s for ``job`` (one call each is the
-safer split: an overrun loses one stage), after ``install .whl1`` (~100 s with the machine's start). A call starts from
-``--results`` (the committed JSON) and the parts that this node's earlier calls measured (``WORK/parts.json``, kept while
-the machine stays warm), so a ``cli`` part is compared with the ``plain`` part of its own node without copying the
+A call starts from ``--results`` (the committed JSON) and the parts that this node's earlier calls measured
+(``WORK/parts.json``, kept while the work folder lives), so a ``cli`` part is compared with the ``plain`` part of its own node without copying the
 JSON between calls (`ratio_to_plain` compares parts of one node only; plain SGLang's rate differs by 25% across nodes).
 """
 
@@ -49,10 +37,11 @@ import json
 import os
 import random
 import re
+import secrets
 import shlex
 import shutil
+import signal
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -66,9 +55,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from benchmarks import harness
+from benchmarks import common, report
+from benchmarks.report import table_lines
+from harness.processes import LAYERTAP, REPO_ROOT, Proc, wait_until_serving
+from harness.services import RedisServer, Services
+from harness.sglang import cpu_env, cpu_server_args
 from layertap.data.chat import ChatTokenizer
-from layertap.engines.sglang.process import free_port
+from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import TurnFormat
 from layertap.tiny import build_tiny_model
@@ -82,7 +75,7 @@ STAGES = ("plain", "cli", "job")
 
 
 def layertap_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "layertap", *args]
+    return [*LAYERTAP, *args]
 
 
 def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile: Path | None = None
@@ -93,7 +86,7 @@ def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile:
     sample: a profiled extract generated at 0.52 of plain SGLang, the same commit's job unprofiled at 0.95)."""
     t0 = time.monotonic()
     with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
         spy = None
         if profile is not None and (py_spy := shutil.which("py-spy")) is not None:
             spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--gil", "--threads", "--nonblocking", "--rate", "50",
@@ -120,9 +113,9 @@ def build(kind: str, work: Path, smoke: bool) -> Path:
         if smoke:
             build_tiny_model("kimi-k2.5", model, dtype=torch.float32)
         elif kind == "int4":
-            build_tiny_model("kimi-k2.5", model, quantize="int4", **harness.KIMI_K2_WIDTH)
+            build_tiny_model("kimi-k2.5", model, quantize="int4", **common.KIMI_K2_WIDTH)
         else:
-            build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **harness.KIMI_K2_WIDTH)
+            build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **common.KIMI_K2_WIDTH)
         ordinary_outputs(model)
     return model
 
@@ -162,12 +155,12 @@ def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> di
 
 
 def chats(n: int) -> list[dict[str, Any]]:
-    """``harness.chat_rows`` in OpenAI form, cut to their first two user/assistant pairs (before `ordinary_outputs`
+    """``common.chat_rows`` in OpenAI form, cut to their first two user/assistant pairs (before `ordinary_outputs`
     the random model's turns re-tokenized ~4.5x and a third turn's prompt outgrew the folder's 4,096-token context;
     the runs measured since keep the cut)."""
     roles = {"human": "user", "gpt": "assistant"}
     rows = []
-    for row in harness.chat_rows(n, random.Random(33)):
+    for row in common.chat_rows(n, random.Random(33)):
         messages = row.get("messages") or [
             {"role": roles[m["from"]], "content": m["value"]} for m in row["conversations"]
         ]
@@ -228,23 +221,27 @@ def launcher_flags(server_args: list[str], env: dict[str, str], smoke: bool) -> 
     script = ("import dataclasses, json, sys; from sglang.srt.server_args import ServerArgs; "
               "from sglang_patch.launch import default_flags, forced_flags; argv = json.loads(sys.argv[1]); "
               "print(json.dumps([default_flags(argv), forced_flags({f.name for f in dataclasses.fields(ServerArgs)})]))")  # fmt: skip
-    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.REPO), env.get("PYTHONPATH")]))}
-    said = subprocess.run([str(harness.sglang_python(smoke)), "-c", script, json.dumps(server_args)], env=env,
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))}
+    said = subprocess.run([str(common.sglang_python(smoke)), "-c", script, json.dumps(server_args)], env=env,
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     before, after = json.loads(said.strip().splitlines()[-1])
     return [*before, *server_args, *after]
 
 
-def stock_server(model: Path, server_args: list[str], env: dict[str, str], log: Path, smoke: bool) -> harness.Proc:
+def stock_server(model: Path, server_args: list[str], env: dict[str, str], log: Path, smoke: bool
+                 ) -> tuple[Proc, str]:  # fmt: skip
     """SGLang's own server (no plugin) with the flags the layertap run's server got (`launcher_flags`)."""
     port = free_port()
-    cmd = [str(harness.sglang_python(smoke)), "-m", "sglang.launch_server", "--model-path", str(model), "--port",
+    cmd = [str(common.sglang_python(smoke)), "-m", "sglang.launch_server", "--model-path", str(model), "--port",
            str(port), "--host", "127.0.0.1", "--trust-remote-code", "--skip-tokenizer-init",
            *launcher_flags(server_args, env, smoke)]  # fmt: skip
-    proc = harness.Proc("sglang-stock", cmd, env, log)
-    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    harness.wait_http(proc.url + "/health_generate", proc, 1800)  # type: ignore[attr-defined]
-    return proc
+    proc, url = Proc("sglang-stock", cmd, env, log).start(), f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, url + "/health_generate", timeout=1800, what="SGLang's own server")
+    except BaseException:
+        proc.killpg()
+        raise
+    return proc, url
 
 
 # -- the stages ---------------------------------------------------------------------------------------------------
@@ -260,7 +257,7 @@ def extract_cmd(args: argparse.Namespace, model: Path, data: Path, out: Path, du
     """``layertap extract --regenerate all`` launching its own server (its log beside ``dumps``)."""
     return layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
                         *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
-                        "--sglang-python", str(harness.sglang_python(args.cpu_smoke)),
+                        "--sglang-python", str(common.sglang_python(args.smoke)),
                         "--sglang-args", shlex.join(server_args), "--dump-root", str(dumps))  # fmt: skip
 
 
@@ -269,17 +266,17 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     shutil.rmtree(out, ignore_errors=True)
     logs = args.work / "logs"
     cmd = extract_cmd(args, model, data, out, args.root / "cli" / "dumps", server_args)
-    harness.log("layertap extract --regenerate all ...")
+    common.log("layertap extract --regenerate all ...")
     code, wall = run(
         cmd, env, logs / "extract.log", 3000, profile=logs / "extract.py-spy.txt" if args.profile else None
     )
     assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
     (report,) = reports(out)
-    harness.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
+    common.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
     started = server_start_seconds(args.root / "cli" / "sglang-server.log")  # the CLI's: beside its dump root
     verify, verify_wall = verify_store(out, data, env, logs / "verify.log")
     audit = audit_verdict(out, logs / "audit.log", env, args.audit_samples)
-    harness.log(f"verify exit {verify}; audit {'PASS' if audit['passed'] else 'FAIL'} on {audit['device']}")
+    common.log(f"verify exit {verify}; audit {'PASS' if audit['passed'] else 'FAIL'} on {audit['device']}")
     rate = report["generated_tokens"] / report["generation_seconds"]
     return {"extract_exit": code, "extract_wall_s": round(wall, 1), "server_start_s": started, "run_s": round(report["seconds"], 1),
             "samples": len(report["computed"]), "tokens": report["tokens"], "failed": report["failed"],
@@ -299,15 +296,15 @@ def stage_plain(args: argparse.Namespace, model: Path, data: Path, env: dict[str
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
     log = args.work / "logs" / "sglang-stock.log"
-    stock = stock_server(model, server_args, env, log, args.cpu_smoke)
+    stock, url = stock_server(model, server_args, env, log, args.smoke)
     try:
-        harness.log(f"plain SGLang: warm-up pass of {args.warm_chats} chats ...")
-        warm = plain_generation(stock.url, model, rows[: args.warm_chats], settings, args.generation_in_flight)  # type: ignore[attr-defined]
-        harness.log(f"plain SGLang: warm-up {warm['seconds']:.0f} s; measured pass of {len(rows)} chats ...")
-        plain = plain_generation(stock.url, model, rows, settings, args.generation_in_flight)  # type: ignore[attr-defined]
+        common.log(f"plain SGLang: warm-up pass of {args.warm_chats} chats ...")
+        warm = plain_generation(url, model, rows[: args.warm_chats], settings, args.generation_in_flight)
+        common.log(f"plain SGLang: warm-up {warm['seconds']:.0f} s; measured pass of {len(rows)} chats ...")
+        plain = plain_generation(url, model, rows, settings, args.generation_in_flight)
     finally:
         stock.killpg()
-    harness.log(f"plain SGLang: {plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s")
+    common.log(f"plain SGLang: {plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s")
     return {"server_start_s": server_start_seconds(log), "warm": warm, **plain}
 
 
@@ -325,44 +322,43 @@ def server_start_seconds(log: Path) -> float | None:
 
 def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
     logs = args.work / "logs"
-    procs: list[harness.Proc] = []
+    services = Services(logs, {**env, "LAYERTAP_ALLOW_REMOTE_CODE": "1"})  # the wrapper's code
+    redis: RedisServer | None = None
     try:
-        redis, redis_url = harness.start_redis(args.work, logs)
-        procs.append(redis)
-        senv = harness.service_env(redis_url, env)
-        coordinator = harness.start_coordinator({**senv, "LAYERTAP_OUTPUT_ROOT": str(args.root / "jobs")}, logs)
-        procs.append(coordinator.proc)
+        redis = RedisServer.ephemeral(args.work)
+        senv = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
+        coordinator = services.coordinator(redis.url, args.root / "jobs", token=secrets.token_hex(16))
         metrics_port = free_port()
-        worker_env = {**senv, "LAYERTAP_WORKER_NAME": "gpu-worker", "LAYERTAP_ENGINE": "sglang",
+        worker_env = {"LAYERTAP_ENGINE": "sglang",
                       "LAYERTAP_DUMP_ROOT": str(args.root / "job-dumps"), "LAYERTAP_SGLANG_ARGS": shlex.join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": str(harness.sglang_python(args.cpu_smoke)),
+                      "LAYERTAP_SGLANG_PYTHON": str(common.sglang_python(args.smoke)),
                       "LAYERTAP_GENERATION_IN_FLIGHT": str(args.generation_in_flight),
                       "LAYERTAP_METRICS_PORT": str(metrics_port)}  # fmt: skip
-        procs.append(harness.start_worker("gpu-worker", worker_env, logs))
+        services.worker("gpu-worker", redis.url, wait=False, **worker_env)
         submit_env = {**senv, "LAYERTAP_API_URL": coordinator.url, "LAYERTAP_API_TOKEN": coordinator.token,
                       "COLUMNS": "200"}  # fmt: skip
         cmd = layertap_cmd("submit", "--model", str(model), "--data", str(data), *generation_args(args),
                            "--shard-size", str(args.shard_size), "--audit-samples", str(args.audit_samples), "--wait")  # fmt: skip
-        harness.log("layertap submit --regenerate all --wait ...")
+        common.log("layertap submit --regenerate all --wait ...")
         t0 = time.monotonic()
         with (logs / "submit.out").open("w") as said, (logs / "submit.err").open("w") as err:
-            code = subprocess.run(
-                cmd, env=submit_env, cwd=harness.REPO, stdout=said, stderr=err, timeout=3000
-            ).returncode
+            code = subprocess.run(cmd, env=submit_env, cwd=REPO_ROOT, stdout=said, stderr=err, timeout=3000).returncode
         wall = time.monotonic() - t0
         job_id = (logs / "submit.out").read_text().partition("\n")[0].strip()
         with coordinator.client() as client:
             job = client.get(f"/jobs/{job_id}").json()
         stages = scrape_stages(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
-        harness.stop_all(procs)
+        services.stop_all(groups=True)
+        if redis is not None:
+            redis.stop(signal.SIGKILL)
     out = Path(job["out"])
     shards = reports(out)
     generated = sum(r["generated_tokens"] for r in shards)
     span = sum(r["generation_seconds"] for r in shards)
     verify, _ = verify_store(out, data, env, logs / "verify-job.log")
     audit = job.get("audit") or {}
-    harness.log(f"job {job['state']}, {generated:,} tokens generated over {span:.1f} s; verify exit {verify}")
+    common.log(f"job {job['state']}, {generated:,} tokens generated over {span:.1f} s; verify exit {verify}")
     return {"submit_exit": code, "submit_wall_s": round(wall, 1), "state": job["state"], "samples": job["samples_done"],
             "failed": job["samples_failed"], "tokens": job["tokens_done"], "shards": len(shards),
             "generated_tokens": generated, "generation_s": round(span, 2), "tok_s": round(generated / span, 1),
@@ -418,7 +414,7 @@ def table(results: dict[str, Any]) -> str:
                       f"{r['generated_tokens']:,} tokens over {r['turns']:,} turns in {r['seconds']:.1f} s, "
                       f"**{r['tok_s']:,.0f} tok/s**.", ""]  # fmt: skip
         elif stage == "cli":
-            lines += harness.table(
+            lines += table_lines(
                 ["layertap extract --regenerate all (launched server)", ""],
                 [["generated tokens", f"{r['generated_tokens']:,}"],
                  ["generation span", f"{r['generation_s']:.1f} s"],
@@ -435,7 +431,7 @@ def table(results: dict[str, Any]) -> str:
                       f"{r['audit']['samples']}`: {'PASS' if r['audit']['passed'] else 'FAIL'} on "
                       f"{r['audit']['device']} (exit {r['audit']['exit']}).", ""]  # fmt: skip
         else:
-            lines += harness.table(
+            lines += table_lines(
                 ["worker job (`layertap submit --regenerate all --wait`)", ""],
                 [["state, `submit --wait` exit", f"{r['state']}, {r['submit_exit']}"],
                  ["samples, tokens, failed", f"{r['samples']:,}, {r['tokens']:,}, {r['failed']}"],
@@ -450,7 +446,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("bf16", "int4"), default="bf16")
     ap.add_argument("--stage", default="plain,cli,job", help=f"comma-separated: {', '.join(STAGES)}")
@@ -483,11 +479,11 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--audit-samples", type=int, default=40)
     ap.add_argument("--profile", action="store_true", help="py-spy (on PATH) samples the cli stage's extract")
-    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny float32 Kimi-K2.5 wrapper on the CPU SGLang")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="the tiny float32 Kimi-K2.5 wrapper on the CPU SGLang")
+    args = ap.parse_args(argv)
     stages = [s for s in args.stage.split(",") if s]
     assert set(stages) <= set(STAGES), stages
-    if args.cpu_smoke:
+    if args.smoke:
         args.chats, args.max_new_tokens, args.generation_in_flight, args.shard_size, args.audit_samples = 6, 8, 4, 4, 3
         args.warm_chats = 2
         args.work, args.root = Path("/tmp/layertap-regen-smoke"), Path("/tmp/layertap-regen-smoke/root")
@@ -498,9 +494,9 @@ def main() -> None:
     args.root.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    if args.cpu_smoke:
-        env |= harness.smoke_env()
-        server_args = list(harness.smoke_args("float32", 256))
+    if args.smoke:
+        env |= cpu_env()
+        server_args = list(cpu_server_args("float32", 256))
     else:
         server_args = list(SERVER_ARGS)
     if args.kernel_cache_tgz:
@@ -512,34 +508,35 @@ def main() -> None:
         from sglang_patch.launch import first_start_env
 
         env |= {"LAYERTAP_KERNEL_CACHE": str(cache), **first_start_env(server_args, str(cache), env)}
-    model = build(args.model, args.work, args.cpu_smoke)
-    data = harness.write_jsonl(args.work / "chats.jsonl", chats(args.chats))
+    model = build(args.model, args.work, args.smoke)
+    data = common.write_jsonl(args.work / "chats.jsonl", chats(args.chats))
     folder = ModelFolder.read(model)
-    harness.log(f"model {model.name}: {folder.num_layers} layers, hidden {folder.hidden_size}, "
-                f"{harness.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
-    results = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
+    common.log(f"model {model.name}: {folder.num_layers} layers, hidden {folder.hidden_size}, "
+                f"{common.folder_bytes(model) / 1e9:.1f} GB; {args.chats} chats")  # fmt: skip
+    committed = report.read(args.results)["rows"] if args.results.exists() and not args.smoke else []
+    results = {row["part"]: {k: v for k, v in row.items() if k != "part"} for row in committed}
     this_node = args.work / "parts.json"  # the parts of this node's earlier calls (the work folder lives while it does)
-    ours = json.loads(this_node.read_text()) if this_node.exists() and not args.cpu_smoke else {}
+    ours = json.loads(this_node.read_text()) if this_node.exists() and not args.smoke else {}
     results.update(ours)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke)"
-    meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.cpu_smoke else
+    meta = {"model": ("tiny Kimi-K2.5 wrapper, float32" if args.smoke else
                       f"Kimi-K2.5 wrapper at Kimi-K2 width ({'INT4 routed experts, group 32' if args.model == 'int4' else 'bf16'}), "
                       f"{folder.num_layers} layers, hidden {folder.hidden_size}"),
             "rows": args.chats, "data": f"1-2 turns each, max_new_tokens {args.max_new_tokens}, greedy, "
             f"{args.generation_in_flight} rows in flight, server flags `{shlex.join(server_args)}`",
-            "command": harness.command_line(), "commit": harness.git_commit(),
+            "command": report.command_line(), "commit": report.git_commit(),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
-            "node": harness.node()}  # fmt: skip
-    name = "regenerate_smoke" if args.cpu_smoke else "gpu_regenerate"
+            "node": report.node()}  # fmt: skip
+    name = "regenerate_smoke" if args.smoke else "gpu_regenerate"
     try:
         for stage in stages:
             run_stage = {"plain": stage_plain, "cli": stage_cli, "job": stage_job}[stage]
             part = {"meta": meta, "result": run_stage(args, model, data, env, server_args)}
             results[f"{args.model}/{stage}"] = ours[f"{args.model}/{stage}"] = part
-            if not args.cpu_smoke:
+            if not args.smoke:
                 this_node.write_text(json.dumps(ours))
-            (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")  # each part as it ends
-            (args.out / f"{name}.md").write_text(table(results))
+            rows = [{"part": key, **value} for key, value in results.items()]  # each part as it ends
+            report.write(args.out / name, report.result("regenerate", table(results), parameters=vars(args), rows=rows))
     finally:
         if args.pack_kernel_cache and args.kernel_cache_tgz:  # what this run built (a file back is 16 MiB at most)
             with tarfile.open(args.pack_kernel_cache, "w:gz") as packed:
@@ -550,7 +547,3 @@ def main() -> None:
             for server_log in args.root.rglob("*.log"):
                 logs.add(server_log, f"servers/{server_log.relative_to(args.root)}")
     print((args.out / f"{name}.md").read_text())
-
-
-if __name__ == "__main__":
-    main()

@@ -10,12 +10,10 @@ counts the tokens of requests that finished between the first finish and the mom
 in-flight count remained queued, so start-up and the tail are outside it (their share is printed).
 
 Each invocation adds its rows to ``--results`` (JSON, committed beside the table) and rewrites the table and
-the projection of the seed's job (87.8M tokens) from every row so far. Run on the device through
-``benchmarks/gpu/on_device.sh``:
+the projection of the seed's job (87.8M tokens) from every row so far.
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
-    python3 -m benchmarks.gpu.seed_scale_bench --settings triton-4096,flashinfer-8192 --out $OUT
-
-``--cpu-smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with a 4-layer tiny folder.
+``--smoke`` runs the same code on this machine's CPU SGLang (0.5.10) with a 4-layer tiny folder.
 """
 
 from __future__ import annotations
@@ -34,11 +32,11 @@ from typing import Any
 import httpx
 import torch
 
+from benchmarks import report
+from benchmarks.common import GPU_COMMON, log, prompts, sglang_python
 from benchmarks.gpu.capture import repoint, volume_rate
-from benchmarks.harness import GPU_COMMON, log, prompts, sglang_python, smoke_args, smoke_env
-from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang.launch import ServerConfig
-from layertap.engines.sglang.process import SGLangServer
+from harness.sglang import cpu_env, cpu_server_args
+from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
@@ -204,12 +202,12 @@ class Check:
 def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict[str, list[str]], args: argparse.Namespace
           ) -> dict[str, tuple[SGLangServer, Path]]:  # fmt: skip
     """A capture server per setting, started together (a start that fails is retried alone)."""
-    smoke = args.cpu_smoke
+    smoke = args.smoke
     servers: dict[str, tuple[SGLangServer, Path]] = {}
     for name in settings:
         link = args.work / f"dumps-{name}-{model.name}"
         repoint(link, args.tmpfs / "dumps")
-        config = ServerConfig(python=sglang_python(smoke), env=smoke_env() if smoke else {},
+        config = ServerConfig(python=sglang_python(smoke), env=cpu_env() if smoke else {},
                               model=model, dump_root=link, layers=layers, final="post", layout="specforge",
                               log_path=args.out / f"server-{name}-{model.name}.log",
                               sglang_args=tuple(flags[name]))  # fmt: skip
@@ -230,7 +228,7 @@ def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict
 def server_flags(settings: list[str], smoke: bool, memory: list[str]) -> dict[str, list[str]]:
     """Each setting's server flags; the Kimi-K2.5 wrapper's config class is code in the folder."""
     if smoke:
-        return {n: [*smoke_args("bfloat16", int(n.rsplit("-", 1)[1])), "--trust-remote-code"] for n in settings}
+        return {n: [*cpu_server_args("bfloat16", int(n.rsplit("-", 1)[1])), "--trust-remote-code"] for n in settings}
     return {n: [*BASE, *memory, *SETTINGS[n], "--trust-remote-code"] for n in settings}
 
 
@@ -238,12 +236,12 @@ def speed(settings: list[str], batch: list[list[int]], rows: list[Row], save: Ca
           args: argparse.Namespace) -> None:  # fmt: skip
     """Plain prefill and capture + commit (tmpfs, disk) at 61 layers for each setting, one server at a time."""
     model = args.work / "seed-depth"
-    if args.cpu_smoke:  # the CPU server cannot make up 61 layers of weights fast enough: a 4-layer folder
+    if args.smoke:  # the CPU server cannot make up 61 layers of weights fast enough: a 4-layer folder
         build_tiny_model("kimi-k2.5", model, num_hidden_layers=4)
     else:
         build_tiny_model("kimi-k2.5", model, shape="seed-depth", config_only=True)
-    layers = (1, 2, 3) if args.cpu_smoke else LAYERS
-    servers = start(settings, model, layers, server_flags(settings, args.cpu_smoke, MEMORY), args)
+    layers = (1, 2, 3) if args.smoke else LAYERS
+    servers = start(settings, model, layers, server_flags(settings, args.smoke, MEMORY), args)
     client = httpx.Client(timeout=1200)
     try:
         for name, (server, link) in servers.items():
@@ -270,18 +268,16 @@ def correctness(settings: list[str], batch: list[list[int]], checks: list[Check]
     from layertap.audit import audit_store
 
     model = args.work / "kimi-k2-width"
-    build_tiny_model(
-        "kimi-k2.5", model, dtype=torch.bfloat16, **({"num_hidden_layers": 4} if args.cpu_smoke else SHALLOW)
-    )
+    build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **({"num_hidden_layers": 4} if args.smoke else SHALLOW))
     memory = ["--mem-fraction-static", "0.3", "--max-total-tokens", "300000"]
-    servers = start(settings, model, (1, 2, 3), server_flags(settings, args.cpu_smoke, memory), args)
+    servers = start(settings, model, (1, 2, 3), server_flags(settings, args.smoke, memory), args)
     try:
         for name, (server, link) in servers.items():
             tag = f"{name}-check"
             capture(server, model, link, args.tmpfs, batch, args.in_flight, tag, (1, 2, 3), keep=True)
             server.stop()
             report = audit_store(args.tmpfs / f"store-{tag}", samples=len(batch), seed=0,
-                                 device="cpu" if args.cpu_smoke else "cuda", trust_remote_code=True)  # fmt: skip
+                                 device="cpu" if args.smoke else "cuda", trust_remote_code=True)  # fmt: skip
             checks.append(Check(name, report.passed, len(report.samples), report.tokens,
                                 time.strftime("%Y-%m-%d %H:%M"), report.markdown()))  # fmt: skip
             log(f"{name}: audit {report.verdict.upper()} ({report.tokens:,} tokens)")
@@ -292,7 +288,7 @@ def correctness(settings: list[str], batch: list[list[int]], checks: list[Check]
             server.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default="triton-4096,flashinfer-8192", help=f"speed at 61 layers: {sorted(SETTINGS)}")
     ap.add_argument("--check", default="", help="settings whose captures to audit at Kimi-K2 width, 4 layers")
@@ -303,8 +299,8 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-seed"))
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-seed"))
-    ap.add_argument("--cpu-smoke", action="store_true", help="4-layer tiny folders on this machine's CPU SGLang")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="4-layer tiny folders on this machine's CPU SGLang")
+    args = ap.parse_args(argv)
     speed_settings = [s for s in args.settings.split(",") if s]
     check_settings = [s for s in args.check.split(",") if s]
     unknown = set(speed_settings + check_settings) - set(SETTINGS)
@@ -314,12 +310,12 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    earlier = json.loads(args.results.read_text()) if args.results.exists() and not args.cpu_smoke else {}
-    rows = [Row(**r) for r in earlier.get("rows", [])]
-    checks = [Check(**c) for c in earlier.get("checks", [])]
-    batch = prompts(args.rows, 61, 64 if args.cpu_smoke else 700, 300 if args.cpu_smoke else 4000)
+    earlier = report.read(args.results)["rows"] if args.results.exists() and not args.smoke else []
+    rows = [Row(**{k: v for k, v in r.items() if k != "kind"}) for r in earlier if r["kind"] == "speed"]
+    checks = [Check(**{k: v for k, v in c.items() if k != "kind"}) for c in earlier if c["kind"] == "check"]
+    batch = prompts(args.rows, 61, 64 if args.smoke else 700, 300 if args.smoke else 4000)
     log(f"{len(batch)} rows, {sum(map(len, batch)):,} tokens (mean {sum(map(len, batch)) / len(batch):,.0f})")
-    disk_rate = volume_rate(args.work / "rate", 57 * 2350 * 1000, 8, 256 << 20 if args.cpu_smoke else 4 << 30)
+    disk_rate = volume_rate(args.work / "rate", 57 * 2350 * 1000, 8, 256 << 20 if args.smoke else 4 << 30)
     log(f"local disk takes {disk_rate / 1e9:.2f} GB/s (8 threads, fsync)")
     header = ["# Speed at the seed's scale: 61 layers, capture 3, 31, 59 + final (one H200, sglang 0.5.14)", "",
               "Written by `benchmarks/gpu/seed_scale_bench.py`: a config-only Kimi-K2.5-shaped folder (hidden 7168, "
@@ -329,16 +325,12 @@ def main() -> None:
               f"disk {disk_rate / 1e9:.2f} GB/s (8 threads, fsync).", ""]  # fmt: skip
 
     def save() -> None:
-        doc = {"rows": [asdict(r) for r in rows], "checks": [asdict(c) for c in checks]}
-        (args.out / "gpu_seed_scale.json").write_text(json.dumps(doc, indent=1))
-        (args.out / "gpu_seed_scale.md").write_text(render(rows, checks, header))
+        measured = [{"kind": "speed", **asdict(r)} for r in rows] + [{"kind": "check", **asdict(c)} for c in checks]
+        result = report.result("seed_scale", render(rows, checks, header), parameters=vars(args), rows=measured)
+        report.write(args.out / "gpu_seed_scale", result)
 
     if speed_settings:
         speed(speed_settings, batch, rows, save, args)
     if check_settings:
         correctness(check_settings, batch, checks, save, args)
     print((args.out / "gpu_seed_scale.md").read_text())
-
-
-if __name__ == "__main__":
-    main()

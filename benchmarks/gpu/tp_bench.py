@@ -1,9 +1,7 @@
 """Kimi-K2-width capture at TP=1 and TP=2 on two H200s: equality with HF, routing flips, all-reduce
 fusion on/off, throughput. Writes ``benchmarks/results/gpu_tp2.md``-style markdown to ``--out``.
 
-Run on ``nvidia-h200-x2`` (sglang 0.5.14 in /tmp/site from the two wheel chunks), one command::
-
-    PYTHONPATH=/tmp/site python3 -m benchmarks.gpu.tp_bench --out $OUT --work /tmp/tpbench
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe. It needs two GPUs.
 
 Stages (``--stages``, default all); each one's results land in ``<work>/results/<stage>.json`` and a
 later call skips stages already done:
@@ -38,8 +36,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -47,12 +43,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.harness import plain_rate, sglang_python, smoke_args, smoke_env
+from benchmarks import report
+from benchmarks.common import log, plain_rate, sglang_python
+from harness.processes import run_layertap
+from harness.sglang import cpu_env, cpu_server_args
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
 from layertap.audit.compare import token_errors
 from layertap.audit.run import read_states, state_name
-from layertap.engines.sglang.launch import ServerConfig
-from layertap.engines.sglang.process import SGLangServer
+from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.store.store import OutputStore
 
 GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -76,19 +74,19 @@ CONFIGS = {  # stage -> (tp size, launcher extras, GPUs)
 }
 
 
-class Bench:
+class TpRun:
+    """The run's stages, each one's facts saved as it ends (``<work>/results/<stage>.json``, copied to
+    ``<out>/tp_stages/`` so that they come back from the device) and skipped by a later call."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.work, self.out = args, args.work, args.out
         self.results = self.work / "results"
         self.results.mkdir(parents=True, exist_ok=True)
-        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "tp_stages").mkdir(parents=True, exist_ok=True)
         self.model = self.work / "model"
         self.t0 = time.time()
-        self.cpu = args.cpu_smoke
+        self.cpu = args.smoke
         self.device = "cpu" if self.cpu else "cuda"
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.time() - self.t0:6.0f}s] {msg}", flush=True)
 
     def done(self, stage: str) -> dict | None:
         path = self.results / f"{stage}.json"
@@ -96,7 +94,7 @@ class Bench:
 
     def save(self, stage: str, result: dict) -> None:
         (self.results / f"{stage}.json").write_text(json.dumps(result, indent=1))
-        shutil.copy(self.results / f"{stage}.json", self.out / f"{stage}.json")
+        shutil.copy(self.results / f"{stage}.json", self.out / "tp_stages" / f"{stage}.json")
 
     # -- build ------------------------------------------------------------------------------------
 
@@ -142,7 +140,7 @@ class Bench:
         tp, extras, gpus = CONFIGS[stage]
         shutil.rmtree(self.work / stage, ignore_errors=True)
         if self.cpu:
-            env, sglang_args = smoke_env(tp), smoke_args("bfloat16", 256)
+            env, sglang_args = cpu_env(tp), cpu_server_args("bfloat16", 256)
         else:
             env, sglang_args = {**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS
         python = sglang_python(self.cpu)
@@ -167,11 +165,11 @@ class Bench:
         with httpx.Client(timeout=900) as client:
             plain_rate(client, server.url, [[5] * 64, [7] * 600], 2)  # first-request kernel builds
         result["warmup_s"] = time.time() - t
-        self.log(
+        log(
             f"{stage}: up in {result['server_up_s']:.0f}s, warm-up {result['warmup_s']:.0f}s; fusion {result['fusion']}"
         )
         result["eq"] = self.extract(stage, "eq", server.url, server.config.dump_root, in_flight=16)
-        self.log(f"{stage}: equality set captured")
+        log(f"{stage}: equality set captured")
         return result
 
     def throughput(self, stage: str, server: SGLangServer, result: dict) -> None:
@@ -186,7 +184,7 @@ class Bench:
                 result[f"capture_{n}"] = self.extract(
                     stage, f"tput{n}", server.url, server.config.dump_root, in_flight=n
                 )
-                self.log(f"{stage}: in flight {n}: plain {result[f'plain_{n}']:,.0f} tok/s, "
+                log(f"{stage}: in flight {n}: plain {result[f'plain_{n}']:,.0f} tok/s, "
                          f"capture {result[f'capture_{n}']['tok_s']:,.0f} tok/s")  # fmt: skip
 
     def serve_all(self, stages: list[str]) -> None:
@@ -210,7 +208,7 @@ class Bench:
                         self.throughput(stage, servers[stage], results[stage])
                     except Exception as exc:
                         results[stage] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
-                        self.log(f"{stage}: FAILED {results[stage]['error']}")
+                        log(f"{stage}: FAILED {results[stage]['error']}")
                     servers[stage].stop()
         finally:
             for server in servers.values():
@@ -226,12 +224,11 @@ class Bench:
         """``layertap extract --engine sglang`` attached to the running server, as a user runs it."""
         store = self.work / stage / f"store-{data}"
         dataset = self.work / f"{data.rstrip('0123456789')}.jsonl"
-        cmd = [sys.executable, "-m", "layertap", "extract", "--engine", "sglang", "--server-url", url,
-               "--dump-root", str(dumps), "--model", str(self.model), "--data", str(dataset),
-               "--layers", ",".join(map(str, LAYERS)), "--out", str(store), "--in-flight", str(in_flight),
-               *self.args.cli_flags.split()]  # fmt: skip
         t = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
+        proc = run_layertap("extract", "--engine", "sglang", "--server-url", url, "--dump-root", dumps, "--model",
+                            self.model, "--data", dataset, "--layers", ",".join(map(str, LAYERS)), "--out", store,
+                            "--in-flight", in_flight, *self.args.cli_flags.split(),
+                            env={**os.environ, "COLUMNS": "300"})  # fmt: skip
         wall = time.time() - t
         (self.out / f"extract-{stage}-{data}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
@@ -253,7 +250,7 @@ class Bench:
         for stage, r in runs.items():
             report = audit_store(Path(r["eq"]["store"]), fraction=1.0, device=self.device, trust_remote_code=remote)
             out["audits"][stage] = report.to_dict() | {"markdown": report.markdown()}
-            self.log(f"ref: {stage}: {report.summary()}")
+            log(f"ref: {stage}: {report.summary()}")
         tp1 = stored_states(Path(runs["tp1"]["eq"]["store"]))
         for stage in ("tp2", "tp2-fused"):
             if stage in runs:
@@ -332,7 +329,7 @@ def equality_tables(ref: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpbench"))
@@ -349,22 +346,19 @@ def main() -> None:
     ap.add_argument("--server-flags", default="--trust-remote-code", help="extra SGLang flags for every server")
     ap.add_argument("--cli-flags", default="--trust-remote-code", help="extra `layertap extract` flags")
     ap.add_argument("--deadline-s", type=float, default=420, help="no throughput run starts after this many seconds")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU SGLang server, to debug the script")
-    args = ap.parse_args()
-    bench = Bench(args)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU SGLang server, to debug the script")
+    args = ap.parse_args(argv)
+    bench = TpRun(args)
     stages = args.stages.split(",")
     for stage in ("build", *[s for s in CONFIGS if s in stages], "ref"):
         if stage not in stages or bench.done(stage) is not None:
             continue
-        bench.log(f"{stage}: start")
+        log(f"{stage}: start")
         if stage in CONFIGS:
             bench.serve_all([s for s in CONFIGS if s in stages and bench.done(s) is None])
         else:
             bench.save(stage, getattr(bench, stage)())
-        bench.log(f"{stage}: end")
-    (args.out / "gpu_tp2.md").write_text("\n".join(bench.report()) + "\n")
-    print((args.out / "gpu_tp2.md").read_text())
-
-
-if __name__ == "__main__":
-    main()
+        log(f"{stage}: end")
+    done = [{"stage": stage, **facts} for stage in ("build", *CONFIGS, "ref") if (facts := bench.done(stage))]
+    result = report.result("tp", "\n".join(bench.report()) + "\n", parameters=vars(args), rows=done)
+    print(report.write(args.out / "gpu_tp2", result))

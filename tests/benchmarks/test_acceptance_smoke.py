@@ -1,4 +1,4 @@
-"""The acceptance benchmark's CPU stages keep working: `acceptance_bench.py --cpu-smoke` makes its corpus,
+"""The acceptance benchmark's CPU stages keep working: `acceptance_bench.py --smoke` makes its corpus,
 tokenizer and target, extracts with `layertap extract --engine sglang`, builds the control stores, trains and
 exports the correct drafter with SpecForge as TRAIN.md says, and serves the target without a drafter (the CPU
 SGLang cannot run speculative decoding: the H200 run serves the drafters)."""
@@ -26,7 +26,7 @@ def work(tmp_path_factory: pytest.TempPathFactory, sglang_python: Path, trainers
     """One smoke run of every stage (only the correct arm trained: the controls' stores are built and checked, and
     training them is the same code on another folder)."""
     work = tmp_path_factory.mktemp("acceptance")
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu.acceptance_bench", "--cpu-smoke", "--work", str(work), "--arms",
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "acceptance", "--smoke", "--work", str(work), "--arms",
                           "correct,b-ids-off-by-one,e-no-eagle-config", "all"], capture_output=True, text=True, timeout=1500, cwd=REPO)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return work

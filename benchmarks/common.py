@@ -1,0 +1,112 @@
+"""What the benchmarks share beside the harness: the log line, the GPU servers' flags, synthetic data, plain prefill.
+
+Processes, Redis, the coordinator, workers and the CPU SGLang server come from ``harness`` (tests start them the same
+way); a result's JSON and its table from ``benchmarks.report``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from harness.sglang import SGLANG_CPU_PYTHON
+from layertap.demo import demo_rows
+
+T0 = time.monotonic()
+
+# Flags every GPU benchmark server gets; each adds its attention backend, chunk size and memory split.
+GPU_COMMON = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--disable-cuda-graph", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16")  # fmt: skip
+# Kimi-K2's width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared) at 4 layers: `layertap tiny-model`'s shape.
+KIMI_K2_WIDTH = {"shape": "kimi-k2-width", "num_hidden_layers": 4}
+WORDS = "the model reads a prompt and computes hidden states for every token while drafts learn from them".split()  # noqa: SIM905
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:4.0f}s] {message}", flush=True)
+
+
+def sglang_python(smoke: bool) -> Path:
+    """The server's interpreter: the CPU SGLang venv for a smoke run, else this one (the device installs SGLang
+    beside layertap)."""
+    return SGLANG_CPU_PYTHON if smoke else Path(sys.executable)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+
+
+def chat_rows(n: int, rng: random.Random, *, max_words: int = 160) -> list[dict]:
+    """``n`` synthetic chats of 1-3 turns (replies of up to ``max_words`` words), ShareGPT and OpenAI shaped in
+    turn, with unique ids."""
+
+    def text(low: int, high: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(rng.randint(1, 3)):
+            turns += [("user", text(10, 60)), ("assistant", text(20, max_words))]
+        if i % 2:
+            rows.append({"id": f"chat-{i}", "conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}[r], "value": t} for r, t in turns]})  # fmt: skip
+        else:
+            rows.append({"id": f"chat-{i}", "messages": [{"role": r, "content": t} for r, t in turns]})
+    return rows
+
+
+def token_row(i: int, rng: random.Random, vocab: int, low: int, high: int) -> dict:
+    """A pre-tokenized row of the seed corpus's lengths (uniform in [low, high]); the last ~40% is loss."""
+    n = rng.randint(low, high)
+    cut = int(n * 0.6)
+    return {"id": f"tok-{i}", "input_ids": [rng.randrange(10, vocab) for _ in range(n)],
+            "loss_mask": [0] * cut + [1] * (n - cut)}  # fmt: skip
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_dataset(path: Path, chats: int, token_rows: int, vocab: int, low: int, high: int) -> int:
+    """The demo's chats, ``chats`` synthetic ones and ``token_rows`` token-id rows, shuffled: the row count."""
+    rng = random.Random(20261201)
+    rows = demo_rows() + chat_rows(chats, rng)
+    rows += [token_row(i, rng, vocab, low, high) for i in range(token_rows)]
+    rng.shuffle(rows)
+    write_jsonl(path, rows)
+    return len(rows)
+
+
+def prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:
+    """``n`` prompts of ``low``-``high`` random token ids every tiny tokenizer knows."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 1500) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+# -- SGLang ---------------------------------------------------------------------------------------------------
+
+
+def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> float:
+    """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once."""
+
+    def one(ids: list[int]) -> None:
+        body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
+        reply = client.post(url + "/generate", json=body)
+        assert reply.status_code == 200, reply.text[:300]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(in_flight) as pool:
+        list(pool.map(one, batch))
+    return sum(map(len, batch)) / (time.perf_counter() - t0)
