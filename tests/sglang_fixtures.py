@@ -16,7 +16,6 @@ Fixtures:
 
 from __future__ import annotations
 
-import subprocess
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -25,19 +24,19 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from harness.sglang import build_cuda_stub, cpu_server_args
+from layertap.engines.sglang.launch import ServerConfig, cpu_server_env
 from layertap.engines.sglang.process import SGLangServer as ServerProcess
 from tests.venvs import SGLANG_PYTHON
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CUDA_STUB_SOURCE = REPO_ROOT / "scripts" / "libcuda_stub.c"
 
 # Capture indices per tiny model (llama: 6 layers, kimi-k2: 5 layers, first dense): the first and last
 # legal index and one in between; for kimi, index 2 is the output of its first MoE layer.
 DEFAULT_LAYERS = {"llama": (1, 3, 5), "kimi-k2": (1, 2, 4)}
 CHUNKED_PREFILL_SIZE = 64
 # Every test server's SGLang flags but its TP size: the CPU backend, float32, small chunked-prefill passes.
-TEST_SERVER_ARGS = (*CPU_SERVER_ARGS, "--dtype", "float32", "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE))
+TEST_SERVER_ARGS = cpu_server_args("float32", CHUNKED_PREFILL_SIZE)
 STARTUP_TIMEOUT_S = 900.0  # a start that outlasts it is not retried; a loaded 2-core box started TP=2 in > 300 s
 
 
@@ -55,25 +54,6 @@ class SGLangServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def build_cuda_stub(out_dir: Path) -> Path:
-    """Compile scripts/libcuda_stub.c into `out_dir`/libcuda.so.1; returns `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            "gcc",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-o",
-            str(out_dir / "libcuda.so.1"),
-            str(CUDA_STUB_SOURCE),
-        ],
-        check=True,
-    )
-    return out_dir
 
 
 @contextmanager
