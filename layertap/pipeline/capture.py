@@ -1,6 +1,8 @@
-"""The capture and commit steps: samples -> the engine -> validated files in the store, several commits in flight.
+"""The admit, capture and commit steps: samples -> the engine -> validated files in the store, several commits in
+flight.
 
-The engine captures a stream of samples (several requests in flight); each capture is committed by a thread of
+`admit` lets through the samples the engine takes (a job's max_length may be above its server's limit). The engine
+captures a stream of samples (several requests in flight); each capture is committed by a thread of
 ``commit_threads`` (check, hash, write or rename, fsync: they release the GIL) while the engine goes on. A sample that
 fails is retried alone, a bounded number of times, so one poison sample never fails its batch-mates.
 """
@@ -13,12 +15,39 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from layertap.engines.base import Engine
-from layertap.errors import LayertapError, SampleError
+from layertap.errors import LayertapError, RowError, SampleError
 from layertap.pipeline.ledger import Ledger
-from layertap.pipeline.steps import Item
+from layertap.pipeline.plan import RunPlan
+from layertap.pipeline.steps import Item, Tokenize
+from layertap.regenerate import retokenization_mismatches
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 
 log = logging.getLogger(__name__)
+
+
+def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledger) -> Iterator[Item]:
+    """The ``todo`` items whose samples go on to the capture: a new sample longer than the engine takes (a stored
+    plan's max_length above its server's limit: `RunPlan.on`) is its row's error (kind ``server_limit``); each
+    admitted one is counted in the report (truncated, and for a regenerated row its new tokens, cut turns and turns
+    re-tokenized otherwise than generated)."""
+    limit = plan.engine.input_limit
+    for item in items:
+        sample = item.sample
+        assert sample is not None
+        if limit is not None and sample.num_tokens > limit:
+            ledger.row_failed(RowError(
+                f"{sample.num_tokens} tokens, more than the {limit} the SGLang server accepts (the job's max_length "
+                f"{plan.spec.max_length} is above its limit: submit with max_length at most {limit})",
+                row=sample.index, sample_id=sample.sample_id, kind="server_limit",
+            ))  # fmt: skip
+            continue
+        report = ledger.report
+        report.truncated += sample.truncated
+        if (out := item.regenerated) is not None:
+            report.generated_tokens += out.generated_tokens
+            report.turns_cut += out.cut_turns
+            report.retokenization_mismatches += len(retokenization_mismatches(tokenize.chat, out))
+        yield item
 
 
 class Capture:

@@ -9,7 +9,7 @@ Everything after reads the plan; the manifest is its serialization (`RunPlan.man
 The input length has two names: ``spec.max_length``, what the user asked, and ``input_limit``, what the run uses
 (rows are tokenized within it: max_length, or the engine's limit below it). A job is planned before its workers'
 servers are known: a worker's plan keeps the job's max_length even above its server's limit, and each row longer
-than the server takes is that row's error (`steps.admit`).
+than the server takes is that row's error (`capture.admit`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class RunPlan:
         above that limit is refused (SpecError naming it) before any work; without one, rows longer than the limit
         are truncated or skipped at it (``overlong``), instead of the server refusing each. A stored plan computes in
         its manifest's dtype (ServerError for an engine that would not) and keeps its max_length: each longer row
-        is its error (`steps.admit`)."""
+        is its error (`capture.admit`)."""
         facts = EngineFacts.of(engine)
         if self.stored and facts.compute_dtype != self.engine.compute_dtype:
             raise ServerError(

@@ -8,8 +8,8 @@ The same function serves the CLI (one process, the whole dataset: `run_extractio
 
 the row planner (`rows.RowPlanner`: read, identify, parse, tokenize; what the store verifiably holds and its rows
 still give is skipped, what they no longer give retired), the regenerate step under ``regenerate``
-(`generate.regenerate`), `steps.admit` (a sample held to the engine's limit), and the capture and commit steps
-(`capture.Capture`: several requests in flight, failing samples retried alone a bounded number of times). Each
+(`generate.regenerate`), and the admit, capture and commit steps (`capture.admit`: a sample held to the engine's
+limit; `capture.Capture`: several requests in flight, failing samples retried alone a bounded number of times). Each
 outcome goes to one `ledger.Ledger` (the store's logs, the report, and a ``ShardEvents``: a progress bar, or Redis
 counters).
 """
@@ -25,12 +25,12 @@ from layertap.data.scan import load_duplicates, save_duplicates
 from layertap.engines.base import Engine
 from layertap.engines.factory import EngineFactory
 from layertap.errors import ServerError
-from layertap.pipeline.capture import Capture
+from layertap.pipeline.capture import Capture, admit
 from layertap.pipeline.generate import regenerate, regenerator_for
 from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, ShardEvents
 from layertap.pipeline.plan import RunPlan, plan_run
 from layertap.pipeline.rows import RowPlanner
-from layertap.pipeline.steps import Item, Tokenize, admit
+from layertap.pipeline.steps import Item, Tokenize
 from layertap.settings import COMMIT_THREADS
 from layertap.spec import ExtractionSpec
 from layertap.store.index import SampleRecord

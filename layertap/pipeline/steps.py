@@ -7,13 +7,13 @@ A run is a chain of small steps, each taking and yielding `Item`s (datatrove's s
 read, identify, parse and tokenize are the row planner's (`rows.RowPlanner`: each row planned ``done``, ``changed``,
 ``todo`` or ``error`` against the store's records, from one stream of the dataset); regenerate is `generate.py`'s,
 capture and commit `capture.py`'s; `run.run_shard` chains them. This module holds the steps the planner and the run
-share: `identify` (a row's id) and `Tokenize` (the chat template within the run's input limit), and the one step
-between tokenize and capture, `admit` (a new sample held to the engine's limit).
+share: `identify` (a row's id), `unrequestable` (an id no capture request can name) and `Tokenize` (the chat template
+within the run's input limit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,9 +22,7 @@ from layertap.data.reader import Row
 from layertap.data.rows import ParsedRow, sample_id_of
 from layertap.errors import RowError
 from layertap.models.folder import ModelFolder
-from layertap.pipeline.ledger import Ledger
-from layertap.pipeline.plan import RunPlan
-from layertap.regenerate import Regenerated, RowJob, retokenization_mismatches
+from layertap.regenerate import Regenerated, RowJob
 from layertap.sample import TokenizedSample
 from layertap.spec import ExtractionSpec
 from layertap.store.index import SampleRecord
@@ -114,28 +112,3 @@ class Tokenize:
         )
         check_loss_mask(parsed, sample)
         return sample
-
-
-def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledger) -> Iterator[Item]:
-    """The ``todo`` items whose samples go on to the capture: a new sample longer than the engine takes (a stored
-    plan's max_length above its server's limit: `RunPlan.on`) is its row's error (kind ``server_limit``); each
-    admitted one is counted in the report (truncated, and for a regenerated row its new tokens, cut turns and turns
-    re-tokenized otherwise than generated)."""
-    limit = plan.engine.input_limit
-    for item in items:
-        sample = item.sample
-        assert sample is not None
-        if limit is not None and sample.num_tokens > limit:
-            ledger.row_failed(RowError(
-                f"{sample.num_tokens} tokens, more than the {limit} the SGLang server accepts (the job's max_length "
-                f"{plan.spec.max_length} is above its limit: submit with max_length at most {limit})",
-                row=sample.index, sample_id=sample.sample_id, kind="server_limit",
-            ))  # fmt: skip
-            continue
-        report = ledger.report
-        report.truncated += sample.truncated
-        if (out := item.regenerated) is not None:
-            report.generated_tokens += out.generated_tokens
-            report.turns_cut += out.cut_turns
-            report.retokenization_mismatches += len(retokenization_mismatches(tokenize.chat, out))
-        yield item
