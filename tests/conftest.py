@@ -12,7 +12,6 @@ from layertap.tiny import build_tiny_model
 pytest_plugins = ["tests.venvs", "tests.sglang_fixtures", "tests.service_fixtures"]
 
 # --- What a test starts, read from the fixtures it uses (directly or through other fixtures): its markers. ---
-# The fast lane leaves these out: pytest -m "not sglang and not services and not trainers and not cli" (README).
 
 STARTS: dict[str, frozenset[str]] = {
     "sglang": frozenset({"sglang_python", "cuda_stub_dir"}),
@@ -20,6 +19,38 @@ STARTS: dict[str, frozenset[str]] = {
     "trainers": frozenset({"trainers_python"}),
     "cli": frozenset({"layertap_cli"}),
 }
+
+# --- The fast lane: a bare `pytest` runs only the tests that start nothing (scripts/test.sh runs them all). ---
+# A command line that names what to run (a path or node id, -m, -k, --lf) gets exactly that, as pytest's own rules say.
+
+FAST_LANE = " and ".join(f"not {marker}" for marker in STARTS)
+
+
+def _names_tests(config: pytest.Config) -> bool:
+    """Whether the command line chose tests itself: paths or node ids, a marker or keyword expression (even an
+    empty ``-m ""``, which is how scripts/test.sh asks for everything), or the last failures."""
+    given = config.invocation_params.args
+    return (
+        config.args_source is pytest.Config.ArgsSource.ARGS
+        or bool(config.option.markexpr or config.option.keyword)
+        or any(arg.startswith("-m") or arg.startswith("-k") for arg in given)
+        or bool(config.getoption("lf", False))
+    )
+
+
+_FAST_LANE_ON = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_FAST_LANE_ON] = not _names_tests(config)
+    if config.stash[_FAST_LANE_ON]:
+        config.option.markexpr = FAST_LANE
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.stash[_FAST_LANE_ON]:
+        return f"fast lane (-m {FAST_LANE!r}): bash scripts/test.sh or pytest -m '' runs everything"
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

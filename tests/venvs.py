@@ -16,8 +16,8 @@ TRAINERS_PYTHON = Path(os.environ.get("LAYERTAP_TRAINERS_PYTHON", "/opt/trainers
 def _venv_python(python: Path, setup: str) -> Path:
     if not python.exists():
         message = f"no venv at {python.parent.parent}: run {setup}"
-        if os.environ.get("CI"):  # CI installs it (scripts/test.sh): a missing venv there is a failure
-            pytest.fail(message)
+        if os.environ.get("CI") or os.environ.get("LAYERTAP_VENVS_REQUIRED"):  # set by scripts/test.sh, which
+            pytest.fail(message)  # installed it (CI runs it): a test skipped there would pass for one that never ran
         pytest.skip(message)
     return python
 
