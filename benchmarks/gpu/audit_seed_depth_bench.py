@@ -115,7 +115,8 @@ def save(args: argparse.Namespace, stage: str, data: dict) -> None:
     path.write_text(json.dumps(results | {stage: data}, indent=1))
 
 
-def table(args: argparse.Namespace) -> str:
+def markdown(args: argparse.Namespace) -> str:
+    """The table and its projection, from the stages' facts (``WORK/results.json``)."""
     results = json.loads((args.work / "results.json").read_text())
     a, rep = results["audit"], results["audit"]["report"]
     seconds, tokens = rep["seconds"], rep["tokens"]
@@ -186,6 +187,6 @@ def main(argv: list[str] | None = None) -> None:
             step(args)
     if "audit" in stages:
         stages_run = json.loads((args.work / "results.json").read_text())
-        result = report.result("audit_seed_depth", table(args), parameters=vars(args),
+        result = report.result("audit_seed_depth", markdown(args), parameters=vars(args),
                                rows=[{"stage": stage, **facts} for stage, facts in stages_run.items()])  # fmt: skip
         print(report.write(args.out, result) if args.out else report.render(result))

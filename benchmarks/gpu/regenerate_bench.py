@@ -388,7 +388,7 @@ def ratio_to_plain(part: dict[str, Any], plain: dict[str, Any] | None) -> str:
     return f"**{value:.3f}**" + ("" if here and there else " (nodes not recorded)")
 
 
-def table(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> str:
     """``gpu_regenerate.md`` from every part measured so far."""
     lines = ["# Regeneration on one H200: `--regenerate all`, then capture", "",
              "Written by `benchmarks/gpu/regenerate_bench.py` (its docstring says how each figure is measured). "
@@ -536,7 +536,9 @@ def main(argv: list[str] | None = None) -> None:
             if not args.smoke:
                 this_node.write_text(json.dumps(ours))
             rows = [{"part": key, **value} for key, value in results.items()]  # each part as it ends
-            report.write(args.out / name, report.result("regenerate", table(results), parameters=vars(args), rows=rows))
+            report.write(
+                args.out / name, report.result("regenerate", markdown(results), parameters=vars(args), rows=rows)
+            )
     finally:
         if args.pack_kernel_cache and args.kernel_cache_tgz:  # what this run built (a file back is 16 MiB at most)
             with tarfile.open(args.pack_kernel_cache, "w:gz") as packed:
