@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import Proc, wait_for
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
 from layertap.engines.sglang.launch import cpu_server_env
@@ -25,7 +26,6 @@ from layertap.store.index import INDEX_DIR, REGENERATED_DIR
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.service_fixtures import Proc, wait_for
 from tests.sglang_fixtures import DEFAULT_LAYERS, TEST_SERVER_ARGS
 from tests.worker.conftest import SHARD_SIZE
 
