@@ -6,8 +6,8 @@ imports the other (``benchmarks/`` never imports ``tests/``); and not inside the
 know how its services are deployed (it starts none of FastAPI or Celery). The convention is a library's testing
 helpers shipped as a package of their own (``celery.contrib.testing``, ``fastapi.testclient``): here the repository
 is the library, so the package sits at its root and is not installed with the product (pyproject lists only
-``layertap``, ``coordinator``, ``worker`` and ``sglang_patch``). It imports only the core (``free_port``, the CPU
-server flags), the standard library, httpx and redis: what the device machine has. Nothing here imports pytest;
+``layertap``, ``coordinator``, ``worker`` and ``sglang_patch``). It imports only ``free_port`` from the core, the
+standard library, httpx and redis: what the device machine has. Nothing here imports pytest;
 the fixtures in ``tests/service_fixtures.py`` are thin wrappers over it.
 
 - ``harness.processes``: ``Proc`` (a subprocess in a session of its own, its output in a log file), waiting,

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.sglang import build_cuda_stub, cpu_server_args
-from layertap.engines.sglang.launch import ServerConfig, cpu_server_env
+from harness.sglang import build_cuda_stub, cpu_server_args, cpu_server_env
+from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer as ServerProcess
 from tests.venvs import SGLANG_PYTHON
 

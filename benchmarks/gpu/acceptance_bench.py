@@ -68,9 +68,8 @@ from benchmarks.gpu.acceptance_target import (
 )
 from benchmarks.report import git_commit
 from harness.processes import LAYERTAP, REPO_ROOT, run_layertap
-from harness.sglang import cpu_env
+from harness.sglang import CPU_SERVER_ARGS, cpu_env
 from layertap.engines.sglang import ServerConfig, SGLangServer
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS
 from layertap.store.store import OutputStore
 from layertap.trainers import GUIDE
 

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.processes import wait_for
-from layertap.engines.sglang.launch import cpu_server_env
+from harness.sglang import cpu_server_env
 from layertap.state.keys import Keys
 from layertap.state.views import live_workers
 from tests.core.datasets import conversation_rows, write_jsonl

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from harness.processes import Proc, wait_for
+from harness.sglang import cpu_server_env
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
-from layertap.engines.sglang.launch import cpu_server_env
 from layertap.engines.sglang.process import SGLangServer
 from layertap.engines.sglang.session import ServerSession
 from layertap.models.folder import ModelFolder

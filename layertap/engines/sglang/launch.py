@@ -5,7 +5,6 @@ its model folder and store (`server_model_args`, `dump_layout`, `dump_quantize`)
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,28 +13,6 @@ from layertap.spec import CaptureSpec
 from sglang_patch.contract import DEFAULT_RID_PREFIX, FORMAT_FINAL, SPECULATORS
 
 log = logging.getLogger(__name__)
-
-# What a tiny model needs to run on SGLang 0.5.10's CPU backend (see scripts/setup_sglang_cpu.sh).
-# --sleep-on-idle: an idle scheduler otherwise busy-polls half a core, which starves everything else
-# on a small CPU box (the test suite keeps a few servers up for the whole session).
-CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
-                   "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
-
-
-def cpu_server_env(cuda_stub_dir: Path, tp_size: int = 1) -> dict[str, str]:
-    """Environment of a CPU server: SGLang's CPU engine switch and the libcuda stub.
-
-    At ``--tp-size`` > 1 the ranks talk over gloo: each rank gets its own share of this process's
-    cores (SGLang otherwise wants one NUMA node per rank), and NCCL is pointed at nothing (the
-    venv's CUDA torch ships it, and SGLang would try to open a GPU communicator with it).
-    """
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(cuda_stub_dir)}
-    if tp_size > 1:
-        cores = sorted(os.sched_getaffinity(0))
-        shares = [cores[r::tp_size] or [cores[r % len(cores)]] for r in range(tp_size)]
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, share)) for share in shares)
-        env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so"
-    return env
 
 
 @dataclass(frozen=True, slots=True)

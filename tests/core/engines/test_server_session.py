@@ -21,10 +21,11 @@ import httpx
 import pytest
 import torch
 
+from harness.sglang import cpu_server_env
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
 from layertap.engines.sglang.engine import SGLangEngine
-from layertap.engines.sglang.launch import ServerConfig, cpu_server_env
+from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer
 from layertap.engines.sglang.session import SERVER_DOWN_TRIES, ServerSession
 from layertap.errors import RowError, ServerError

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.engines.sglang import SGLangEngine
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import SGLangServer
 from layertap.models.folder import ModelFolder, model_dims
 from layertap.pipeline import run_extraction

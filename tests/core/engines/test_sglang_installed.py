@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, cpu_server_env
+from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import CHUNKED_PREFILL_SIZE, REPO_ROOT

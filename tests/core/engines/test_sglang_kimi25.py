@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, cpu_server_env
+from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store

@@ -23,8 +23,9 @@ import pytest
 
 import sglang_patch
 from harness.processes import wait_for
+from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.engines.sglang import process
-from layertap.engines.sglang.launch import CPU_SERVER_ARGS, ServerConfig, cpu_server_env
+from layertap.engines.sglang.launch import ServerConfig
 from layertap.engines.sglang.process import PluginFolder, SGLangServer, live_group_members
 from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
