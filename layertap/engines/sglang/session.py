@@ -3,7 +3,7 @@
 It holds the HTTP client, reads the server's facts and checks them before any request (`server_facts`), and keeps
 the one policy for a request the server dropped (no answer, HTTP 5xx, or a death before the request's dump was
 written), for the capture's prefills and a regenerating run's generations alike (`until_served`): the request is
-sent again once the server serves (`recover`: an owned server that died is restarted, within its restart budget,
+sent again once the server serves (`_recover`: an owned server that died is restarted, within its restart budget,
 and checked again; a server given by URL that still answers is checked again, one that does not ends the run:
 someone else runs it). A drop is not the request's fault and costs its sample or row none of its attempts, unless
 the server keeps dropping it while it stays up (`SERVER_DOWN_TRIES`): then the try failed (SampleError), as any
@@ -99,7 +99,7 @@ class ServerSession:
 
     def until_served(self, one_try: Callable[[], T]) -> T:
         """``one_try()`` (one request, raising ServerDown when the server dropped it), again after each drop once the
-        server serves (`recover`); SampleError once it was dropped more than `SERVER_DOWN_TRIES` times while the
+        server serves (`_recover`); SampleError once it was dropped more than `SERVER_DOWN_TRIES` times while the
         server stayed up, ServerError when the server cannot serve again."""
         drops = 0
         while True:
@@ -110,9 +110,9 @@ class ServerSession:
             drops += 1
             if drops > SERVER_DOWN_TRIES and self.server.alive():
                 raise SampleError(f"the server kept dropping this request ({drops} times, up meanwhile): {reason}")
-            self.recover(reason)
+            self._recover(reason)
 
-    def recover(self, reason: str) -> None:
+    def _recover(self, reason: str) -> None:
         """The server dropped a request (``reason``): return once it serves again, restarting it if it is down and
         ours, within the restart budget, and checking it again; ServerError otherwise, naming how it ended and the
         decisive line of its log (the exception that killed it)."""
