@@ -260,7 +260,8 @@ class SGLangServer:
 
     def launch(self) -> None:
         """Start an owned server's process without waiting for it (`wait_ready` waits; `start` does both and
-        retries). The calling thread must live as long as the server: the process dies with it (PR_SET_PDEATHSIG)."""
+        retries). It forks from the launcher thread (`_Launcher`): it dies with this process, not with the calling
+        thread."""
         if self.config is not None:
             self._launch(self.config, "launch")
 
