@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         f"`LAYERTAP_DEVICE`; its server launched with `{' '.join(server_args)}`"
         + (" and the kernel cache unpacked from the tarball." if args.kernel_cache_tgz else "."),
         "",
-        f"| | the job's audit (the worker, no `LAYERTAP_DEVICE`) | `layertap audit OUT --samples "
+        f"|  | the job's audit (the worker, no `LAYERTAP_DEVICE`) | `layertap audit OUT --samples "
         f"{args.audit_samples} --trust-remote-code` (`--device auto`, the default) |",
         "|---|---|---|",
         f"| device (its report) | {mine['device']} | {hand['device']} |",
