@@ -4,18 +4,21 @@ A server is SGLang 0.5.10.post1 from its own venv (``LAYERTAP_SGLANG_PYTHON``, d
 /opt/sglang-venv/bin/python; `scripts/setup_sglang_cpu.sh` makes it), started as
 ``python -m sglang_patch.launch`` with the plugin's own folder on PYTHONPATH, the libcuda stub on
 LD_LIBRARY_PATH and ``SGLANG_USE_CPU_ENGINE=1``, in float32 with small chunked-prefill passes so
-that prompts span passes and passes hold several requests. Server warmup stays on. Tests that need
-one are skipped when the SGLang venv is missing (they fail under CI, which installs it).
+that prompts span passes and passes hold several requests. Server warmup stays on: its one request takes about
+a second of a 40-90 s start (measured), and it is the product's path. Tests that need one are skipped when the
+SGLang venv is missing (they fail under scripts/test.sh and CI, which install it).
 
 Fixtures:
 - ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=..., tp_size=1,
   layout="states", quantize="none")``
-  -> `SGLangServer`; the same arguments give the same (running) server; all stop at session end.
+  -> `SGLangServer`; the same arguments give the same (running) server; all stop at session end. The session's
+  summary lists every start by key and the test that caused it (a restart after eviction shows as a second one).
 - ``sglang_llama`` / ``sglang_kimi``: the factory applied to the tiny models with `DEFAULT_LAYERS`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -113,14 +116,65 @@ def cuda_stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 MAX_LIVE_SERVERS = 4
 
 
+@dataclass(frozen=True, slots=True)
+class ServerStart:
+    """One start of a test server, for the session's summary: what it serves, the test that asked, its seconds."""
+
+    key: str
+    test: str
+    seconds: float
+
+
+SERVER_STARTS = pytest.StashKey[list[ServerStart]]()
+CURRENT_TEST = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    """Remember the running test: the factory charges each server start to it."""
+    item.config.stash[CURRENT_TEST] = item.nodeid
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Every server the factory started, by key: how many starts (more than one is a restart after eviction), their
+    seconds, and the tests that caused them. Starts are the suite's main cost: a CPU server takes 25-60 s."""
+    starts = config.stash.get(SERVER_STARTS, [])
+    if not starts:
+        return
+    terminalreporter.section("SGLang test servers started (tests/sglang_fixtures.py)")
+    by_key: dict[str, list[ServerStart]] = {}
+    for started in starts:
+        by_key.setdefault(started.key, []).append(started)
+    for key, group in sorted(by_key.items(), key=lambda kv: -len(kv[1])):
+        terminalreporter.write_line(f"{len(group)}x {sum(s.seconds for s in group):6.0f} s  {key}")
+        for started in group:
+            terminalreporter.write_line(f"        {started.seconds:5.0f} s  {started.test}")
+    total = sum(s.seconds for s in starts)
+    terminalreporter.write_line(f"{len(starts)} starts of {len(by_key)} servers, {total:.0f} s in all")
+
+
+def _described(key: tuple) -> str:
+    """A factory key as one line: the model folder's name and every argument that differs from its default."""
+    model, layers, final, extra_args, tp_size, layout, quantize = key
+    words = [Path(model).name, f"layers={','.join(map(str, layers))}"]
+    words += [f"final={final}"] * (final != "both") + [f"tp={tp_size}"] * (tp_size != 1)
+    words += [f"layout={layout}"] * (layout != "states") + [f"quantize={quantize}"] * (quantize != "none")
+    return " ".join([*words, *extra_args])
+
+
 @pytest.fixture(scope="session")
 def sglang_servers(
-    tmp_path_factory: pytest.TempPathFactory, cuda_stub_dir: Path, sglang_python: Path
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, cuda_stub_dir: Path, sglang_python: Path
 ) -> Iterator[Callable[..., SGLangServer]]:
-    """Factory of CPU capture servers, one per distinct argument set. At most ``MAX_LIVE_SERVERS`` run at once: the
-    least recently asked for is stopped to start another, and started again when asked for again, so a test must
-    ask the factory (or a function-scoped fixture that does) for each server it uses, never keep one across tests."""
+    """Factory of CPU capture servers, one per distinct argument set. At most ``MAX_LIVE_SERVERS`` run at once; to
+    start another, the one asked for by the fewest test modules so far is stopped (the least recently asked for
+    among equals): a server many modules share (the tiny Llama's default) outlives the one-module servers between
+    its uses instead of being restarted after each. A stopped server is started again when asked for again, so a
+    test must ask the factory (or a function-scoped fixture that does) for each server it uses, never keep one
+    across tests. Each start is charged to the asking test in the session's summary (`pytest_terminal_summary`)."""
     running: OrderedDict[tuple, tuple[ExitStack, SGLangServer]] = OrderedDict()
+    modules: dict[tuple, set[str]] = {}
+    starts = request.config.stash.setdefault(SERVER_STARTS, [])
 
     def start(
         model_dir: Path,
@@ -133,13 +187,17 @@ def sglang_servers(
         quantize: str = "none",
     ) -> SGLangServer:
         key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size, layout, quantize)
+        test = request.config.stash.get(CURRENT_TEST, "")
+        modules.setdefault(key, set()).add(test.split("::")[0])
         if key in running:
             running.move_to_end(key)
             return running[key][1]
         while len(running) >= MAX_LIVE_SERVERS:
-            running.popitem(last=False)[1][0].close()
+            victim = min(running, key=lambda k: len(modules[k]))  # the first of equals: the least recently asked
+            running.pop(victim)[0].close()
         stack = ExitStack()
         workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
+        began = time.monotonic()
         server = stack.enter_context(
             run_sglang_server(
                 model_dir,
@@ -153,6 +211,7 @@ def sglang_servers(
                 quantize=quantize,
             )
         )
+        starts.append(ServerStart(_described(key), test, time.monotonic() - began))
         running[key] = (stack, server)
         return server
 
