@@ -168,12 +168,14 @@ def sglang_servers(
 ) -> Iterator[Callable[..., SGLangServer]]:
     """Factory of CPU capture servers, one per distinct argument set. At most ``MAX_LIVE_SERVERS`` run at once; to
     start another, the one asked for by the fewest test modules so far is stopped (the least recently asked for
-    among equals): a server many modules share (the tiny Llama's default) outlives the one-module servers between
-    its uses instead of being restarted after each. A stopped server is started again when asked for again, so a
-    test must ask the factory (or a function-scoped fixture that does) for each server it uses, never keep one
-    across tests. Each start is charged to the asking test in the session's summary (`pytest_terminal_summary`)."""
+    among equals, never one the running test asked for): a server many modules share (the tiny Llama's default)
+    outlives the one-module servers between its uses instead of being restarted after each. A stopped server is
+    started again when asked for again, so a test must ask the factory (or a function-scoped fixture that does) for
+    each server it uses, never keep one across tests. Each start is charged to the asking test in the session's
+    summary (`pytest_terminal_summary`)."""
     running: OrderedDict[tuple, tuple[ExitStack, SGLangServer]] = OrderedDict()
     modules: dict[tuple, set[str]] = {}
+    last_asked_by: dict[tuple, str] = {}
     starts = request.config.stash.setdefault(SERVER_STARTS, [])
 
     def start(
@@ -189,12 +191,14 @@ def sglang_servers(
         key = (Path(model_dir), tuple(layers), final, tuple(extra_args), tp_size, layout, quantize)
         test = request.config.stash.get(CURRENT_TEST, "")
         modules.setdefault(key, set()).add(test.split("::")[0])
+        last_asked_by[key] = test
         if key in running:
             running.move_to_end(key)
             return running[key][1]
         while len(running) >= MAX_LIVE_SERVERS:
-            victim = min(running, key=lambda k: len(modules[k]))  # the first of equals: the least recently asked
-            running.pop(victim)[0].close()
+            # Never one this test holds (it may use several at once); the first of equals is the least recently asked.
+            others = [k for k in running if last_asked_by[k] != test] or list(running)
+            running.pop(min(others, key=lambda k: len(modules[k])))[0].close()
         stack = ExitStack()
         workdir = tmp_path_factory.mktemp(f"sglang-{Path(model_dir).name}")
         began = time.monotonic()
