@@ -25,8 +25,9 @@ CPU_SERVER_ARGS = ("--device", "cpu", "--skip-tokenizer-init", "--attention-back
                    "--disable-cuda-graph", "--max-total-tokens", "16384", "--sleep-on-idle")  # fmt: skip
 
 
-def cpu_server_env(cuda_stub_dir: Path, tp_size: int = 1) -> dict[str, str]:
-    """Environment of a CPU server: SGLang's CPU engine switch and the libcuda stub.
+def cpu_server_env(cuda_stub_dir: Path = INSTALLED_CUDA_STUB, tp_size: int = 1) -> dict[str, str]:
+    """Environment of a CPU server: SGLang's CPU engine switch and the libcuda stub (by default the one
+    scripts/setup_sglang_cpu.sh built; tests build their own).
 
     At ``--tp-size`` > 1 the ranks talk over gloo: each rank gets its own share of this process's
     cores (SGLang otherwise wants one NUMA node per rank), and NCCL is pointed at nothing (the
@@ -45,11 +46,6 @@ def cpu_server_args(dtype: str, chunk: int) -> tuple[str, ...]:
     """A CPU server's SGLang flags: `CPU_SERVER_ARGS`, the weights' dtype and a prefill chunk of ``chunk``
     tokens (small, so that prompts span passes and passes hold several requests)."""
     return (*CPU_SERVER_ARGS, "--dtype", dtype, "--chunked-prefill-size", str(chunk))
-
-
-def cpu_env(tp_size: int = 1, cuda_stub_dir: Path = INSTALLED_CUDA_STUB) -> dict[str, str]:
-    """A CPU server's environment (SGLang's CPU engine switch, the libcuda stub, a core share per TP rank)."""
-    return cpu_server_env(cuda_stub_dir, tp_size)
 
 
 def build_cuda_stub(out_dir: Path) -> Path:

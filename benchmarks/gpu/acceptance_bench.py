@@ -68,7 +68,7 @@ from benchmarks.gpu.acceptance_target import (
 )
 from benchmarks.report import git_commit
 from harness.processes import LAYERTAP, REPO_ROOT, run_layertap
-from harness.sglang import CPU_SERVER_ARGS, cpu_env
+from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.store.store import OutputStore
 from layertap.trainers import GUIDE
@@ -155,7 +155,7 @@ class Run:
         log(f"{stage}: done")
 
     def server_env(self) -> dict[str, str]:
-        return {**os.environ, **cpu_env()} if self.smoke else dict(os.environ)
+        return {**os.environ, **cpu_server_env()} if self.smoke else dict(os.environ)
 
 
 def stage_corpus(run: Run) -> None:
@@ -364,7 +364,7 @@ def launch_server(run: Run, name: str, memory_share: float) -> SGLangServer:
         args = (*args, *SPEC_FLAGS, "--speculative-draft-model-path", str(run.path("arms", name, "drafter")))
     config = PlainServer(python=run.sglang_python, model=run.path("target"), dump_root=run.path("serve"), layers=(),
                          final="post", log_path=run.path("serve", f"{name.replace(' ', '-')}.log"), sglang_args=args,
-                         env=cpu_env() if run.smoke else {})  # fmt: skip
+                         env=cpu_server_env() if run.smoke else {})  # fmt: skip
     server = SGLangServer(config)
     server.launch()
     return server

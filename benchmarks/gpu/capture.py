@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
@@ -174,7 +174,7 @@ def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bo
     """Build each model and launch its servers (one per `quantize` setting, writing `layout` dumps) without
     waiting; the next model builds meanwhile. The processes are launched from this (main) thread: a server
     dies with the thread that launched it."""
-    python, env = sglang_python(smoke), cpu_env() if smoke else {}
+    python, env = sglang_python(smoke), cpu_server_env() if smoke else {}
     benches, starting = [], ThreadPoolExecutor(len(shapes) * len(quantize))
     futures = []
     for shape in shapes:

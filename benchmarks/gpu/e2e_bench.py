@@ -42,7 +42,7 @@ from benchmarks import report
 from benchmarks.common import GPU_COMMON, log, plain_rate, sglang_python, write_dataset
 from harness.processes import Proc, run_layertap
 from harness.services import RedisServer, Services
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.store.index import SampleRecord, read_jsonl_dir
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def worker(name: str) -> Proc:
             metrics_ports[name] = free_port()
-            env = {**(cpu_env() if smoke else {}),
+            env = {**(cpu_server_env() if smoke else {}),
                    "LAYERTAP_ENGINE": "sglang", "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"),
                    "LAYERTAP_SGLANG_PYTHON": str(sglang_python(smoke)), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
                    "LAYERTAP_IN_FLIGHT": str(args.in_flight), "LAYERTAP_METRICS_PORT": str(metrics_ports[name]),

@@ -34,7 +34,7 @@ from benchmarks.common import (
     write_jsonl,
 )
 from benchmarks.report import git_commit, table_lines
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         dump_root=dumps, layers=LAYERS, final="post", layout="specforge", log_path=args.out.with_suffix(".server.log"),
         sglang_args=(*cpu_server_args("bfloat16", 128), "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
         env={"LAYERTAP_KERNEL_CACHE": str(cache),
-             **(cpu_env() if smoke else {})},
+             **(cpu_server_env() if smoke else {})},
         start_attempts=1,
     )  # fmt: skip
     server = SGLangServer(config)

@@ -59,7 +59,7 @@ from benchmarks import common, report
 from benchmarks.report import table_lines
 from harness.processes import LAYERTAP, REPO_ROOT, Proc, wait_until_serving
 from harness.services import RedisServer, Services
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.data.chat import ChatTokenizer
 from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if args.smoke:
-        env |= cpu_env()
+        env |= cpu_server_env()
         server_args = list(cpu_server_args("float32", 256))
     else:
         server_args = list(SERVER_ARGS)

@@ -35,7 +35,7 @@ import torch
 from benchmarks import report
 from benchmarks.common import GPU_COMMON, log, prompts, sglang_python
 from benchmarks.gpu.capture import repoint, volume_rate
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import plan_run, run_shard
 from layertap.spec import ExtractionSpec
@@ -207,7 +207,7 @@ def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict
     for name in settings:
         link = args.work / f"dumps-{name}-{model.name}"
         repoint(link, args.tmpfs / "dumps")
-        config = ServerConfig(python=sglang_python(smoke), env=cpu_env() if smoke else {},
+        config = ServerConfig(python=sglang_python(smoke), env=cpu_server_env() if smoke else {},
                               model=model, dump_root=link, layers=layers, final="post", layout="specforge",
                               log_path=args.out / f"server-{name}-{model.name}.log",
                               sglang_args=tuple(flags[name]))  # fmt: skip

@@ -46,7 +46,7 @@ import torch
 from benchmarks import report
 from benchmarks.common import log, plain_rate, sglang_python
 from harness.processes import run_layertap
-from harness.sglang import cpu_env, cpu_server_args
+from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
 from layertap.audit.compare import token_errors
 from layertap.audit.run import read_states, state_name
@@ -140,7 +140,7 @@ class TpRun:
         tp, extras, gpus = CONFIGS[stage]
         shutil.rmtree(self.work / stage, ignore_errors=True)
         if self.cpu:
-            env, sglang_args = cpu_env(tp), cpu_server_args("bfloat16", 256)
+            env, sglang_args = cpu_server_env(tp_size=tp), cpu_server_args("bfloat16", 256)
         else:
             env, sglang_args = {**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, GPU_ARGS
         python = sglang_python(self.cpu)
