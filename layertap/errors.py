@@ -33,7 +33,8 @@ ROW_KINDS: dict[str, str] = {
     "tokenizer": "the tokenizer failed or gave no tokens",
     "loss_mask": "the loss mask came out all 0 or all 1",
     "overlong": "longer than max_length under the skip policy",
-    "server_limit": "longer than the SGLang server accepts (a job's max_length above its limit, not known at submit)",
+    "input_limit": "longer than the run's input limit, its SGLang server's prompt limit (a job's max_length above it, "
+    "not known at submit)",
     "regenerate": "nothing to regenerate (preformatted text, token ids, no user turn before an assistant turn)",
     "generation": "the server refused to generate this row's responses (e.g. a prompt past its context length), or "
     "aborted their generation every attempt",

@@ -41,7 +41,7 @@ WRITTEN = Counter("layertap_worker_written_bytes", "Bytes of sample files this w
 ERRORS = Counter(
     "layertap_worker_errors",
     "Errors by kind: a row's (layertap.errors.ROW_KINDS: row, encoding, duplicate_id, template, tokenizer, "
-    "loss_mask, overlong, server_limit, regenerate, generation, capture, internal), server (the engine or its server failed a shard), task (any other).",
+    "loss_mask, overlong, input_limit, regenerate, generation, capture, internal), server (the engine or its server failed a shard), task (any other).",
     ["worker", "kind"],
 )
 SHARDS = Counter("layertap_worker_shards", "Shard attempts this worker ended, by outcome.", ["worker", "outcome"])

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledger) -> Iterator[Item]:
     """The ``todo`` items whose samples go on to the capture: a new sample longer than the engine takes (a stored
-    plan's max_length above its server's limit: `RunPlan.on`) is its row's error (kind ``server_limit``); each
+    plan's max_length above its server's limit: `RunPlan.on`) is its row's error (kind ``input_limit``); each
     admitted one is counted in the report (truncated, and for a regenerated row its new tokens, cut turns and turns
     re-tokenized otherwise than generated)."""
     limit = plan.engine.input_limit
@@ -38,7 +38,7 @@ def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledg
             ledger.row_failed(RowError(
                 f"{sample.num_tokens} tokens, more than the {limit} the SGLang server accepts (the job's max_length "
                 f"{plan.spec.max_length} is above its limit: submit with max_length at most {limit})",
-                row=sample.index, sample_id=sample.sample_id, kind="server_limit",
+                row=sample.index, sample_id=sample.sample_id, kind="input_limit",
             ))  # fmt: skip
             continue
         report = ledger.report

@@ -49,7 +49,7 @@ def test_a_max_length_above_the_servers_limit_fails_only_the_longer_rows_then_is
     job = cluster.wait_state(job_id, "done")
     with cluster.api() as api:
         errors = api.get(f"/jobs/{job_id}/errors").json()["errors"]
-    assert [(e["row"], e["kind"]) for e in errors] == [(5, "server_limit")], errors
+    assert [(e["row"], e["kind"]) for e in errors] == [(5, "input_limit")], errors
     assert f"more than the {limit} the SGLang server accepts" in errors[0]["reason"]
     assert f"max_length {MAX_LENGTH} is above its limit" in errors[0]["reason"]
     check = verify_store(Path(job["out"]))
