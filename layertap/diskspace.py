@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from layertap.errors import SpecError, StoreError
-from layertap.models.folder import model_dims
-from layertap.spec import CaptureSpec, ExtractionSpec
+from layertap.errors import StoreError
+from layertap.spec import CaptureSpec
 from layertap.store.formats.base import DTYPES
 
 # input_ids and loss_mask are stored as int64 beside the states in every format.
@@ -43,14 +42,6 @@ def bytes_per_token(capture: CaptureSpec, hidden_size: int, store_dtype: str) ->
     states = len(capture.layers) + int(capture.final_post) + int(capture.final_pre)
     scale = FP8_SCALE_BYTES if store_dtype == "fp8" else 0
     return states * (hidden_size * DTYPES[store_dtype].itemsize + scale) + TOKEN_OVERHEAD_BYTES
-
-
-def job_bytes_estimate(spec: ExtractionSpec, tokens: int) -> int:
-    """What ``tokens`` tokens of ``spec``'s capture take on disk (SpecError if the model folder is not one)."""
-    if not (spec.model / "config.json").is_file():
-        raise SpecError(f"model {spec.model} is not a model folder (no config.json)")
-    num_layers, hidden_size = model_dims(spec.model)
-    return tokens * bytes_per_token(spec.resolve(num_layers), hidden_size, spec.store_dtype)
 
 
 def check_budget(estimate_bytes: int, root: Path, *, min_free_bytes: int) -> int:

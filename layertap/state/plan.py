@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layertap.data.scan import save_duplicates
-from layertap.diskspace import bytes_per_token
+from layertap.diskspace import bytes_per_token, check_budget
 from layertap.errors import SpecError, StoreError
 from layertap.pipeline.plan import plan_run
 from layertap.state.model import JOB_FILE, JobSpec
@@ -68,12 +68,18 @@ def job_of_store(out: Path) -> tuple[str, JobSpec] | None:
     return doc["job_id"], JobSpec.model_validate(doc["spec"])
 
 
-def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
+def plan_job(
+    spec: JobSpec, *, output_root: Path, job_id: str, expected_tokens: int | None = None, min_free_bytes: int = 0
+) -> PlannedJob:
     """Validate ``spec`` against the filesystem, create the output store, and cut the dataset into shards.
 
+    Given ``expected_tokens``, the job's output (that many tokens at the plan's bytes per token) must leave
+    ``min_free_bytes`` free under ``output_root``: checked on the plan, before the store is created.
+
     Raises SpecError (bad paths, layers outside the model, out outside the root), DatasetError (the
-    dataset cannot be read or has no rows; a repeated id is one row's error, recorded for the shards)
-    or StoreError (the folder holds another run or belongs to another job).
+    dataset cannot be read or has no rows; a repeated id is one row's error, recorded for the shards),
+    DiskSpaceError (the expected output does not fit) or StoreError (the folder holds another run or belongs to
+    another job).
     """
     for name in ("model", "data"):
         if not getattr(spec, name).is_absolute():
@@ -88,9 +94,11 @@ def plan_job(spec: JobSpec, *, output_root: Path, job_id: str) -> PlannedJob:
     engine = {"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"}
     plan = plan_run(resolved.extraction(), engine=engine)  # its workers' servers are not known yet
     assert plan.scan is not None
-    manifest = plan.manifest()
-    OutputStore.create_or_resume(out, manifest).close()
+    per_token = bytes_per_token(plan.capture, plan.folder.hidden_size, spec.store_dtype)
+    if expected_tokens is not None:
+        check_budget(expected_tokens * per_token, output_root, min_free_bytes=min_free_bytes)
+    OutputStore.create_or_resume(out, plan.manifest()).close()
     save_duplicates(out, plan.scan)  # before any shard runs: shards see only their rows, the scan saw every id
     atomic_write_json(out / JOB_FILE, {"job_id": job_id, "spec": json.loads(resolved.model_dump_json())})
     return PlannedJob(job_id=job_id, spec=resolved, shards=plan_shards(plan.dataset_rows, spec.shard_size),
-                      bytes_per_token=bytes_per_token(plan.capture, plan.folder.hidden_size, spec.store_dtype))  # fmt: skip
+                      bytes_per_token=per_token)  # fmt: skip

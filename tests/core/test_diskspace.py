@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from layertap.diskspace import bytes_per_token, free_bytes, job_bytes_estimate
+from layertap.diskspace import bytes_per_token, free_bytes
 from layertap.models.folder import model_dims
-from layertap.pipeline import run_extraction
+from layertap.pipeline import plan_run, run_extraction
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -28,8 +28,9 @@ def test_bytes_per_token_matches_what_the_store_writes(tiny_llama, tmp_path, fmt
     }
     written = sum(files.values())  # a hard link (speculators' hidden_states/ beside samples/) takes no more space
 
-    estimate = job_bytes_estimate(spec, tokens)
-    assert estimate == tokens * bytes_per_token(spec.resolve(model_dims(tiny_llama)[0]), 64, dtype)
+    plan = plan_run(spec)  # the estimate the coordinator checks: the plan's bytes per token (`plan_job`)
+    assert (plan.capture, plan.folder.hidden_size) == (spec.resolve(model_dims(tiny_llama)[0]), 64)
+    estimate = tokens * bytes_per_token(plan.capture, plan.folder.hidden_size, dtype)
     # The folder holds the estimated tensors plus, per sample, a file header and an index line, and a
     # few fixed files (manifest, report, the Arrow table's metadata): a few KiB per sample at most.
     assert estimate <= written <= estimate + len(records) * 4096 + (64 << 10), (written, estimate)

@@ -12,7 +12,7 @@ from coordinator.api.deps import DispatcherDep, KeysDep, RedisDep, SettingsDep, 
 from coordinator.api.errors import responses
 from coordinator.metrics import SUBMISSIONS
 from coordinator.schemas import JobCreate, JobErrorsPublic, JobPublic, JobsPublic, SampleErrorPublic
-from layertap.diskspace import DiskSpaceError, check_budget, job_bytes_estimate
+from layertap.diskspace import DiskSpaceError
 from layertap.errors import SpecError
 from layertap.pipeline.plan import input_limit_of
 from layertap.state.jobs import cancel_job, create_job, dispatch_pending, resume_job
@@ -57,8 +57,8 @@ def submit_job(
     body: JobCreate, settings: SettingsDep, redis: RedisDep, keys: KeysDep, dispatcher: DispatcherDep
 ) -> JobPublic:
     """Check the operator's policy, the spec (a max_length above the input limit the workers' servers said they
-    take is refused), the dataset and (given expected_tokens) the free space, create the output store, cut shards and
-    enqueue one task per shard."""
+    take is refused), the dataset and (given expected_tokens) the free space for the job's plan (`plan_job`: its
+    layers resolved once), create the output store, cut shards and enqueue one task per shard."""
     job_id = uuid.uuid4().hex[:12]
     spec = JobSpec(**body.model_dump(exclude={"expected_tokens"}))
     if spec.trust_remote_code and not settings.allow_remote_code:
@@ -69,15 +69,13 @@ def submit_job(
         )
     _check_root("model", spec.model, settings.model_root)
     _check_root("data", spec.data, settings.data_root)
-    if body.expected_tokens is not None:
-        try:
-            estimate = job_bytes_estimate(spec, body.expected_tokens)
-            check_budget(estimate, settings.output_root, min_free_bytes=settings.min_free_bytes)
-        except DiskSpaceError:
-            SUBMISSIONS.labels("no_space").inc()
-            raise
     input_limit_of(spec.extraction(), input_limit(redis, keys, str(spec.model)))  # 422 above the workers' limit
-    planned = plan_job(spec, output_root=settings.output_root, job_id=job_id)
+    try:
+        planned = plan_job(spec, output_root=settings.output_root, job_id=job_id,
+                           expected_tokens=body.expected_tokens, min_free_bytes=settings.min_free_bytes)  # fmt: skip
+    except DiskSpaceError:
+        SUBMISSIONS.labels("no_space").inc()
+        raise
     create_job(redis, keys, job_id, planned.spec, planned.shards, bytes_per_token=planned.bytes_per_token)
     dispatch_pending(redis, keys, job_id, dispatcher.send)
     SUBMISSIONS.labels("accepted").inc()
