@@ -40,7 +40,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import GPU_COMMON, log, plain_rate, sglang_python, write_dataset
-from harness.processes import Proc, run_layertap
+from harness.processes import Proc, run_layertap, wait_for
 from harness.services import RedisServer, Services
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import free_port
@@ -79,6 +79,13 @@ def scrape(port: int) -> dict[str, float]:
         elif line.startswith("layertap_worker_tokens_total{"):
             out["tokens"] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def serving(url: str) -> bool:
+    """Whether the SGLang server at ``url`` answers its health check."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    return False
 
 
 def store_by_worker(records: list[SampleRecord], index_dir: Path) -> dict[str, tuple[int, int]]:
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
 
         # -- plain prefill of the job's servers, same token ids, same in-flight ----------------------------
         urls = sorted(u for p in live.values() for u in p.server_pids().values())
+        for url in urls:  # a restarted worker's server may still be starting when the job ends (a slow box)
+            wait_for(lambda url=url: serving(url), timeout=900, what=f"the server at {url}", every=1)
         batch = [torch.load(out / r.file, weights_only=True)["input_ids"].tolist() for r in records]
         batch.sort(key=len, reverse=True)
         plain = {}
