@@ -14,7 +14,8 @@ import torch
 class TokenizedSample:
     """A dataset row after the chat template.
 
-    ``index`` is the row's position in the dataset (0-based); output files are named by it.
+    ``index`` is the dataset row number (0-based): the store's name for what the pipeline calls ``row`` (the key
+    its records keep on disk, `SampleRecord.index`); output files are named by it.
     ``input_ids`` long [T]; ``loss_mask`` uint8 [T], 1 exactly on assistant-produced tokens.
     ``regenerated``: the regenerated row these ids are the text of (`Regenerated.record`), committed with the
     sample; None for a row captured as given. ``generated_tokens``: the new tokens the server generated for it (its

@@ -122,7 +122,7 @@ class RowPlanner:
             sample_id = identify(row, data, self.duplicates)
             parsed = parse_row(row, data)
             if self.spec.regenerate is not None:
-                turns_to_regenerate(parsed, self.spec.regenerate, row_number=row, sample_id=sample_id)
+                turns_to_regenerate(parsed, self.spec.regenerate, row=row, sample_id=sample_id)
                 return RowJob(row, sample_id, parsed)
             return self.tokenize(row, sample_id, parsed, within=within)
         except RowError as err:
@@ -168,15 +168,15 @@ class RowPlanner:
         if stored is None:
             return "no regenerated row is stored for its sample"
         conversation, turns = stored_conversation(stored)
-        assert isinstance(job.row, Conversation) and self.spec.regenerate is not None  # the job's row was checked
-        wanted = turns_to_regenerate(job.row, self.spec.regenerate, row_number=job.row_number, sample_id=job.sample_id)
-        kept = [m for i, m in enumerate(job.row.messages) if i not in turns]
-        if (turns, job.row.tools) != (wanted, conversation.tools) or kept != [
+        assert isinstance(job.parsed, Conversation) and self.spec.regenerate is not None  # the job's row was checked
+        wanted = turns_to_regenerate(job.parsed, self.spec.regenerate, row=job.row, sample_id=job.sample_id)
+        kept = [m for i, m in enumerate(job.parsed.messages) if i not in turns]
+        if (turns, job.parsed.tools) != (wanted, conversation.tools) or kept != [
             m for i, m in enumerate(conversation.messages) if i not in turns
         ]:
             return "its given turns (or the turns to regenerate) differ from those its stored regenerated row answered"
         try:
-            return self.tokenize(job.row_number, job.sample_id, conversation, turns,
+            return self.tokenize(job.row, job.sample_id, conversation, turns,
                                  within=rec.num_tokens if rec.truncated else None)  # fmt: skip
         except RowError as err:
             return err

@@ -58,11 +58,11 @@ AHEAD_BATCHES = 16
 
 @dataclass(frozen=True, slots=True)
 class RowJob:
-    """One row to regenerate: its number in the dataset, its sample id and the parsed row."""
+    """One row to regenerate: ``row``, its number in the dataset (0-based), its sample id and the parsed row."""
 
-    row_number: int
+    row: int
     sample_id: str
-    row: ParsedRow
+    parsed: ParsedRow
 
 
 class Regenerator:
@@ -103,18 +103,18 @@ class Regenerator:
 
     def regenerate(self, job: RowJob) -> Regenerated:
         """The row with its turns regenerated (see the module doc); raises RowError, SampleError, ServerError."""
-        indices = turns_to_regenerate(job.row, self.settings.mode, row_number=job.row_number, sample_id=job.sample_id)
-        assert isinstance(job.row, Conversation)  # turns_to_regenerate refuses the other shapes
-        messages = list(job.row.messages)
+        indices = turns_to_regenerate(job.parsed, self.settings.mode, row=job.row, sample_id=job.sample_id)
+        assert isinstance(job.parsed, Conversation)  # turns_to_regenerate refuses the other shapes
+        messages = list(job.parsed.messages)
         turns = []
         for index in indices:
-            conv = Conversation(messages, job.row.tools)
-            where = {"row_number": job.row_number, "sample_id": job.sample_id}
+            conv = Conversation(messages, job.parsed.tools)
+            where = {"row_number": job.row, "sample_id": job.sample_id}
             prompt = self.chat.encode(self.chat.render_messages(conv, index, generation_prompt=True, **where), **where)
             turn = self._generate(job, index, prompt)
             messages[index] = self.format.message(self.chat, prompt, turn.output_ids, turn.finish_reason)
             turns.append(turn)
-        return Regenerated(job.sample_id, Conversation(messages, job.row.tools), tuple(turns))
+        return Regenerated(job.sample_id, Conversation(messages, job.parsed.tools), tuple(turns))
 
     def _generate(self, job: RowJob, index: int, prompt: list[int]) -> GeneratedTurn:
         s = self.settings
@@ -128,7 +128,7 @@ class Regenerator:
             self._span = (min(first, sent), time.monotonic())
         if reply.status_code != 200:
             reason = f"the server refused to generate turn {index} ({len(prompt)} prompt tokens): {reply.text[:300]}"
-            raise RowError(reason, row=job.row_number, sample_id=job.sample_id, kind="generation")
+            raise RowError(reason, row=job.row, sample_id=job.sample_id, kind="generation")
         body = reply.json()
         finish = body["meta_info"].get("finish_reason") or {}
         kind = finish.get("type") if isinstance(finish, dict) else None
@@ -154,11 +154,11 @@ class Regenerator:
         tries[job.sample_id] += 1
         n = tries[job.sample_id]
         log.warning("row %d (sample %s): generation attempt %d/%d failed: %s",
-                    job.row_number, job.sample_id, n, self.attempts, error)  # fmt: skip
+                    job.row, job.sample_id, n, self.attempts, error)  # fmt: skip
         if n < self.attempts:
             return None
         reason = f"{error} (failed all {n} attempts)"
-        return RowError(reason, row=job.row_number, sample_id=job.sample_id, kind="generation")
+        return RowError(reason, row=job.row, sample_id=job.sample_id, kind="generation")
 
     def regenerate_many(self, jobs: Iterable[RowJob]) -> Iterator[Regenerated | RowError]:
         """Each row regenerated, ``in_flight`` at once, yielded in completion order; a row's refusal is yielded

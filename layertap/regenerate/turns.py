@@ -90,19 +90,19 @@ def turn_seed(seed: int, sample_id: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def turns_to_regenerate(row: ParsedRow, mode: Mode, *, row_number: int, sample_id: str) -> list[int]:
-    """Indices (into ``row.messages``) of the assistant turns to regenerate, in order; RowError (kind
-    ``regenerate``) when there are none. An assistant turn with no user turn before it (a greeting) is kept as
+def turns_to_regenerate(parsed: ParsedRow, mode: Mode, *, row: int, sample_id: str) -> list[int]:
+    """Indices (into ``parsed.messages``: row ``row``'s) of the assistant turns to regenerate, in order; RowError
+    (kind ``regenerate``) when there are none. An assistant turn with no user turn before it (a greeting) is kept as
     given: there is nothing to answer."""
 
     def refuse(reason: str) -> RowError:
-        return RowError(reason, row=row_number, sample_id=sample_id, kind="regenerate")
+        return RowError(reason, row=row, sample_id=sample_id, kind="regenerate")
 
-    if isinstance(row, Preformatted):
+    if isinstance(parsed, Preformatted):
         raise refuse("preformatted text (the chat template already applied) has no turns to regenerate")
-    if isinstance(row, Pretokenized):
+    if isinstance(parsed, Pretokenized):
         raise refuse("a row of token ids has no turns to regenerate")
-    messages = row.messages
+    messages = parsed.messages
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         raise refuse("no user turn: there is nothing for a regenerated response to answer")

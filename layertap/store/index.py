@@ -31,7 +31,8 @@ RETIRED_DIR = "retired"  # samples taken out again: {"sample_id", "sha256"} of t
 class SampleRecord:
     """What the store knows about a committed sample; verify and resume check the file against it.
 
-    ``file`` is relative to the store root; ``sha256`` is of the file bytes; ``ids_sha256`` of
+    ``index`` is the dataset row number (0-based): the store's name, and its on-disk key, for what the pipeline
+    calls ``row``. ``file`` is relative to the store root; ``sha256`` is of the file bytes; ``ids_sha256`` of
     ``input_ids`` as int64 little-endian; ``mask_runs`` the [start, end) runs where loss_mask == 1.
     """
 

@@ -80,8 +80,8 @@ def ids(chat: ChatTokenizer, text: str) -> list[int]:
 def test_all_regenerates_every_answer_and_last_the_final_one() -> None:
     row = parse_row(0, CHAT)
     # The greeting before the first user turn answers nothing and is kept; a trailing user turn stays as given.
-    assert turns_to_regenerate(row, "all", row_number=0, sample_id="c1") == [3, 5]
-    assert turns_to_regenerate(row, "last", row_number=0, sample_id="c1") == [5]
+    assert turns_to_regenerate(row, "all", row=0, sample_id="c1") == [3, 5]
+    assert turns_to_regenerate(row, "last", row=0, sample_id="c1") == [5]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_all_regenerates_every_answer_and_last_the_final_one() -> None:
 @pytest.mark.parametrize("mode", ["last", "all"])
 def test_rows_with_nothing_to_regenerate_are_refused(row: dict, reason: str, mode: str) -> None:
     with pytest.raises(RowError, match=reason) as err:
-        turns_to_regenerate(parse_row(7, row), mode, row_number=7, sample_id="x")  # type: ignore[arg-type]
+        turns_to_regenerate(parse_row(7, row), mode, row=7, sample_id="x")  # type: ignore[arg-type]
     assert (err.value.kind, err.value.row, err.value.sample_id) == ("regenerate", 7, "x")
 
 
@@ -155,7 +155,7 @@ def simulated(chat: ChatTokenizer, row: dict, texts: dict[int, str], mode: str) 
     conv = parse_row(0, row)
     assert isinstance(conv, Conversation)
     fmt, messages, turns = TurnFormat.of(chat), list(conv.messages), []
-    for k in turns_to_regenerate(conv, mode, row_number=0, sample_id="s"):  # type: ignore[arg-type]
+    for k in turns_to_regenerate(conv, mode, row=0, sample_id="s"):  # type: ignore[arg-type]
         text = chat.render_messages(Conversation(messages), k, generation_prompt=True, row_number=0, sample_id="s")
         prompt, out = ids(chat, text), [*ids(chat, texts[k]), fmt.end_of_turn]
         messages[k] = fmt.message(chat, prompt, out, "stop")
