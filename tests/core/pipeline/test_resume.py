@@ -172,7 +172,7 @@ def test_resume_after_editing_one_row_recomputes_that_sample_only_and_says_so(la
 def test_a_changed_tiktoken_ranks_file_refuses_the_resume(tiny_kimi25, tmp_path) -> None:
     model = tmp_path / "kimi25"
     shutil.copytree(tiny_kimi25, model)
-    data = Path(__file__).resolve().parents[1] / "assets" / "datasets" / "kimi_chats.jsonl"
+    data = Path(__file__).resolve().parents[2] / "assets" / "datasets" / "kimi_chats.jsonl"
     spec = ExtractionSpec(model=model, data=data, layers=(1, 2, 4), trust_remote_code=True)
     out = tmp_path / "out"
     run_extraction(spec, out, cpu_hf())
