@@ -8,7 +8,7 @@ from layertap.logs import level_for
 from tests.core.datasets import conversation_rows, write_jsonl
 
 LINE = re.compile(
-    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO layertap\.pipeline: dataset .*: 6 rows, sha256 [0-9a-f]{64}$"
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO layertap\.pipeline\.plan: dataset .*: 6 rows, sha256 [0-9a-f]{64}$"
 )
 
 
