@@ -19,13 +19,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from layertap.errors import SpecError
 from layertap.models.quantization import Quantization
 from sglang_patch.identity import has_weight_files
+
+if TYPE_CHECKING:  # transformers (and torch under it) load when a tokenizer is first needed: commands that never
+    from transformers import PreTrainedTokenizerBase  # tokenize (status, submit, verify, --help) start in a second
 
 # Where a wrapper keeps its language model: the weight-name prefix and the module path in SGLang.
 WRAPPED_PREFIX = "language_model."
@@ -210,6 +211,8 @@ def _remote_code_files(path: Path, config: dict[str, Any]) -> tuple[str, ...]:
 def _cached_tokenizer(
     model: str, files: tuple[tuple[str, int], ...], trust_remote_code: bool
 ) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
 
 
