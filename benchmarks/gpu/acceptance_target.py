@@ -7,6 +7,9 @@ made here; everything is a function of the seed and of the files under the corpu
   by content dropped), a seeded selection, split train / held-out by file: nothing of a held-out file is ever in
   the target's or the drafter's training data.
 - a conversation: user = a window of a file's lines (the first is its head), assistant = the lines that follow.
+- a source model: a smaller Llama trained on other files of the same root (none of the target's), whose greedy
+  replies to the drafter's user turns stand for what users regenerate: responses written by a model that is not
+  the target (ShareGPT / UltraChat answers for a Llama target).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +62,49 @@ class Sizes:
     max_new_tokens: int
     drafter_epochs: int
     drafter_lr: float
-    regen_tokens: int  # arm d: the most new tokens of a regenerated turn
+    regen_tokens: int  # arms d and f: the most new tokens of a regenerated (d) or source-written (f) turn
     drafter_batch: int  # SpecForge's training.batch_size (its default 1 leaves a GPU idle on a drafter this small)
+    target_seconds: float  # the target's training stops here even if `steps` are not done (a device call's limit)
+    source_files: int  # files outside the selection the source model trains on
+    source_layers: int  # the source model: a Llama of this depth and width, heads of 64, MLP 3x
+    source_hidden: int
+    source_steps: int
+    prompts_c1: int  # prompts served one at a time (concurrency 1 is the slow measurement)
+    source_temperature: float  # the source model samples its replies (as the models behind ShareGPT answers did)
+    regen_temperature: float  # arm d's `--temperature` (greedy on the GPU, as served; the tiny smoke models
+    # answer greedily with whitespace only, a row layertap refuses)
 
 
-GPU = Sizes(corpus_files=12000, held_out=0.05, tokenizer_chars=20_000_000, vocab=32000, layers=8, hidden=512,
-            heads=8, kv_heads=4, intermediate=1536, seq_len=1024, batch=32, steps=1200, lr=1e-3, head_chars=900,
-            reply_chars=1200, conversations=5000, prompts=200, capture=(2, 4, 6), max_new_tokens=128,
-            drafter_epochs=2, drafter_lr=1e-3, drafter_batch=4, regen_tokens=256)  # fmt: skip
+# A target whose forward pass dominates the drafter's (one layer): 64 layers of hidden 1024, 0.8B parameters,
+# trained for a few minutes; at one request in flight its decode step is launch-bound, so depth is what it costs.
+GPU = Sizes(corpus_files=12000, held_out=0.05, tokenizer_chars=10_000_000, vocab=32000, layers=64, hidden=1024,
+            heads=16, kv_heads=8, intermediate=2816, seq_len=1024, batch=16, steps=640, lr=5e-4, head_chars=900,
+            reply_chars=1200, conversations=1500, prompts=200, capture=(4, 33, 60), max_new_tokens=128,
+            drafter_epochs=3, drafter_lr=1e-3, drafter_batch=4, regen_tokens=256, target_seconds=170,
+            source_files=4000, source_layers=8, source_hidden=512, source_steps=300, prompts_c1=48,
+            source_temperature=0.7, regen_temperature=0.0)  # fmt: skip
 # The H200 path end to end at a tenth of the work, in one device call: proves the stages run there, not a result.
 PROBE = Sizes(corpus_files=2000, held_out=0.05, tokenizer_chars=3_000_000, vocab=8000, layers=8, hidden=512, heads=8,
               kv_heads=4, intermediate=1536, seq_len=512, batch=32, steps=200, lr=1e-3, head_chars=900, reply_chars=900,
               conversations=600, prompts=40, capture=(2, 4, 6), max_new_tokens=64, drafter_epochs=1,
-              drafter_lr=1e-3, drafter_batch=4, regen_tokens=128)  # fmt: skip
+              drafter_lr=1e-3, drafter_batch=4, regen_tokens=128, target_seconds=120, source_files=1000,
+              source_layers=4, source_hidden=256, source_steps=100, prompts_c1=8,
+              source_temperature=0.7, regen_temperature=0.0)  # fmt: skip
 SMOKE = Sizes(corpus_files=160, held_out=0.1, tokenizer_chars=600_000, vocab=1024, layers=5, hidden=64, heads=4,
               kv_heads=2, intermediate=128, seq_len=128, batch=4, steps=12, lr=3e-3, head_chars=300, reply_chars=300,
               conversations=16, prompts=4, capture=(1, 2, 3), max_new_tokens=16, drafter_epochs=1,
-              drafter_lr=3e-3, drafter_batch=2, regen_tokens=16)  # fmt: skip
+              drafter_lr=3e-3, drafter_batch=2, regen_tokens=16, target_seconds=600, source_files=60, source_layers=2,
+              source_hidden=64, source_steps=8, prompts_c1=2,
+              source_temperature=1.0, regen_temperature=1.0)  # fmt: skip
+
+
+def source_sizes(sizes: Sizes) -> Sizes:
+    """The source model's sizes: `sizes` with its depth, width and steps (heads of 64 dimensions, half as many
+    key-value heads, an MLP 3x wide)."""
+    heads = max(1, sizes.source_hidden // 64)
+    return replace(sizes, layers=sizes.source_layers, hidden=sizes.source_hidden, heads=heads,
+                   kv_heads=max(1, heads // 2), intermediate=3 * sizes.source_hidden,
+                   steps=sizes.source_steps)  # fmt: skip
 
 
 def _stable_rank(seed: int, key: str) -> int:
@@ -101,12 +130,16 @@ def build_corpus(root: Path, out: Path, seed: int, sizes: Sizes) -> dict[str, An
         raise SystemExit(f"no text files of 2-64 KB under {root}: pass --corpus-root a site-packages folder")
     files = sorted(found.values())
     files.sort(key=lambda f: _stable_rank(seed, f[0]))
-    files = files[: sizes.corpus_files]
+    files, source = files[: sizes.corpus_files], files[sizes.corpus_files : sizes.corpus_files + sizes.source_files]
+    if not source:
+        raise SystemExit(f"{len(found)} text files of 2-64 KB under {root}: the source model needs files beyond "
+                         f"the {sizes.corpus_files} selected; pass --corpus-root a larger site-packages "
+                         "folder")  # fmt: skip
     held = [f for f in files if _stable_rank(seed + 1, f[0]) % 10_000 < sizes.held_out * 10_000]
     held_paths = {p for p, _ in held}
     train = [f for f in files if f[0] not in held_paths]
     out.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train", train), ("held_out", held)):
+    for name, part in (("train", train), ("held_out", held), ("source", source)):
         with (out / f"{name}.jsonl").open("w") as f:
             f.writelines(json.dumps({"path": p, "text": t}) + "\n" for p, t in part)
     facts = {
@@ -116,6 +149,8 @@ def build_corpus(root: Path, out: Path, seed: int, sizes: Sizes) -> dict[str, An
         "held_out_files": len(held),
         "train_chars": sum(len(t) for _, t in train),
         "held_out_chars": sum(len(t) for _, t in held),
+        "source_files": len(source),
+        "source_chars": sum(len(t) for _, t in source),
         "files_sha256": hashlib.sha256("\n".join(p for p, _ in files).encode()).hexdigest(),
     }
     (out / "facts.json").write_text(json.dumps(facts, indent=1))
@@ -171,9 +206,10 @@ def conversation(path: str, j: int, user: str, reply: str | None) -> dict[str, A
     return {"id": f"{path}#{j}", "messages": messages}
 
 
-def train_conversations(corpus: Path, seed: int, sizes: Sizes) -> list[dict[str, Any]]:
-    """Every window of every training file as a conversation, in a seeded order."""
-    rows = [conversation(f["path"], j, u, r) for f in read_files(corpus / "train.jsonl")
+def train_conversations(corpus: Path, seed: int, sizes: Sizes, part: str = "train") -> list[dict[str, Any]]:
+    """Every window of every file of `part` (the target's ``train`` files, the source model's ``source`` files) as
+    a conversation, in a seeded order."""
+    rows = [conversation(f["path"], j, u, r) for f in read_files(corpus / f"{part}.jsonl")
             for j, (u, r) in enumerate(windows(f["text"], sizes))]  # fmt: skip
     random.Random(seed).shuffle(rows)
     return rows
@@ -230,15 +266,18 @@ def held_out_loss(model: LlamaForCausalLM, samples: list[tuple[list[int], list[i
     return total / max(count, 1)
 
 
-def train_target(corpus: Path, tokenizer_dir: Path, out: Path, seed: int, sizes: Sizes, device: str) -> dict[str, Any]:
-    """Train the Llama from scratch on the training files' conversations (next-token loss on every token of
-    packed blocks; AdamW, warm-up then cosine), save it in `out` (bf16 on a GPU, float32 on the CPU) with the
-    tokenizer, and return its facts (size, tokens seen, time, held-out loss)."""
+def train_target(
+    corpus: Path, tokenizer_dir: Path, out: Path, seed: int, sizes: Sizes, device: str, part: str = "train"
+) -> dict[str, Any]:
+    """Train the Llama from scratch on the conversations of `part`'s files (next-token loss on every token of
+    packed blocks; AdamW, warm-up then cosine; stopped after `sizes.target_seconds` if the steps are not done),
+    save it in `out` (bf16 on a GPU, float32 on the CPU) with the tokenizer, and return its facts (size, tokens
+    seen, time, held-out loss)."""
     torch.manual_seed(seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     config = llama_config(tokenizer, sizes)
     model = LlamaForCausalLM(config).to(device)
-    train = _blocks(tokenizer, train_conversations(corpus, seed, sizes), sizes.seq_len)
+    train = _blocks(tokenizer, train_conversations(corpus, seed, sizes, part), sizes.seq_len)
     held = tokenize(tokenizer, held_out_conversations(corpus, sizes))
     optimizer = torch.optim.AdamW(model.parameters(), lr=sizes.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, sizes.steps // 20)
@@ -263,10 +302,12 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, seed: int, sizes:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
         if step % max(1, sizes.steps // 20) == 0 or step == sizes.steps - 1:
-            print(
-                f"target step {step}/{sizes.steps}: loss {losses[-1]:.3f} ({time.monotonic() - t0:.0f} s)", flush=True
-            )
-    seconds = time.monotonic() - t0
+            print(f"{out.name} step {step}/{sizes.steps}: loss {losses[-1]:.3f} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)  # fmt: skip
+        if time.monotonic() - t0 > sizes.target_seconds:
+            print(f"{out.name}: stopped after {step + 1} of {sizes.steps} steps ({sizes.target_seconds:.0f} s)")
+            break
+    seconds, steps = time.monotonic() - t0, len(losses)
     loss = held_out_loss(model, held, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model.to(dtype).save_pretrained(out)
@@ -289,8 +330,9 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, seed: int, sizes:
         },
         "dtype": str(dtype).removeprefix("torch."),
         "train_blocks": len(train),
-        "tokens_seen": sizes.steps * sizes.batch * sizes.seq_len,
-        "epochs": sizes.steps * sizes.batch / max(1, len(train)),
+        "steps": steps,
+        "tokens_seen": steps * sizes.batch * sizes.seq_len,
+        "epochs": steps * sizes.batch / max(1, len(train)),
         "train_seconds": seconds,
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
@@ -309,3 +351,44 @@ def write_weight_index(folder: Path) -> None:
     if single.exists() and not index.exists():
         with safe_open(str(single), "pt") as f:
             index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(f.keys(), single.name)}))
+
+
+def source_responses(
+    model_dir: Path, rows: list[dict[str, Any]], sizes: Sizes, seed: int, device: str, batch: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`rows` with each assistant turn replaced by the source model's reply to the user turn (sampled at
+    `sizes.source_temperature`, at most `sizes.regen_tokens`, ended by the chat template's end of turn), and the
+    facts: replies written, cut at the limit, dropped as blank (a row with a blank reply is left out)."""
+    torch.manual_seed(seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.to(device).eval()
+    end, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
+    prompts = [tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) for r in rows]  # fmt: skip
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))  # similar lengths batched: little padding
+    replies: dict[int, list[int]] = {}
+    cut, t0 = 0, time.monotonic()
+    for start in range(0, len(order), batch):
+        chunk = order[start : start + batch]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk], device=device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sizes.regen_tokens,
+                                 do_sample=True, temperature=sizes.source_temperature, top_p=1.0, top_k=0,
+                                 eos_token_id=end, pad_token_id=pad)  # fmt: skip
+        for i, new in zip(chunk, out[:, width:].tolist(), strict=True):
+            replies[i] = new[: new.index(end)] if end in new else new
+            cut += end not in new
+    written, dropped = [], 0
+    for i, row in enumerate(rows):
+        text = tokenizer.decode(replies[i], skip_special_tokens=True)
+        if not text.strip():
+            dropped += 1
+            continue
+        written.append(conversation(row["id"].rsplit("#", 1)[0], int(row["id"].rsplit("#", 1)[1]),
+                                    row["messages"][0]["content"], text))  # fmt: skip
+    facts = {"rows": len(written), "dropped_empty": dropped, "cut_at_limit": cut,
+             "reply_tokens": sum(len(r) for r in replies.values()), "seconds": time.monotonic() - t0}  # fmt: skip
+    return written, facts
