@@ -91,12 +91,13 @@ STAGES = ("corpus", "tokenizer", "target", "data", "source", "extract", "control
 SPEC_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4")  # fmt: skip
 GPU_EXTRACT_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--mem-fraction-static", "0.5")
-# Serving: CUDA graphs on (SGLang's default; decode tok/s of a small model is launch-bound without them), captured up
-# to the most requests measured in flight (a shorter start than SGLang's default list).
+# Serving: decode CUDA graphs on (SGLang's default; decode tok/s of a small model is launch-bound without them),
+# captured up to the most requests measured in flight (a shorter start than SGLang's default list); prefill's
+# piecewise graphs (torch.compile at start, 0.5.14's default without a drafter) off for every arm alike.
 CONCURRENCY, SMOKE_CONCURRENCY = (1, 8, 32), (1, 2)
 GPU_SERVE_ARGS = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                   "--attention-backend", "triton", "--dtype", "bfloat16", "--cuda-graph-max-bs",
-                  str(max(CONCURRENCY)))  # fmt: skip
+                  str(max(CONCURRENCY)), "--disable-piecewise-cuda-graph")  # fmt: skip
 CPU_ARGS = (*CPU_SERVER_ARGS, "--chunked-prefill-size", "128")
 TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 # SpecForge's EAGLE-3 loss is a Triton kernel: on a CPU it runs through the interop tests' shim (its docstring says
