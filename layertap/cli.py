@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.markup import escape
@@ -17,6 +17,9 @@ from layertap.logs import configure_logging, level_for
 from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.trainers import GUIDE
+
+if TYPE_CHECKING:
+    from layertap.stream.sink import MooncakeSink
 
 
 @click.group()
@@ -55,6 +58,7 @@ def extract(out: Path, **options: Any) -> None:
     with failing_on_errors():
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
+        sink = None if settings.stream is None else _stream_sink(settings, out)
     progress = RichProgress(console)
     try:
         with failing_on_errors():
@@ -74,9 +78,12 @@ def extract(out: Path, **options: Any) -> None:
                 progress=progress,
                 check_level=settings.resume_check,
                 commit_threads=settings.commit_threads,
+                sink=sink,
             )
     finally:
         progress.stop()
+        if sink is not None:
+            sink.close()
     console.print(
         f"[green]done[/]: {len(report.computed)} samples computed, {report.already_done} already done"
         f" ({len(report.redone)} redone after failing checks, {len(report.changed)} recomputed because their rows"
@@ -84,6 +91,8 @@ def extract(out: Path, **options: Any) -> None:
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
+    if sink is not None:
+        console.print(f"streamed: {sink.put_count} samples put to stream {sink.name}, every one acked")
     if spec.regenerate is not None:
         console.print(
             f"regenerated: {report.generated_tokens:,} tokens generated in {report.generation_seconds:.1f}s"
@@ -96,6 +105,15 @@ def extract(out: Path, **options: Any) -> None:
     if verdict:
         console.print(f"[yellow]warning:[/] {escape(verdict)}")
     click.echo((out / GUIDE).read_text())
+
+
+def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink:
+    """The run's Mooncake sink (`layertap.stream`), connected before any work: a master or Redis it cannot reach is
+    refused first."""
+    from layertap.stream.sink import MooncakeSink
+
+    return MooncakeSink(settings.stream_redis_url, settings.stream_name or out.name, master=settings.mooncake_master,
+                        segment_bytes=settings.mooncake_segment_mib << 20, max_unacked=settings.stream_unacked)  # fmt: skip
 
 
 @main.command()

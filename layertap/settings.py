@@ -84,6 +84,30 @@ class RunSettings(BaseModel):
     commit_threads: int = Field(
         default=COMMIT_THREADS, gt=0, description="Threads checking (sha256, finiteness) and committing samples."
     )
+    stream: Literal["mooncake"] | None = Field(
+        default=None,
+        description="Also stream each committed sample to trainers: mooncake puts it into Mooncake Store in vLLM "
+        "speculators' hs-connectors layout (--format speculators) and its manifest on a Redis stream "
+        "(docs/streaming.md); the run ends once every sample is acked.",
+    )
+    mooncake_master: str = Field(
+        default="127.0.0.1:50051", description="With --stream mooncake: the Mooncake master (host:port)."
+    )
+    mooncake_segment_mib: int = Field(
+        default=4096,
+        gt=0,
+        description="With --stream mooncake: the memory this process lends Mooncake Store for its samples (MiB); "
+        "it must hold --stream-unacked of them.",
+    )
+    stream_redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="With --stream: the Redis holding the stream of manifests."
+    )
+    stream_name: str | None = Field(
+        default=None, description="With --stream: the stream's name (default: the output folder's name)."
+    )
+    stream_unacked: int = Field(
+        default=64, gt=0, description="With --stream: the most samples put and not yet acked; then the run waits."
+    )
     resume_check: Literal["full", "quick"] = Field(
         default="full",
         description="How committed samples are re-checked before being skipped (full re-hashes every file).",

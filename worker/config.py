@@ -68,6 +68,10 @@ class WorkerSettings(BaseSettings, RunSettings):
             )
         if self.resume_free_bytes is None:
             self.resume_free_bytes = ByteSize(self.min_free_bytes * 21 // 20)
+        if self.stream is not None:  # a shard's samples are not streamed yet: refused, not silently written only
+            raise ValueError(
+                "LAYERTAP_STREAM: workers do not stream yet (#46); stream with `layertap extract --stream`"
+            )
         if self.engine == "sglang" and self.dump_root is None:
             raise ValueError("engine 'sglang' needs LAYERTAP_DUMP_ROOT (where the capture plugin writes dumps)")
         return self

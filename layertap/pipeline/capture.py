@@ -131,13 +131,13 @@ class Capture:
         """Account for one finished commit (in the calling thread, so the ledger needs no lock)."""
         sample = captured.sample
         try:
-            commit.result()
+            record = commit.result()
         except SampleError as err:
             self._attempt_failed(sample, str(err))
             return
         finally:
             self.engine.release(captured)
-        self.ledger.committed(sample)
+        self.ledger.committed(sample, record)
 
     def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:
         self.tries[sample.sample_id] += 1

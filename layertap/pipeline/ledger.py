@@ -58,6 +58,23 @@ class ShardEvents(Protocol):
         ...
 
 
+class SampleSink(Protocol):
+    """Where a run also sends each committed sample (`layertap.stream.sink.MooncakeSink`: to trainers through
+    Mooncake Store); the file store stays the record of what is done."""
+
+    def open(self, store: OutputStore, server: str | None) -> None:
+        """Before the first sample: the run's store and its capture server's URL (None in process)."""
+        ...
+
+    def put(self, record: SampleRecord) -> None:
+        """A sample just committed (its file in place); may block to hold the run back."""
+        ...
+
+    def drain(self) -> None:
+        """After the run's last sample: until what was sent is taken."""
+        ...
+
+
 class ProgressEvents:
     """``ShardEvents`` for a progress bar (or nothing): every outcome advances it, nothing stops it."""
 
@@ -173,10 +190,13 @@ class RunReport:
 
 class Ledger:
     """Where a run's steps tell what became of each row: the store's logs (errors, retired samples), the run's report
-    and its events, told in that order (events come after the store has recorded the outcome)."""
+    and its events, told in that order (events come after the store has recorded the outcome); a committed sample
+    then goes to the run's sink, if it has one."""
 
-    def __init__(self, store: OutputStore, report: RunReport, events: ShardEvents) -> None:
-        self.store, self.report, self.events = store, report, events
+    def __init__(
+        self, store: OutputStore, report: RunReport, events: ShardEvents, sink: SampleSink | None = None
+    ) -> None:
+        self.store, self.report, self.events, self.sink = store, report, events, sink
         self.why_changed: list[str] = []  # why each retired sample's row no longer gives it
 
     def keep_going(self) -> bool:
@@ -199,10 +219,13 @@ class Ledger:
         self.store.record_error(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
         self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
 
-    def committed(self, sample: TokenizedSample) -> None:
+    def committed(self, sample: TokenizedSample, record: SampleRecord) -> None:
+        """``sample`` is in the store as ``record``: counted, told to the events, then sent to the run's sink."""
         self.report.computed.append(sample.sample_id)
         self.report.tokens += sample.num_tokens
         self.events.committed(sample)
+        if self.sink is not None:
+            self.sink.put(record)
 
     def retired(self, record: SampleRecord, why: str) -> None:
         """A committed sample its row no longer gives (``why``): retired from the store, no longer counted done."""

@@ -27,7 +27,7 @@ from layertap.engines.factory import EngineFactory
 from layertap.errors import ServerError
 from layertap.pipeline.capture import Capture, admit
 from layertap.pipeline.generate import regenerate, regenerator_for
-from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, ShardEvents
+from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, SampleSink, ShardEvents
 from layertap.pipeline.plan import RunPlan, plan_run
 from layertap.pipeline.rows import RowPlanner
 from layertap.pipeline.steps import Item, Tokenize
@@ -65,6 +65,7 @@ def run_shard(
     attempts: int = 1,
     check_level: CheckLevel = "full",
     commit_threads: int = COMMIT_THREADS,
+    sink: SampleSink | None = None,
 ) -> RunReport:
     """Capture rows ``[start, stop)`` of the plan's dataset into ``store`` with ``engine`` (the plan bound to it:
     `RunPlan.on`), as the row planner plans them (`RowPlanner.plan`, one stream of the dataset).
@@ -73,8 +74,8 @@ def run_shard(
     those their rows no longer give are retired (their rows done again); bad rows (duplicate ids as the plan's scan
     recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log
     (and told to ``events``). Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are
-    tokenized within the plan's input limit; a new sample the engine would refuse is its row's error. Does not
-    finalize.
+    tokenized within the plan's input limit; a new sample the engine would refuse is its row's error. Each sample
+    committed is also put to ``sink`` (opened by the caller). Does not finalize.
     """
     spec, events = plan.spec, events or ProgressEvents()
     end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
@@ -86,7 +87,7 @@ def run_shard(
     report.already_done = len(done)  # less what the planner finds changed, as it goes
     log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), check_level)
     events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    ledger = Ledger(store, report, events)
+    ledger = Ledger(store, report, events, sink)
     tokenize = Tokenize(plan.folder, spec, plan.input_limit)
     regenerated = store.regenerated_rows(done) if spec.regenerate is not None else None
     planner = RowPlanner(spec, tokenize, duplicates=load_duplicates(store.root), regenerated=regenerated,
@@ -137,10 +138,12 @@ def run_extraction(
     progress: ProgressSink | None = None,
     check_level: CheckLevel = "full",
     commit_threads: int = COMMIT_THREADS,
+    sink: SampleSink | None = None,
 ) -> RunReport:
     """Run (or resume) a whole extraction in this process and finalize the store: the run planned once
     (`plan_run`: the model folder read, the layers resolved, the dataset scanned), bound to its engine, then its
-    rows streamed once."""
+    rows streamed once. With a ``sink``, each sample committed is also put there, and the run returns once the
+    sink is drained (`SampleSink.drain`)."""
     t0 = time.monotonic()
     plan = plan_run(spec)
     engine = engine_factory(plan.capture, plan.folder)
@@ -150,12 +153,16 @@ def run_extraction(
         assert plan.scan is not None  # a plan of its own, not a store's
         save_duplicates(out, plan.scan)
         store.sweep_temp_files()
+        if sink is not None:
+            sink.open(store, None if engine.provenance is None else engine.provenance.url)
         report = run_shard(plan, store, engine, events=ProgressEvents(progress), check_level=check_level,
-                           commit_threads=commit_threads)  # fmt: skip
+                           commit_threads=commit_threads, sink=sink)  # fmt: skip
         store.finalize(complete=True, target=plan.folder)
         store.close()
     finally:
         engine.close()
+    if sink is not None:  # the engine freed first: waiting on trainers needs no server
+        sink.drain()
     report.seconds = time.monotonic() - t0
     report.save()
     return report

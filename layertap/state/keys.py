@@ -28,6 +28,13 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat
     {p}:input_limit:{model}           HASH  worker name -> the longest prompt (tokens) its server for that model
                                             accepts, set when it attaches; a worker counts while its record lives
+    {p}:stream:{name}                 STREAM a streamed run's samples (`layertap.stream`), one entry each: sample_id,
+                                            manifest (hs-connectors' JSON: handle, version, tensors, metadata);
+                                            trainers read it through a consumer group
+    {p}:stream:{name}:run             HASH  identity (JSON: the run putting into the stream), fingerprint (every
+                                            entry's metadata carries it, the consumer checks it), put (samples put),
+                                            ended (1 once the producer has put its last)
+    {p}:stream:{name}:acked           HASH  sample id -> the consumer that acked it (set with its XACK, once)
 
 Shard states: ``pending`` (needs a message) -> ``queued`` (a message carries its token) -> ``running``
 (a worker holds the lease) -> ``done``; ``failed`` after the task gave up. Job states: ``running``,
@@ -103,6 +110,15 @@ class Keys:
 
     def audit_lease(self, job_id: str) -> str:
         return f"{self.audit(job_id)}:lease"
+
+    def stream(self, name: str) -> str:
+        return f"{self.prefix}:stream:{name}"
+
+    def stream_run(self, name: str) -> str:
+        return f"{self.stream(name)}:run"
+
+    def stream_acked(self, name: str) -> str:
+        return f"{self.stream(name)}:acked"
 
     def job_pattern(self, job_id: str) -> str:
         """Matches every key of one job (for deleting it)."""

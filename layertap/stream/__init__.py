@@ -1,0 +1,12 @@
+"""Committed samples streamed to trainers through Mooncake Store, with no disk between them (#46).
+
+Each sample is one packed object in the layout of vLLM speculators' hs-connectors (its Mooncake backend:
+`hs_connectors.mooncake_store`), its manifest an entry of a Redis stream that trainers read through a consumer group:
+
+- ``mooncake.py``: the Mooncake Store client (a master refused in one line, puts hard-pinned), the manifest
+  (hs-connectors' ``packed_layout``) with layertap's identity in its metadata;
+- ``sink.py``: the producer, `MooncakeSink`: a committed sample put and XADDed, held at a bound of unacked samples,
+  its segment kept alive until every sample it put is acked;
+- ``consumer.py``: `StreamConsumer` (XREADGROUP, XAUTOCLAIM of a dead consumer's pending entries, hs-connectors'
+  own reader, identity checks, XACK, the object removed) and `StreamDataset`, a torch ``IterableDataset`` over it.
+"""

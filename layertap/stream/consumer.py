@@ -1,0 +1,157 @@
+"""The trainer's side of a stream: samples read through a Redis consumer group, each fetched with hs-connectors'
+own reader (``MooncakeTransfer``), checked, acked once and then removed from Mooncake Store.
+
+A sample is delivered to one consumer of the group (``XREADGROUP``); it stays pending until that consumer acks it
+(`StreamConsumer.ack`: ``XACK`` and the ack recorded, in one transaction, then the object removed). A consumer that
+dies leaves its pending entries to the others: each reclaims entries idle for ``claim_idle_ms`` (``XAUTOCLAIM``)
+before it reads new ones. `StreamDataset` is a torch ``IterableDataset`` that acks a sample when the next is asked
+for, so a trainer killed mid-step gets its sample re-delivered to another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hs_connectors import MooncakeTransfer
+from redis.exceptions import ResponseError
+from torch.utils.data import IterableDataset
+
+from layertap.state.keys import Keys
+from layertap.stream.mooncake import StreamError, connect
+from layertap.stream.sink import redis_client
+from sglang_patch.sample_files import ids_sha256, mask_from_runs
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One sample as it arrived: its stream entry, hs-connectors' manifest and its tensors (``token_ids`` int64 [T],
+    ``hidden_states`` [T, k+1, H], ``loss_mask`` uint8 [T]; an FP8 run's ``hidden_states_scales`` float32
+    [T, k+1, 1])."""
+
+    entry_id: str
+    sample_id: str
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def delivery_problems(manifest: dict[str, Any], tensors: dict[str, torch.Tensor], run: str) -> list[str]:
+    """What disagrees between a fetched sample and its manifest's identity (empty if fine): the run's fingerprint,
+    the token count, the ``input_ids`` hash and the loss mask, as ``verify`` checks a file against its record."""
+    meta = manifest["metadata"]
+    facts, num_tokens = meta["layertap"], meta["num_tokens"]
+    out = []
+    if facts["run"] != run:
+        out.append(f"put by another run (fingerprint {facts['run'][:12]}, the stream's run is {run[:12]})")
+    ids = tensors["token_ids"]
+    if ids.shape != (num_tokens,) or ids_sha256(ids) != facts["ids_sha256"]:
+        out.append("token_ids differ from the manifest's input_ids hash")
+    if not torch.equal(tensors["loss_mask"], mask_from_runs(facts["mask_runs"], num_tokens)):
+        out.append("loss_mask differs from the manifest's runs")
+    if tensors["hidden_states"].shape[0] != num_tokens:
+        out.append(f"hidden_states has {tensors['hidden_states'].shape[0]} rows for {num_tokens} tokens")
+    return out
+
+
+class StreamConsumer:
+    """One consumer of the group ``group`` on a run's stream, reading samples from Mooncake Store at ``master``
+    (mounting no segment of its own)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        name: str,
+        *,
+        master: str,
+        group: str = "trainers",
+        consumer: str | None = None,
+        prefix: str = "layertap",
+        claim_idle_ms: int = 60_000,
+        block_ms: int = 1000,
+        fetch_timeout_s: float = 30.0,
+    ) -> None:
+        self.redis = redis_client(redis_url)
+        self.keys, self.name, self.group = Keys(prefix), name, group
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.claim_idle_ms, self.block_ms, self.fetch_timeout_s = claim_idle_ms, block_ms, fetch_timeout_s
+        self.stream = self.keys.stream(name)
+        try:
+            self.redis.xgroup_create(self.stream, group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
+
+    def receive(self) -> Delivery | None:
+        """The next sample for this consumer: a dead consumer's pending one first (idle ``claim_idle_ms``), else a
+        new one (waiting up to ``block_ms``); None when there is none yet. StreamError on a sample that is not its
+        run's or whose object is gone."""
+        _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
+                                              start_id="0-0", count=1)  # fmt: skip
+        entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
+                                                                    count=1, block=self.block_ms) or [] for e in got]  # fmt: skip
+        if not entries:
+            return None
+        entry_id, fields = entries[0]
+        manifest = json.loads(fields[b"manifest"])
+        run = self.redis.hget(self.keys.stream_run(self.name), "fingerprint")
+        try:
+            tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)
+        except (TimeoutError, RuntimeError) as exc:
+            raise StreamError(f"sample {fields[b'sample_id'].decode()}: its object is gone ({exc}); was its "
+                              "producer stopped before it was acked?") from exc  # fmt: skip
+        if problems := delivery_problems(manifest, tensors, (run or b"").decode()):
+            raise StreamError(f"sample {fields[b'sample_id'].decode()}: " + "; ".join(problems))
+        return Delivery(entry_id.decode(), fields[b"sample_id"].decode(), manifest, tensors)
+
+    def ack(self, delivery: Delivery) -> bool:
+        """Ack ``delivery`` (with the ack recorded for its producer, in one transaction), then remove its object.
+        False when it was acked already (by the consumer that reclaimed it from this one)."""
+        with self.redis.pipeline() as pipe:
+            pipe.xack(self.stream, self.group, delivery.entry_id)
+            pipe.hsetnx(self.keys.stream_acked(self.name), delivery.sample_id, self.consumer)
+            acked, _ = pipe.execute()
+        self.transfer.delete(delivery.manifest["handle"])
+        return bool(acked)
+
+    def finished(self) -> bool:
+        """Whether the run said it put its last sample and every sample it put is acked."""
+        run = self.redis.hmget(self.keys.stream_run(self.name), ["ended", "put"])
+        return run[0] == b"1" and self.redis.hlen(self.keys.stream_acked(self.name)) >= int(run[1] or 0)
+
+    def __iter__(self) -> Iterator[Delivery]:
+        """Deliveries until the run is finished; each is acked when the next is asked for (or the loop ends)."""
+        while not self.finished():
+            if (delivery := self.receive()) is None:
+                continue
+            yield delivery
+            self.ack(delivery)
+
+    def close(self) -> None:
+        self.transfer.store._store.close()  # hs-connectors' store has no close of its own
+        self.redis.close()
+
+
+class StreamDataset(IterableDataset):
+    """A run's stream as a torch ``IterableDataset`` of samples ``{input_ids, hidden_states, loss_mask}`` (plus
+    ``hidden_states_scales`` from an FP8 run): ``input_ids`` int64 [T], ``hidden_states`` [T, k+1, H] with the aux
+    layers in capture-index order and the pre-norm final last (speculators' sample), ``loss_mask`` uint8 [T]. Each
+    DataLoader worker is a consumer of its own; a sample is acked when its worker is asked for the next."""
+
+    def __init__(self, redis_url: str, name: str, *, master: str, group: str = "trainers", **consumer: Any) -> None:
+        super().__init__()
+        self.args = {"redis_url": redis_url, "name": name, "master": master, "group": group, **consumer}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        consumer = StreamConsumer(**self.args)  # in the DataLoader worker: clients are per process
+        try:
+            for delivery in consumer:
+                tensors = dict(delivery.tensors)
+                yield {"input_ids": tensors.pop("token_ids"), **tensors}
+        finally:
+            consumer.close()

@@ -1,0 +1,103 @@
+"""The Mooncake Store side of a stream: connecting (the master checked first), putting hard-pinned, and the
+manifest of one sample in hs-connectors 0.9.0's layout.
+
+A sample is one raw object: its tensors packed at 64-byte-aligned offsets (hs-connectors' ``packed_layout``), named
+by the handle; the manifest ``{handle, version: 1, tensors: {name: {shape, dtype, nbytes, offset}}, metadata}``
+says how to unpack it and travels on the Redis stream. The tensors are speculators' sample file's (``token_ids``
+int64 [T], ``hidden_states`` [T, k+1, H]: the aux layers in capture-index order, the pre-norm final last; an FP8
+store adds ``hidden_states_scales`` float32 [T, k+1, 1]) plus ``loss_mask`` uint8 [T], which hs-connectors' vLLM
+producer leaves to the trainer's own preprocessing but a trainer of layertap's samples needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from typing import Any
+
+import torch
+from hs_connectors.mooncake_store import VERSION, MooncakeHiddenStatesStore, MooncakeStoreConfig, packed_layout
+
+from layertap.errors import LayertapError
+from layertap.store.index import SampleRecord
+from layertap.store.manifest import Manifest
+
+# What must be equal between the run that put a sample and the trainer that reads it (`run_identity`).
+IDENTITY_FIELDS = ("format", "model_config_sha256", "tokenizer_sha256", "chat_template_sha256", "dataset_sha256",
+                   "compute_dtype", "store_dtype", "hidden_size", "capture_indices", "final_pre_norm")  # fmt: skip
+LOCAL_BUFFER_BYTES = 16 << 20  # the client's own bounce buffer: hs-connectors registers its staging buffers itself
+
+
+class StreamError(LayertapError):
+    """The stream cannot go on as asked: the master or Redis unreachable, a sample that is not the run's."""
+
+
+def run_identity(manifest: Manifest, server: str | None) -> dict[str, Any]:
+    """What a consumer checks every sample against: the store manifest's model, tokenizer, dataset and layout facts,
+    and the capture server (its URL; None in process)."""
+    facts = manifest.model_dump(mode="json")
+    return {**{k: facts[k] for k in IDENTITY_FIELDS}, "server": server}
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """sha256 of the identity's canonical JSON: what each sample's metadata carries."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def sample_manifest(handle: str, tensors: dict[str, torch.Tensor], record: SampleRecord, run: str) -> dict[str, Any]:
+    """hs-connectors' transfer manifest of one sample (its own ``packed_layout``; ``metadata.total_aligned_bytes``
+    and ``num_tokens`` as its vLLM connector writes them), with layertap's facts in ``metadata.layertap``: the run's
+    fingerprint, the sample's id, dataset row, ``input_ids`` hash (int64 little-endian) and loss-mask runs."""
+    specs, total = packed_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    layertap = {"run": run, "sample_id": record.sample_id, "row": record.index, "ids_sha256": record.ids_sha256,
+                "mask_runs": record.mask_runs, "truncated": record.truncated}  # fmt: skip
+    metadata = {"num_tokens": record.num_tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only",
+                "layertap": layertap}  # fmt: skip
+    return {"handle": handle, "version": VERSION, "tensors": specs, "metadata": metadata}
+
+
+class PinnedPuts:
+    """A Mooncake client whose ``put_from`` hard-pins the object (never evicted before its consumer removes it);
+    everything else is the client's own. hs-connectors' ``put_sample`` calls ``put_from`` with Mooncake's default
+    replica config, which an eviction may take under memory pressure."""
+
+    def __init__(self, client: Any) -> None:
+        from mooncake.store import ReplicateConfig
+
+        self._client = client
+        self._config = ReplicateConfig()
+        self._config.with_hard_pin = True
+
+    def put_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self._client.put_from(key, buffer_ptr, size, self._config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def check_master(address: str) -> None:
+    """Refuse a master that does not answer on ``host:port`` (Mooncake's own client retries for minutes)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except (OSError, ValueError) as exc:
+        raise StreamError(
+            f"no Mooncake master at {address} ({exc}): start one (`mooncake_master -rpc_port={port or 50051}`) or "
+            "name it with --mooncake-master"
+        ) from None
+
+
+def connect(address: str, *, segment_bytes: int, pin: bool = False) -> MooncakeHiddenStatesStore:
+    """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
+    ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
+    producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`)."""
+    check_master(address)
+    host = address.rpartition(":")[0]
+    local = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
+    config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
+                                 global_segment_size=segment_bytes, local_buffer_size=LOCAL_BUFFER_BYTES)  # fmt: skip
+    store = MooncakeHiddenStatesStore(config).setup()
+    if pin:
+        store._store = PinnedPuts(store._store)  # the one client the store keeps; its puts all go through put_from
+    return store

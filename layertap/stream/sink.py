@@ -1,0 +1,119 @@
+"""The producer of a stream: each committed sample put into Mooncake Store and its manifest XADDed to Redis.
+
+`MooncakeSink` is a run's ``SampleSink`` (`layertap.pipeline.ledger`): the run opens it once its store exists, puts
+each sample as its commit lands (the file is read back from the store, already in speculators' layout), and drains
+it after finalizing. Puts stop while ``max_unacked`` samples wait for their acks (the producer is held, its memory
+flat); the objects live in this process's segment, so `drain` keeps it alive until every sample put is acked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from layertap.errors import SpecError
+from layertap.state.keys import Keys
+from layertap.store.index import SampleRecord
+from layertap.store.store import OutputStore
+from layertap.stream.mooncake import StreamError, connect, fingerprint, run_identity, sample_manifest
+from sglang_patch.contract import SPECULATORS
+
+log = logging.getLogger(__name__)
+
+
+def redis_client(url: str) -> Redis:
+    """A client of ``url``, refused in one line when it does not answer."""
+    client = Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except RedisError as exc:
+        raise StreamError(f"no Redis at {url} for the stream's manifests ({exc})") from None
+    return client
+
+
+class MooncakeSink:
+    """Puts a run's committed samples into Mooncake Store (hard-pinned, hs-connectors' ``put_sample``) and their
+    manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        name: str,
+        *,
+        master: str,
+        segment_bytes: int,
+        max_unacked: int,
+        prefix: str = "layertap",
+        poll_s: float = 0.02,
+    ) -> None:
+        self.store = connect(master, segment_bytes=segment_bytes, pin=True)
+        self.redis = redis_client(redis_url)
+        self.keys, self.name = Keys(prefix), name
+        self.max_unacked, self.poll_s = max_unacked, poll_s
+        self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
+        self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
+        self.put_count = 0
+        self.files: OutputStore | None = None
+        self.run = ""
+
+    def open(self, store: OutputStore, server: str | None) -> None:
+        """Before the run's first sample: its identity published for consumers (`run_identity`)."""
+        if store.manifest.format != SPECULATORS:
+            raise SpecError(
+                "--stream mooncake puts hs-connectors' layout, speculators' sample (token_ids, hidden_states "
+                f"[T, k+1, H] with the pre-norm final last): run with --format speculators, not {store.manifest.format}"
+            )
+        identity = run_identity(store.manifest, server)
+        self.files, self.run = store, fingerprint(identity)
+        self.redis.hset(self.keys.stream_run(self.name),
+                        mapping={"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0})  # fmt: skip
+
+    def put(self, record: SampleRecord) -> None:
+        """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks."""
+        assert self.files is not None, "open() first"
+        self._wait(lambda: len(self.unacked) < self.max_unacked)
+        tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
+        manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
+        self.store.put_sample(manifest, tensors)
+        with self.redis.pipeline() as pipe:  # MULTI: a manifest is announced with the count consumers end on
+            pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})
+            pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
+            pipe.execute()
+        self.unacked[record.sample_id] = manifest["handle"]
+        self.put_count += 1
+
+    def drain(self) -> None:
+        """After the run's last sample: say so to the consumers, then wait until every sample put is acked (the
+        objects live in this process's segment). Ctrl-C (or a signal) stops the wait; what is unacked is lost."""
+        self.redis.hset(self.keys.stream_run(self.name), "ended", 1)
+        if self.unacked:
+            log.info("stream %s: waiting for %d unacked samples of %d put", self.name, len(self.unacked),
+                     self.put_count)  # fmt: skip
+        self._wait(lambda: not self.unacked)
+
+    def close(self) -> None:
+        """Unmount the segment (its objects go with it) and drop the Redis client."""
+        self.store._store.close()  # hs-connectors' store has no close of its own
+        self.redis.close()
+
+    def _wait(self, done: Any) -> None:
+        """Poll the acks until ``done()``."""
+        while True:
+            self._collect_acks()
+            if done():
+                return
+            time.sleep(self.poll_s)
+
+    def _collect_acks(self) -> None:
+        if not self.unacked:
+            return
+        ids = list(self.unacked)
+        for sample_id, by in zip(ids, self.redis.hmget(self.keys.stream_acked(self.name), ids), strict=True):
+            if by is not None:
+                del self.unacked[sample_id]

@@ -1,0 +1,156 @@
+"""`layertap extract --stream mooncake` against a real ``mooncake_master`` on loopback and a real Redis: every
+committed sample reaches a consumer group once, byte-equal to the run's own file store, and a consumer killed with a
+sample pending loses nothing (another reclaims it with XAUTOCLAIM).
+
+Consumers are processes of their own (tests/stream/consume.py) reading with hs-connectors' ``MooncakeTransfer``;
+the samples come from the CPU SGLang server (the session's tiny Llama) or, for the dataset, the HF engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from harness.mooncake import MooncakeMaster
+from harness.processes import LAYERTAP, Proc, wait_for
+from harness.services import RedisServer
+from layertap.engines.sglang import free_port
+from layertap.state.keys import Keys
+from layertap.store.store import OutputStore
+from layertap.stream.consumer import StreamDataset, delivery_problems
+from layertap.stream.mooncake import fingerprint
+from sglang_patch.sample_files import ids_sha256
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.service_fixtures import TEST_PROCESS_ENV
+from tests.sglang_fixtures import DEFAULT_LAYERS
+
+CONSUME = Path(__file__).with_name("consume.py")
+ROWS = 200  # the run #46 asks for
+UNACKED = 4  # the producer's bound: it waits while this many samples are unacked
+
+
+def stream_args(master: MooncakeMaster, redis: RedisServer, name: str) -> list[str]:
+    return ["--format", "speculators", "--stream", "mooncake", "--mooncake-master", master.address,
+            "--stream-redis-url", redis.url, "--stream-name", name, "--mooncake-segment-mib", "64",
+            "--stream-unacked", str(UNACKED)]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, **TEST_PROCESS_ENV}
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def assert_byte_equal_to_store(out: Path, received: Path) -> None:
+    """Each sample's tensors as received (``<sample_id>.safetensors``) are the store's file's, byte for byte, and
+    its loss mask the index's."""
+    store = OutputStore.open_existing(out)
+    records = store.records()
+    assert sorted(p.stem for p in received.glob("*.safetensors")) == sorted(records)
+    for rec in records.values():
+        got, stored = load_file(received / f"{rec.sample_id}.safetensors"), store.format.load(out / rec.file)
+        assert set(got) == {*stored, "loss_mask"}
+        for name, tensor in stored.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+            assert as_bytes(got[name]) == as_bytes(tensor), (rec.sample_id, name)
+        assert torch.equal(got["loss_mask"], rec.loss_mask())
+
+
+def test_a_consumer_killed_mid_stream_loses_nothing_and_gets_nothing_twice(
+    sglang_llama, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=5, max_words=12))
+    out, received, name = tmp_path / "out", tmp_path / "received", "llama-run"
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "10"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
+                                ",".join(map(str, DEFAULT_LAYERS["llama"])), "--out", str(out), "--engine", "sglang",
+                                "--server-url", sglang_llama.url, "--dump-root", str(sglang_llama.dump_root),
+                                "--in-flight", "4", *stream_args(mooncake_master, redis_server, name)],
+                    env(), tmp_path / "extract.log").start()  # fmt: skip
+    procs = [first, producer]
+    try:
+        hung = wait_for(lambda: (received / "hung").exists() and (received / "hung").read_text(), timeout=300,
+                        what="the first consumer's 10th sample")  # fmt: skip
+        # Held at the bound: with its one consumer stuck after 9 acks, the producer puts UNACKED more, then waits.
+        keys = Keys()
+        assert redis_client.hlen(keys.stream_acked(name)) == 9
+        wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(9 + UNACKED), timeout=120,
+                 what="the producer at its bound")  # fmt: skip
+        first.kill(signal.SIGKILL)
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+                      tmp_path / "b.log").start()  # fmt: skip
+        procs.append(second)
+        assert producer.popen.wait(timeout=600) == 0, producer.log_tail()
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == ROWS
+    acks = [line.split() for line in (tmp_path / "a.log").read_text().splitlines() + (tmp_path / "b.log").read_text(
+    ).splitlines() if line.startswith("acked ")]  # fmt: skip
+    acked_ids = [sample_id for _, sample_id, first_ack, _ in acks if first_ack == "1"]
+    assert sorted(acked_ids) == sorted(records)  # every sample acked, none twice
+    assert all(exists == "0" for *_, exists in acks)  # each object removed once acked
+    by = redis_client.hgetall(keys.stream_acked(name))
+    assert by[hung] == "b"  # the dead consumer's pending sample went to the other
+    assert redis_client.xpending(keys.stream(name), "trainers")["pending"] == 0
+    assert_byte_equal_to_store(out, received)
+
+
+def test_stream_dataset_yields_the_stores_samples(tiny_llama, mooncake_master, redis_server, redis_client, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=6, max_words=10))
+    out, name = tmp_path / "out", "hf-run"
+    producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
+                                "1,3,5", "--out", str(out), *stream_args(mooncake_master, redis_server, name)],
+                    env(), tmp_path / "extract.log").start()  # fmt: skip
+    try:
+        samples = list(torch.utils.data.DataLoader(StreamDataset(redis_server.url, name, master=mooncake_master.address),
+                                                   batch_size=None))  # fmt: skip
+        assert producer.popen.wait(timeout=120) == 0, producer.log_tail()
+    finally:
+        producer.kill(signal.SIGKILL)
+    store = OutputStore.open_existing(out)
+    by_ids = {as_bytes(s["input_ids"]): s for s in samples}
+    assert len(by_ids) == len(samples) == len(store.records())
+    for rec in store.records().values():
+        stored = store.format.load(out / rec.file)
+        sample = by_ids[as_bytes(stored["token_ids"])]
+        assert as_bytes(sample["hidden_states"]) == as_bytes(stored["hidden_states"])
+        assert torch.equal(sample["loss_mask"], rec.loss_mask())
+
+
+def test_a_master_it_cannot_reach_is_refused_in_one_line(layertap_cli, tiny_llama, tmp_path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(2))
+    run = layertap_cli("extract", "--model", tiny_llama, "--data", data, "--layers", "1,3,5", "--out", tmp_path / "out",
+                       "--format", "speculators", "--stream", "mooncake", "--mooncake-master", address)  # fmt: skip
+    assert run.returncode == 2
+    assert f"error: no Mooncake master at {address}" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sample_of_another_run_or_with_other_tokens_is_refused() -> None:
+    ids, mask = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1], dtype=torch.uint8)
+    run = fingerprint({"model_config_sha256": "x"})
+    manifest = {"metadata": {"num_tokens": 3, "layertap": {"run": run, "ids_sha256": ids_sha256(ids),
+                                                           "mask_runs": [[1, 3]]}}}  # fmt: skip
+    tensors = {"token_ids": ids, "loss_mask": mask, "hidden_states": torch.zeros(3, 2, 4)}
+    assert delivery_problems(manifest, tensors, run) == []
+    assert delivery_problems(manifest, tensors, fingerprint({"model_config_sha256": "y"}))[0].startswith(
+        "put by another run"
+    )
+    other = {**tensors, "token_ids": torch.tensor([5, 6, 8])}
+    assert delivery_problems(manifest, other, run) == ["token_ids differ from the manifest's input_ids hash"]
+    assert delivery_problems(manifest, {**tensors, "loss_mask": torch.ones(3, dtype=torch.uint8)}, run) == [
+        "loss_mask differs from the manifest's runs"
+    ]
