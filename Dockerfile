@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Images for docker-compose.yml. Two targets:
-#   layertap    the coordinator, and the CPU worker (HF engine): Python 3.11 + layertap.
+#   layertap    the coordinator, the CPU worker (HF engine) and Mooncake's master: Python 3.11 + layertap.
 #   worker-gpu  an SGLang image (the server's own environment) + layertap in a separate venv: the
 #               two pin different torch/transformers versions, and only sglang_patch (stdlib, torch,
 #               sglang, safetensors) has to be importable inside the server, which the launcher
@@ -22,11 +22,13 @@ COPY sglang_patch /app/sglang_patch
 FROM ${PYTHON_IMAGE} AS layertap
 ARG TORCH_INDEX_URL
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PATH=/opt/layertap/bin:$PATH
+# libibverbs1: Mooncake's wheel (the stream extra: `--stream mooncake`, the mooncake-master service) links it.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/layertap
 WORKDIR /app
 COPY --from=source /app /app
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi \
- && pip install -e /app
+ && pip install -e "/app[stream]"
 EXPOSE 8000 9100
 
 FROM ${SGLANG_IMAGE} AS worker-gpu
