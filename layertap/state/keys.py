@@ -35,6 +35,8 @@ The whole schema, under one prefix (default ``layertap``):
                                             entry's metadata carries it, the consumer checks it), put (samples put),
                                             ended (1 once the producer has put its last)
     {p}:stream:{name}:acked           HASH  sample id -> the consumer that acked it (set with its XACK, once)
+    {p}:stream:{name}:current         HASH  sample id -> the handle of its latest put: an entry naming another handle
+                                            is stale (its producer died; a resumed run put the sample again)
 
 Shard states: ``pending`` (needs a message) -> ``queued`` (a message carries its token) -> ``running``
 (a worker holds the lease) -> ``done``; ``failed`` after the task gave up. Job states: ``running``,
@@ -119,6 +121,9 @@ class Keys:
 
     def stream_acked(self, name: str) -> str:
         return f"{self.stream(name)}:acked"
+
+    def stream_current(self, name: str) -> str:
+        return f"{self.stream(name)}:current"
 
     def job_pattern(self, job_id: str) -> str:
         """Matches every key of one job (for deleting it)."""

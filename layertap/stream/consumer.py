@@ -11,6 +11,7 @@ for, so a trainer killed mid-step gets its sample re-delivered to another.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from layertap.state.keys import Keys
 from layertap.stream.mooncake import StreamError, connect
 from layertap.stream.sink import redis_client
 from sglang_patch.sample_files import ids_sha256, mask_from_runs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class StreamConsumer:
         prefix: str = "layertap",
         claim_idle_ms: int = 60_000,
         block_ms: int = 1000,
-        fetch_timeout_s: float = 30.0,
+        fetch_timeout_s: float = 2.0,
     ) -> None:
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.group = Keys(prefix), name, group
@@ -89,8 +92,8 @@ class StreamConsumer:
 
     def receive(self) -> Delivery | None:
         """The next sample for this consumer: a dead consumer's pending one first (idle ``claim_idle_ms``), else a
-        new one (waiting up to ``block_ms``); None when there is none yet. StreamError on a sample that is not its
-        run's or whose object is gone."""
+        new one (waiting up to ``block_ms``); None when there is none yet, or the entry read was stale (dropped) or
+        its object gone (left pending until its producer puts it again). StreamError on a sample not of its run."""
         _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                               start_id="0-0", count=1)  # fmt: skip
         entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
@@ -98,16 +101,22 @@ class StreamConsumer:
         if not entries:
             return None
         entry_id, fields = entries[0]
-        manifest = json.loads(fields[b"manifest"])
-        run = self.redis.hget(self.keys.stream_run(self.name), "fingerprint")
+        manifest, sample_id = json.loads(fields[b"manifest"]), fields[b"sample_id"].decode()
+        current = self.redis.hget(self.keys.stream_current(self.name), sample_id)
+        if current is not None and current.decode() != manifest["handle"]:  # put again by a resumed run: drop it
+            self.redis.xack(self.stream, self.group, entry_id)
+            return None
         try:
             tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)
-        except (TimeoutError, RuntimeError) as exc:
-            raise StreamError(f"sample {fields[b'sample_id'].decode()}: its object is gone ({exc}); was its "
-                              "producer stopped before it was acked?") from exc  # fmt: skip
+        except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into that failed)
+            # Its producer died before the sample was acked: left pending, to be reclaimed once a resumed run has
+            # put the sample again (this entry then stale).
+            log.warning("sample %s: its object is gone (%s); waiting for its producer to put it again", sample_id, exc)
+            return None
+        run = self.redis.hget(self.keys.stream_run(self.name), "fingerprint")
         if problems := delivery_problems(manifest, tensors, (run or b"").decode()):
-            raise StreamError(f"sample {fields[b'sample_id'].decode()}: " + "; ".join(problems))
-        return Delivery(entry_id.decode(), fields[b"sample_id"].decode(), manifest, tensors)
+            raise StreamError(f"sample {sample_id}: " + "; ".join(problems))
+        return Delivery(entry_id.decode(), sample_id, manifest, tensors)
 
     def ack(self, delivery: Delivery) -> bool:
         """Ack ``delivery`` (with the ack recorded for its producer, in one transaction), then remove its object.
@@ -121,8 +130,12 @@ class StreamConsumer:
 
     def finished(self) -> bool:
         """Whether the run said it put its last sample and every sample it put is acked."""
-        run = self.redis.hmget(self.keys.stream_run(self.name), ["ended", "put"])
-        return run[0] == b"1" and self.redis.hlen(self.keys.stream_acked(self.name)) >= int(run[1] or 0)
+        with self.redis.pipeline() as pipe:
+            pipe.hget(self.keys.stream_run(self.name), "ended")
+            pipe.hlen(self.keys.stream_current(self.name))
+            pipe.hlen(self.keys.stream_acked(self.name))
+            ended, put, acked = pipe.execute()
+        return ended == b"1" and acked >= put
 
     def __iter__(self) -> Iterator[Delivery]:
         """Deliveries until the run is finished; each is acked when the next is asked for (or the loop ends)."""

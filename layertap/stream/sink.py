@@ -63,7 +63,9 @@ class MooncakeSink:
         self.run = ""
 
     def open(self, store: OutputStore, server: str | None) -> None:
-        """Before the run's first sample: its identity published for consumers (`run_identity`)."""
+        """Before the run's first sample: its identity published for consumers (`run_identity`), then every sample
+        the store already holds that no consumer acked put (again): a resumed run re-produces what a killed producer
+        left unacked (its objects went with it) or never put, and nothing a consumer took."""
         if store.manifest.format != SPECULATORS:
             raise SpecError(
                 "--stream mooncake puts hs-connectors' layout, speculators' sample (token_ids, hidden_states "
@@ -73,6 +75,12 @@ class MooncakeSink:
         self.files, self.run = store, fingerprint(identity)
         self.redis.hset(self.keys.stream_run(self.name),
                         mapping={"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0})  # fmt: skip
+        acked = {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
+        unacked = sorted((r for r in store.records().values() if r.sample_id not in acked), key=lambda r: r.index)
+        if unacked:
+            log.info("stream %s: putting the %d samples in the store no consumer acked", self.name, len(unacked))
+        for record in unacked:
+            self.put(record)
 
     def put(self, record: SampleRecord) -> None:
         """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks."""
@@ -81,7 +89,8 @@ class MooncakeSink:
         tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
         manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
         self.store.put_sample(manifest, tensors)
-        with self.redis.pipeline() as pipe:  # MULTI: a manifest is announced with the count consumers end on
+        with self.redis.pipeline() as pipe:  # MULTI: the entry with what consumers end on and drop stale entries by
+            pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
             pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})
             pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
             pipe.execute()

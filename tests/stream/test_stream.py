@@ -48,6 +48,14 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def first_acks(*logs: Path) -> list[str]:
+    """The samples whose entries consume.py's processes acked first, from their logs; each object removed once
+    acked (asserted)."""
+    acks = [line.split() for log in logs for line in log.read_text().splitlines() if line.startswith("acked ")]
+    assert all(exists == "0" for *_, exists in acks)
+    return [sample_id for _, sample_id, first, _ in acks if first == "1"]
+
+
 def assert_byte_equal_to_store(out: Path, received: Path) -> None:
     """Each sample's tensors as received (``<sample_id>.safetensors``) are the store's file's, byte for byte, and
     its loss mask the index's."""
@@ -96,14 +104,50 @@ def test_a_consumer_killed_mid_stream_loses_nothing_and_gets_nothing_twice(
 
     records = OutputStore.open_existing(out).records()
     assert len(records) == ROWS
-    acks = [line.split() for line in (tmp_path / "a.log").read_text().splitlines() + (tmp_path / "b.log").read_text(
-    ).splitlines() if line.startswith("acked ")]  # fmt: skip
-    acked_ids = [sample_id for _, sample_id, first_ack, _ in acks if first_ack == "1"]
-    assert sorted(acked_ids) == sorted(records)  # every sample acked, none twice
-    assert all(exists == "0" for *_, exists in acks)  # each object removed once acked
+    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)  # all, none twice
     by = redis_client.hgetall(keys.stream_acked(name))
     assert by[hung] == "b"  # the dead consumer's pending sample went to the other
     assert redis_client.xpending(keys.stream(name), "trainers")["pending"] == 0
+    assert_byte_equal_to_store(out, received)
+
+
+def test_a_producer_killed_is_resumed_and_puts_again_only_what_no_consumer_acked(
+    tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(30, seed=7, max_words=10))
+    out, received, name, keys = tmp_path / "out", tmp_path / "received", "hf-resumed", Keys()
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5", "--out",
+               str(out), *stream_args(mooncake_master, redis_server, name)]  # fmt: skip
+    first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "3"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", extract, env(), tmp_path / "extract.log").start()
+    procs = [first, producer]
+    try:
+        # Two samples acked, the third held by a consumer that dies: the producer at its bound, then killed too.
+        wait_for(lambda: (received / "hung").exists(), timeout=120, what="the consumer's third sample")
+        wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(2 + UNACKED), timeout=120,
+                 what="the producer at its bound")  # fmt: skip
+        producer.kill(signal.SIGKILL)
+        first.kill(signal.SIGKILL)
+        acked_before, entries_before = (
+            set(redis_client.hkeys(keys.stream_acked(name))),
+            redis_client.xlen(keys.stream(name)),
+        )
+        resumed = Proc("extract-resumed", extract, env(), tmp_path / "resumed.log").start()
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+                      tmp_path / "b.log").start()  # fmt: skip
+        procs += [resumed, second]
+        assert resumed.popen.wait(timeout=300) == 0, resumed.log_tail()
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == 30 and len(acked_before) == 2
+    put_again = [fields["sample_id"] for _, fields in redis_client.xrange(keys.stream(name))][entries_before:]
+    assert sorted(put_again) == sorted(set(records) - acked_before)  # the rest once each, nothing a consumer took
+    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
     assert_byte_equal_to_store(out, received)
 
 
