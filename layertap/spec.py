@@ -70,16 +70,22 @@ class GenerationSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: RegenerateMode = Field(description="last: the final assistant turn; all: every assistant turn, in order.")
+    mode: RegenerateMode = Field(
+        description="last: the final assistant turn that answers in text; all: every assistant turn after the first "
+        "user turn that answers in text, in order (turns that call tools are kept, with their tool results)."
+    )
     max_new_tokens: int = Field(
         default=2048, gt=0, description="Longest regenerated response per turn; a longer one is cut (finish: length)."
     )
     temperature: float = Field(default=0.0, ge=0.0, description="Regeneration's sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Regeneration's nucleus sampling share.")
-    seed: int = Field(
-        default=0,
+    seed: int | None = Field(
+        default=None,
         ge=0,
-        description="Regeneration's seed: a sample's turns sample with seeds derived from it and its id.",
+        description="Regeneration's seed: a sample's turns sample with seeds derived from it and its id. Given with "
+        "a temperature above 0 it asks for reproducible sampling (a row regenerates the same text on a rerun), "
+        "refused on a server that cannot give it (one without --enable-deterministic-inference); left out, turns "
+        "sample with seeds derived from 0 and no such promise.",
     )
 
 
@@ -229,12 +235,14 @@ class ExtractionSpec(BaseModel):
     regenerate: RegenerateMode | None = Field(
         default=None,
         description="Regenerate the assistant responses with the target on the capture server first, then capture "
-        "the regenerated conversations: last (the final assistant turn) or all (every one, in order). SGLang only.",
+        "the regenerated conversations: last (the final assistant turn that answers in text) or all (every one after "
+        "the first user turn, in order); turns that call tools are kept as given, with their tool results. SGLang "
+        "only.",
     )
     max_new_tokens: int = _GENERATION["max_new_tokens"]
     temperature: float = _GENERATION["temperature"]
     top_p: float = _GENERATION["top_p"]
-    seed: int = _GENERATION["seed"]
+    seed: int | None = _GENERATION["seed"]
     drop_truncated: bool = Field(
         default=False,
         description="With regenerate: a sample with a turn cut at max_new_tokens is a bad row (kind "

@@ -106,7 +106,7 @@ def _token_freq_problems(store: OutputStore, records: list[SampleRecord], rewrit
 def _store_spec(manifest: Manifest, data: Path, trust_remote_code: bool) -> ExtractionSpec:
     """The spec a store's run tokenized rows of ``data`` with, as its manifest records it (its input limit,
     overlong policy, chat template variables and, for a regenerated store, its generation settings)."""
-    generation = dict(manifest.generation or {})
+    generation = {k: v for k, v in (manifest.generation or {}).items() if k != "rules"}  # the rules are not options
     regenerate = {"regenerate": generation.pop("mode"), **generation} if generation else {}
     return ExtractionSpec(model=Path(manifest.model_path), data=data, layers=tuple(manifest.capture_indices),
                           format=manifest.format, max_length=manifest.input_limit, overlong=manifest.overlong,
@@ -126,9 +126,9 @@ def regenerated_problems(store: OutputStore, records: list[SampleRecord], *, tru
         if (row := rows.get(rec.sample_id)) is None:
             problems.append(f"{where}: no regenerated row is stored with it")
             continue
-        conversation, turns = stored_conversation(row)
+        conversation, turns, cut = stored_conversation(row)
         try:
-            sample = tokenize(rec.index, rec.sample_id, conversation, turns,
+            sample = tokenize(rec.index, rec.sample_id, conversation, turns, cut=cut,
                               within=rec.num_tokens if rec.truncated else None)  # fmt: skip
         except RowError as err:
             problems.append(f"{where}: its regenerated row no longer tokenizes: {err.reason}")

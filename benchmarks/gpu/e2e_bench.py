@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import secrets
 import shutil
@@ -45,7 +44,7 @@ from harness.services import RedisServer, Services
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
-from layertap.store.index import SampleRecord, read_jsonl_dir
+from layertap.store.index import SampleRecord, read_json_lines, read_jsonl_dir
 from layertap.tiny import build_tiny_model
 
 LAYERS = [1, 2, 3]  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
@@ -93,11 +92,10 @@ def store_by_worker(records: list[SampleRecord], index_dir: Path) -> dict[str, t
     out: dict[str, list[int]] = {}
     for path in sorted(index_dir.glob("*.jsonl")):
         name = re.sub(r"-s\d+-t.*$", "", path.stem)
-        for line in path.read_text().splitlines():
-            if line.strip():
-                entry = out.setdefault(name, [0, 0])
-                entry[0] += 1
-                entry[1] += json.loads(line)["num_tokens"]
+        for record in read_json_lines(path):  # split at \n alone: a sample id may hold U+2028
+            entry = out.setdefault(name, [0, 0])
+            entry[0] += 1
+            entry[1] += record["num_tokens"]
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 

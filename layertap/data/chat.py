@@ -3,7 +3,9 @@
 The loss mask is 1 exactly on what the assistant produced: its content, its tool calls and the
 end-of-turn token the template closes its turn with (generation stops on that token, so the drafter
 must predict it). Everything else is 0: system, user and tool turns, role headers, the generation
-prompt, separators between turns.
+prompt, separators between turns. A regenerated turn cut at max_new_tokens (``cut``) produced no end of
+turn: its mask ends with its generated text, and what the template closes it with (the end-of-turn
+token, a ``</think>`` of a turn cut while thinking) is context only.
 
 HF's ``return_assistant_tokens_mask`` needs ``{% generation %}`` tags and silently returns all-0 or
 all-1 without them (the failure behind Megatron-Bridge #3359). Instead each assistant turn is found
@@ -28,6 +30,10 @@ from layertap.sample import TokenizedSample
 from layertap.spec import OverlongPolicy
 
 Span = tuple[int, int]
+
+# Put after a cut turn's last generated text to find where that text ends in the rendering (`ChatTokenizer.render`):
+# a private-use character pair no chat template writes.
+_CUT_MARK = "\ue000cut\ue001"
 
 # A plain two-turn chat every template must be able to mask: if it cannot, no conversation can be trusted.
 _PROBE = Conversation(
@@ -83,6 +89,7 @@ class ChatTokenizer:
         max_length: int | None,
         overlong: OverlongPolicy,
         turns: Collection[int] | None = None,
+        cut: Collection[int] = (),
     ) -> TokenizedSample:
         """One row -> TokenizedSample (``input_ids`` long [T], ``loss_mask`` uint8 [T], ``index`` = row number).
 
@@ -90,7 +97,8 @@ class ChatTokenizer:
         carries what the template rendered, BOS included) with the mask all 1: its roles cannot be
         told apart any more, so every token is a target, as in pretraining-style drafter data.
         Pretokenized rows keep their ids and mask (all 1 when absent). ``turns`` (indices into a conversation's
-        messages) limits the mask to those assistant turns (regenerated ones; the others are context as given).
+        messages) limits the mask to those assistant turns (regenerated ones; the others are context as given);
+        the ``cut`` ones among them end their mask with their text (see the module doc).
 
         Longer than ``max_length``: ``truncate`` keeps the first ``max_length`` tokens and flags the
         sample; ``skip`` raises RowError. Raises RowError (with its kind) for an empty result, a
@@ -103,7 +111,7 @@ class ChatTokenizer:
 
         if isinstance(row, Conversation):
             self._check_template()
-            ids, mask = self._conversation(row, row_number, sample_id, turns)
+            ids, mask = self._conversation(row, row_number, sample_id, turns, cut)
         elif isinstance(row, Preformatted):
             ids = self._encode(row.text, row_number, sample_id)["input_ids"]
             mask = [1] * len(ids)
@@ -176,15 +184,22 @@ class ChatTokenizer:
         return self._render(conv.messages[:upto], conv, generation_prompt, fail)
 
     def render(
-        self, conv: Conversation, *, row_number: int, sample_id: str | None, turns: Collection[int] | None = None
+        self,
+        conv: Conversation,
+        *,
+        row_number: int,
+        sample_id: str | None,
+        turns: Collection[int] | None = None,
+        cut: Collection[int] = (),
     ) -> tuple[str, list[Span]]:
         """The rendered conversation and the character spans ``[start, end)`` of its assistant turns (of those
         among ``turns``, indices into its messages, when given).
 
         A span runs from the end of the generation prompt to the end of the assistant's turn,
         whitespace the template puts after the end-of-turn token excluded (the model stops at the
-        token and never produces the separator). Raises RowError when the template is not
-        prefix-stable (e.g. it rewrites earlier turns depending on what follows them).
+        token and never produces the separator); a ``cut`` turn's span ends with its text (`_cut_end`).
+        Raises RowError when the template is not prefix-stable (e.g. it rewrites earlier turns depending
+        on what follows them).
         """
 
         def fail(reason: str) -> RowError:
@@ -210,15 +225,38 @@ class ChatTokenizer:
                         f"{shorter[at : at + 40]!r} vs {longer[at : at + 40]!r}); pass a chat template "
                         "that renders earlier turns the same whatever follows"
                     )
-            end = max(len(before), len(through.rstrip()))
+            if k in cut:
+                end = self._cut_end(msgs[: k + 1], conv, len(before), through, fail)
+            else:
+                end = max(len(before), len(through.rstrip()))
             if end > len(before):
                 spans.append((len(before), end))
         return full, spans
 
+    def _cut_end(
+        self, msgs: list[dict[str, Any]], conv: Conversation, start: int, through: str, fail: Callable[[str], RowError]
+    ) -> int:
+        """Where the text of the cut turn ``msgs[-1]`` ends in ``through`` (the rendering of ``msgs``; the turn starts
+        at ``start``): the end of its content, or of its reasoning when it was cut before any content (``start`` when
+        it has neither). Found by rendering the turn again with `_CUT_MARK` after that text; RowError (kind
+        ``template``) when the template does not render it as it is (then its made-up end cannot be told apart)."""
+        msg = msgs[-1]
+        field = next((f for f in ("content", "reasoning_content") if msg.get(f)), None)
+        if field is None:
+            return start
+        marked = self._render([*msgs[:-1], {**msg, field: msg[field] + _CUT_MARK}], conv, False, fail)
+        at = marked.find(_CUT_MARK)
+        if at < start or marked[:at] + marked[at + len(_CUT_MARK) :] != through:
+            raise fail(
+                f"the chat template does not render the {field} of turn {len(msgs) - 1}, cut at max_new_tokens, as "
+                "it was generated, so the end of turn it closes the turn with cannot be told apart from it"
+            )
+        return at
+
     def _conversation(
-        self, conv: Conversation, row_number: int, sample_id: str, turns: Collection[int] | None
+        self, conv: Conversation, row_number: int, sample_id: str, turns: Collection[int] | None, cut: Collection[int]
     ) -> tuple[list[int], list[int]]:
-        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id, turns=turns)
+        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id, turns=turns, cut=cut)
         enc = self._encode(text, row_number, sample_id, offsets=True)
         return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], spans)
 

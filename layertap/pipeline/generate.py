@@ -41,6 +41,7 @@ def regenerator_for(
             "cannot (run with --engine sglang)"
         )
     if settings.temperature > 0 and (server := engine.provenance) is not None and not server.deterministic:
+        # Without --seed (with it, `RunPlan.on` refused the server): sampling with no promise of reproducibility.
         log.warning(
             "regenerating at temperature %s on a server without --enable-deterministic-inference: SGLang samples with "
             "the turns' seeds only under it, so a row regenerated again (its sample not yet committed when a run "
@@ -88,7 +89,7 @@ def _tokenized(
             reason = f"{out.cut_turns} regenerated turns were cut at max_new_tokens={spec.max_new_tokens} " \
                      "(drop_truncated)"  # fmt: skip
             raise RowError(reason, row=row, sample_id=out.sample_id, kind="generation_truncated")
-        sample = tokenize(row, out.sample_id, out.conversation, [t.index for t in out.turns])
+        sample = tokenize(row, out.sample_id, out.conversation, [t.index for t in out.turns], cut=out.cut)
     except RowError as err:
         ledger.row_failed(err)
         return None

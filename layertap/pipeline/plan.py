@@ -23,6 +23,7 @@ from layertap.data.scan import DatasetScan, scan_dataset
 from layertap.engines.base import Engine
 from layertap.errors import ServerError, SpecError
 from layertap.models.folder import ModelFolder
+from layertap.regenerate import RULES
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.manifest import Manifest, model_facts
 
@@ -66,11 +67,13 @@ class RunPlan:
 
     def on(self, engine: Engine) -> RunPlan:
         """This plan run by ``engine``: its dtype and describe, and rows kept within its limit. A CLI run's max_length
-        above that limit is refused (SpecError naming it) before any work; without one, rows longer than the limit
+        above that limit is refused (SpecError naming it) before any work, as is seeded sampling on a server that
+        cannot reproduce it (`_check_reproducible`); without a max_length, rows longer than the limit
         are truncated or skipped at it (``overlong``), instead of the server refusing each. A stored plan computes in
         its manifest's dtype (ServerError for an engine that would not) and keeps its max_length: each longer row
         is its error (`capture.admit`)."""
         facts = EngineFacts.of(engine)
+        _check_reproducible(self.spec, engine)
         if self.stored and facts.compute_dtype != self.engine.compute_dtype:
             raise ServerError(
                 f"this worker's {facts.describe.get('name')} engine computes in {facts.compute_dtype}, the job's "
@@ -101,7 +104,7 @@ class RunPlan:
             final_post_norm=capture.final_post,
             final_pre_norm=capture.final_pre,
             engine=self.engine.describe,
-            generation=None if (gen := spec.generation) is None else {**gen.model_dump(),
+            generation=None if (gen := spec.generation) is None else {**gen.model_dump(), "rules": RULES,
                                                                       "drop_truncated": spec.drop_truncated},
             max_length=spec.max_length,
             input_limit=self.input_limit,
@@ -111,6 +114,23 @@ class RunPlan:
             dataset_rows=self.dataset_rows,
             dataset_sha256=self.dataset_sha256,
         )  # fmt: skip
+
+
+def _check_reproducible(spec: ExtractionSpec, engine: Engine) -> None:
+    """SpecError when ``spec`` regenerates at a temperature above 0 with a seed (reproducible sampling asked for) on a
+    server that samples without the requests' seeds: SGLang (0.5.10 to 0.5.14) builds them only under
+    ``--enable-deterministic-inference`` (`sampling_batch_info.py`), so a rerun of a row would sample other text."""
+    gen = spec.generation
+    if gen is None or gen.temperature == 0 or gen.seed is None:
+        return
+    if (server := engine.provenance) is not None and not server.deterministic:
+        raise SpecError(
+            f"--seed {gen.seed} at --temperature {gen.temperature} asks for reproducible sampling, which the SGLang "
+            f"server at {server.url} cannot give: started without --enable-deterministic-inference, it samples "
+            "without the requests' sampling_seed. Start it with that flag (--sglang-args for a server layertap "
+            "launches; it needs --attention-backend fa3, triton or flashinfer, so the CPU server cannot), leave out "
+            "--seed to sample without that promise, or regenerate greedily (--temperature 0)"
+        )
 
 
 def input_limit_of(spec: ExtractionSpec, limit: int | None) -> int | None:

@@ -167,7 +167,7 @@ class RowPlanner:
         stored = self.regenerated.get(rec.sample_id)
         if stored is None:
             return "no regenerated row is stored for its sample"
-        conversation, turns = stored_conversation(stored)
+        conversation, turns, cut = stored_conversation(stored)
         assert isinstance(job.parsed, Conversation) and self.spec.regenerate is not None  # the job's row was checked
         wanted = turns_to_regenerate(job.parsed, self.spec.regenerate, row=job.row, sample_id=job.sample_id)
         kept = [m for i, m in enumerate(job.parsed.messages) if i not in turns]
@@ -176,7 +176,7 @@ class RowPlanner:
         ]:
             return "its given turns (or the turns to regenerate) differ from those its stored regenerated row answered"
         try:
-            return self.tokenize(job.row, job.sample_id, conversation, turns,
+            return self.tokenize(job.row, job.sample_id, conversation, turns, cut=cut,
                                  within=rec.num_tokens if rec.truncated else None)  # fmt: skip
         except RowError as err:
             return err

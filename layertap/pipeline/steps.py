@@ -98,10 +98,12 @@ class Tokenize:
         parsed: ParsedRow,
         turns: Collection[int] | None = None,
         *,
+        cut: Collection[int] = (),
         within: int | None = None,
     ) -> TokenizedSample:
-        """Row ``row``'s sample; with ``turns`` (a regenerated conversation) masked on those turns only; ``within``
-        a stored sample's own length (a truncated one is compared at it) instead of the input limit. Raises RowError."""
+        """Row ``row``'s sample; with ``turns`` (a regenerated conversation) masked on those turns only, the ``cut``
+        ones without the end of turn they never produced; ``within`` a stored sample's own length (a truncated one is
+        compared at it) instead of the input limit. Raises RowError."""
         sample = self.chat.tokenize(
             row,
             sample_id,
@@ -109,6 +111,7 @@ class Tokenize:
             max_length=self.input_limit if within is None else within,
             overlong=self.overlong,
             turns=turns,
+            cut=cut,
         )
         check_loss_mask(parsed, sample)
         return sample

@@ -6,6 +6,7 @@ that the template gives back the ids the generation saw; `client.py`: the SGLang
 
 from layertap.regenerate.client import AHEAD_BATCHES, Regenerator, RowJob
 from layertap.regenerate.turns import (
+    RULES,
     GeneratedTurn,
     Regenerated,
     TurnFormat,
@@ -18,6 +19,7 @@ from layertap.spec import GenerationSettings
 
 __all__ = [
     "AHEAD_BATCHES",
+    "RULES",
     "GeneratedTurn",
     "GenerationSettings",
     "Regenerated",

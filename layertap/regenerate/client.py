@@ -1,11 +1,12 @@
 """Regenerate a conversation's assistant turns with SGLang's native ``/generate``, many rows in flight.
 
 Per row (`Regenerator.regenerate`): for each turn of `turns_to_regenerate`, in order, the template renders the
-messages before it with its generation prompt (system/user/tool turns as given; earlier assistant turns as
-given for ``last``, as regenerated for ``all``), the ids are sent as ``input_ids`` with the run's sampling
-settings, the turn's seed and the template's end-of-turn token as a stop token, and the generated ids become
-the new assistant message (`TurnFormat.message`). Rows run in threads (`Regenerator.regenerate_many`), the
-turns of one row one after another.
+messages before it with its generation prompt and the row's tools (system, user and tool turns and the assistant
+turns that call tools as given; earlier answers as given for ``last``, as regenerated for ``all``): HF's
+``apply_chat_template(messages[:i], tools=..., add_generation_prompt=True)``, tokenized as `ChatTokenizer` does; the
+ids are sent as ``input_ids`` with the run's sampling settings, the turn's seed and the template's end-of-turn token
+as a stop token, and the generated ids become the new assistant message (`TurnFormat.message`). Rows run in threads
+(`Regenerator.regenerate_many`), the turns of one row one after another.
 
 The server is the capture server, and its `ServerSession` the capture's own: a generation rid (`generation_rid`)
 holds no ``:``, so the plugin captures none of its passes; generation may take prefixes from the radix cache (the
@@ -118,7 +119,7 @@ class Regenerator:
 
     def _generate(self, job: RowJob, index: int, prompt: list[int]) -> GeneratedTurn:
         s = self.settings
-        seed = turn_seed(s.seed, job.sample_id, index)
+        seed = turn_seed(s.seed or 0, job.sample_id, index)
         params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                   "stop_token_ids": self.stop_token_ids, "sampling_seed": seed}  # fmt: skip
         sent = time.monotonic()

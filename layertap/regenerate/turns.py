@@ -2,8 +2,11 @@
 
 Pure functions of a conversation, a `ChatTokenizer` and token ids: no server here (`client.py` sends them).
 
-- `turns_to_regenerate`: ``all`` = every assistant turn that has a user turn before it, in order; ``last`` = the
-  final assistant turn. Rows with nothing to regenerate are refused (RowError kind ``regenerate``).
+- `turns_to_regenerate`: the rule (`RULES`, recorded in a regenerated store's manifest): the assistant turns after the
+  first user turn that answer in text, every one in order (``all``) or the last of them (``last``). A turn that calls
+  tools (``tool_calls``) is kept as given, and so are the tool results answering it: regenerated as text, its results
+  would answer a call the stored conversation no longer holds. Rows with nothing to regenerate are refused (RowError
+  kind ``regenerate``). `kept_turns` says, per assistant turn kept, why (each stored row carries it).
 - `TurnFormat`: what a folder's template and tokenizer say about a generated turn: the end-of-turn token the
   template closes an assistant turn with (sent as a stop token: the model's own eos may be another token) and
   the thinking markers (``<think>``/``</think>`` as single tokens, as Kimi-K2.5's), if the tokenizer has them.
@@ -26,6 +29,21 @@ from layertap.spec import RegenerateMode as Mode
 
 FinishReason = Literal["stop", "length"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+# What a regenerating run regenerates and keeps, and what a cut turn is: the manifest's ``generation.rules``. A store
+# made under other rules is another run (a resume is refused); the docs' table (docs/cli.md) says the same per shape.
+RULES: dict[str, str] = {
+    "turns": "regenerated: the assistant turns after the first user turn that answer in text (no tool_calls), every "
+    "one (all) or the last (last), each on the chat template of the stored messages before it (with the row's tools) "
+    "and the generation prompt; kept as given: system, user and tool messages, assistant turns that call tools "
+    "(tool_calls, with the tool results answering them) and assistant turns before the first user turn",
+    "cut": "a turn cut at max_new_tokens (finish_reason length) is stored as generated; the end of turn the chat "
+    "template closes it with, which the model never produced, is context for what follows and outside the loss mask",
+}
+# Why an assistant turn is kept as given (`kept_turns`).
+KEPT_CALLS = "calls tools: kept with the tool results answering it"
+KEPT_UNANSWERING = "before the first user turn: it answers nothing"
+KEPT_EARLIER = "before the last answer in text (regenerate last)"
 
 # A plain chat whose assistant turn the template renders as this content, then its end of turn.
 _PROBE_CONTENT = "Hi."
@@ -55,15 +73,23 @@ class Regenerated:
     turns: tuple[GeneratedTurn, ...]
 
     def record(self) -> dict[str, Any]:
-        """The row as the regenerated dataset stores it: ``{"id", "messages"}`` in OpenAI form, each regenerated
-        turn with its ``finish_reason``."""
+        """The row as the regenerated dataset stores it: ``{"id", "messages", ["tools"], "regeneration"}``, the
+        messages in OpenAI form, each regenerated turn with its ``finish_reason`` (``length``: cut, see `RULES`);
+        ``regeneration`` says which turns were regenerated and which assistant turns were kept as given, and why."""
         messages = [dict(m) for m in self.conversation.messages]
         for turn in self.turns:
             messages[turn.index]["finish_reason"] = turn.finish_reason
         row: dict[str, Any] = {"id": self.sample_id, "messages": messages}
         if self.conversation.tools is not None:
             row["tools"] = self.conversation.tools
+        indices = [t.index for t in self.turns]
+        row["regeneration"] = {"regenerated": indices, "kept": kept_turns(self.conversation.messages, indices)}
         return row
+
+    @property
+    def cut(self) -> list[int]:
+        """The indices of the turns cut at max_new_tokens (finish_reason ``length``)."""
+        return [t.index for t in self.turns if t.finish_reason == "length"]
 
     @property
     def generated_tokens(self) -> int:
@@ -75,12 +101,12 @@ class Regenerated:
         return sum(t.finish_reason == "length" for t in self.turns)
 
 
-def stored_conversation(record: dict[str, Any]) -> tuple[Conversation, list[int]]:
-    """A stored row (`Regenerated.record`) as the conversation it renders and the indices of its regenerated turns
-    (those with a ``finish_reason``)."""
+def stored_conversation(record: dict[str, Any]) -> tuple[Conversation, list[int], list[int]]:
+    """A stored row (`Regenerated.record`) as the conversation it renders, the indices of its regenerated turns
+    (those with a ``finish_reason``) and of those cut (``length``)."""
     messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in record["messages"]]
-    turns = [i for i, m in enumerate(record["messages"]) if "finish_reason" in m]
-    return Conversation(messages, record.get("tools")), turns
+    finish = {i: m["finish_reason"] for i, m in enumerate(record["messages"]) if "finish_reason" in m}
+    return Conversation(messages, record.get("tools")), list(finish), [i for i, f in finish.items() if f == "length"]
 
 
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -91,9 +117,10 @@ def turn_seed(seed: int, sample_id: str, turn: int) -> int:
 
 
 def turns_to_regenerate(parsed: ParsedRow, mode: Mode, *, row: int, sample_id: str) -> list[int]:
-    """Indices (into ``parsed.messages``: row ``row``'s) of the assistant turns to regenerate, in order; RowError
-    (kind ``regenerate``) when there are none. An assistant turn with no user turn before it (a greeting) is kept as
-    given: there is nothing to answer."""
+    """Indices (into ``parsed.messages``: row ``row``'s) of the assistant turns to regenerate, in order (`RULES`):
+    those after the first user turn that answer in text, all or the last; RowError (kind ``regenerate``) when there
+    are none. Kept as given: an assistant turn with no user turn before it (a greeting: there is nothing to answer)
+    and one that calls tools (its tool results answer its calls)."""
 
     def refuse(reason: str) -> RowError:
         return RowError(reason, row=row, sample_id=sample_id, kind="regenerate")
@@ -111,7 +138,25 @@ def turns_to_regenerate(parsed: ParsedRow, mode: Mode, *, row: int, sample_id: s
         raise refuse("no assistant turn to regenerate")
     if assistants[-1] < first_user:
         raise refuse("no assistant turn after a user turn to regenerate")
-    return [i for i in assistants if i > first_user] if mode == "all" else [assistants[-1]]
+    answers = [i for i in assistants if i > first_user and not messages[i].get("tool_calls")]
+    if not answers:
+        raise refuse(
+            "every assistant turn after a user turn calls tools: such turns are kept as given with the tool results "
+            "answering them, and no turn answers in text to regenerate"
+        )
+    return answers if mode == "all" else answers[-1:]
+
+
+def kept_turns(messages: list[dict[str, Any]], regenerated: list[int]) -> list[dict[str, Any]]:
+    """``{"turn", "why"}`` for each assistant turn of ``messages`` kept as given (not in ``regenerated``), in order:
+    it calls tools, comes before the first user turn, or (``last``) before the last answer."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    kept = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and i not in regenerated:
+            why = KEPT_CALLS if m.get("tool_calls") else KEPT_UNANSWERING if i < first_user else KEPT_EARLIER
+            kept.append({"turn": i, "why": why})
+    return kept
 
 
 def _single_token(chat: ChatTokenizer, text: str) -> int | None:

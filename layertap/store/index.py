@@ -90,19 +90,25 @@ def count_json_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+def read_json_lines(path: Path) -> Iterator[dict]:
+    """Every well-formed JSON object of the JSONL file ``path``, in line order, its lines split at ``\n`` alone (see
+    `count_json_lines`)."""
+    with open(path, "rb") as f:
+        for line in f:  # a binary file's lines end at b"\n" only
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue  # a torn append from a killed writer
+            if isinstance(obj, dict):
+                yield obj
+
+
 def read_jsonl_dir(folder: Path) -> Iterator[dict]:
     """Every well-formed JSON object in ``folder/*.jsonl``, in file-name then line order."""
     if not folder.is_dir():
         return
     for path in sorted(folder.glob("*.jsonl")):
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue  # a torn append from a killed writer
-                if isinstance(obj, dict):
-                    yield obj
+        yield from read_json_lines(path)
 
 
 def load_index_candidates(root: Path) -> dict[str, list[SampleRecord]]:

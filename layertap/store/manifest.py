@@ -72,7 +72,8 @@ class Manifest(BaseModel):
     dataset_rows: int
     dataset_sha256: str | None = None  # None in stores made before it was recorded
     engine: dict[str, Any]
-    # A regenerated run's generation settings (`GenerationSettings`, with drop_truncated); None: rows captured as given.
+    # A regenerated run's generation settings (`GenerationSettings`, with drop_truncated) and ``rules`` (what it
+    # regenerates and keeps, what a cut turn is: `layertap.regenerate.RULES`); None: rows captured as given.
     # The servers that generated are the capturing ones (``servers``).
     generation: dict[str, Any] | None = None
     # Which server made which rows: each writer's record (`OutputStore.note_server`: its rows, the server's facts),

@@ -23,21 +23,23 @@ def extract(cli, model: Path, out: Path, *args: str) -> subprocess.CompletedProc
 
 
 def check_states_equal_hf(out: Path, model: Path, hf_reference) -> int:
-    """Every stored state of every sample vs the independent HF float32 reference; returns samples checked."""
+    """Every stored state of every sample (at the store's capture indices) vs the independent HF float32 reference;
+    returns samples checked."""
     store = OutputStore.open_existing(out)
+    layers = store.manifest.capture_indices
     ref = hf_reference(model)
     num_layers = ModelFolder.read(model).num_layers
     for rec in store.records().values():
         tensors = store.format.load(out / rec.file)
         if store.manifest.format == "specforge":
             ids, hidden_size = tensors["input_ids"], tensors["hidden_state"].shape[-1]
-            aux = tensors["aux_hidden_state"][0].unflatten(-1, (len(LAYERS), hidden_size))
+            aux = tensors["aux_hidden_state"][0].unflatten(-1, (len(layers), hidden_size))
             final, which = tensors["hidden_state"][0], "post"
         else:
             ids, states = tensors["token_ids"], tensors["hidden_states"]
-            aux, final, which = states[:, : len(LAYERS)], states[:, len(LAYERS)], "pre"
+            aux, final, which = states[:, : len(layers)], states[:, len(layers)], "pre"
         hidden, pre = ref.states(ids)
-        for j, layer in enumerate(LAYERS):
+        for j, layer in enumerate(layers):
             assert max_rel_err(aux[:, j], hidden[layer]) < REL_TOL, (rec.sample_id, layer)
             assert max_rel_err(aux[:, j], hidden[layer + 1]) > 1e-2  # a capture one layer off could not pass
         assert max_rel_err(final, hidden[num_layers] if which == "post" else pre) < REL_TOL

@@ -1,8 +1,11 @@
 """`layertap extract --engine sglang --regenerate` on real CPU capture servers (float32): the stored regenerated
 turns are HF transformers' greedy ``generate`` of the same prompts; the stored ids are HF's own chat template applied
-to the stored regenerated rows, masked on the regenerated turns only; the states equal the HF float32 reference of
-them; rows with nothing to regenerate are refused per row; cut turns are kept and counted, or dropped; a run killed
-mid-generation resumes with every sample once and the committed samples' text unchanged; a round of rows is
+to the stored regenerated rows, masked on the regenerated turns only (a cut turn without the end of turn it never
+produced); the states equal the HF float32 reference of them; over every message shape (tool calls single and
+parallel, reasoning, Kimi-K2.5's thinking on and off, U+2028/U+2029/\r/control characters) each regenerated turn is
+HF's ``generate`` on the stored messages before it and each stored conversation is coherent (a tool result answers a
+call it holds); rows with nothing to regenerate are refused per row; cut turns are kept and counted, or dropped; a run
+killed mid-generation resumes with every sample once and the committed samples' text unchanged; a round of rows is
 regenerated whole before any of its samples is captured."""
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ from pathlib import Path
 import pytest
 
 from layertap.data.chat import ChatTokenizer
+from layertap.data.rows import parse_row
 from layertap.engines.factory import sglang_engine_factory
 from layertap.models.folder import ModelFolder
 from layertap.pipeline import run_extraction
-from layertap.regenerate import AHEAD_BATCHES, TurnFormat
+from layertap.regenerate import AHEAD_BATCHES, RULES, TurnFormat
 from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
-from layertap.store.index import load_index_candidates
+from layertap.store.index import load_index_candidates, read_json_lines
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
-from tests.core.regenerate.test_sglang_regenerate import ROWS, hf_greedy, model_eos
+from tests.core.regenerate.test_sglang_regenerate import ROWS, hf_generate, hf_greedy, model_eos
+from tests.core.regenerate.test_turns import ANSWERS, SHAPES, masked_runs, shape_rows
 from tests.core.test_kimi_k25_run import LAYERS, check_states_equal_hf
 
 pytestmark = pytest.mark.sglang
@@ -59,7 +64,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def stored_rows(out: Path) -> dict[str, dict]:
-    return {row["id"]: row for row in map(json.loads, (out / REGENERATED).read_text().splitlines())}
+    return {row["id"]: row for row in read_json_lines(out / REGENERATED)}
 
 
 @pytest.mark.parametrize("mode", ["last", "all"])
@@ -76,7 +81,7 @@ def test_extract_regenerates_as_hf_generate_and_captures_the_regenerated_text(
     assert check.ok, check.problems
     store = OutputStore.open_existing(out)
     assert store.manifest.generation == {"mode": mode, "max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0,
-                                         "seed": 0, "drop_truncated": False}  # fmt: skip
+                                         "seed": None, "rules": RULES, "drop_truncated": False}  # fmt: skip
     assert sorted((e["sample_id"], e["kind"]) for e in store.errors()) == [
         ("ids", "regenerate"), ("nouser", "regenerate"), ("pre", "regenerate")
     ]  # fmt: skip
@@ -106,53 +111,110 @@ def test_extract_regenerates_as_hf_generate_and_captures_the_regenerated_text(
     assert check_states_equal_hf(out, folder, hf_reference) == len(ROWS)
 
 
-def test_kimi_k25_regenerates_under_its_thinking_switch(
-    layertap_cli, sglang_servers, tiny_kimi25, hf_reference, tmp_path
+def coherent(messages: list[dict]) -> bool:
+    """Whether each tool result answers a call the conversation holds before it (by its ``tool_call_id``)."""
+    calls: set[str] = set()
+    for m in messages:
+        calls |= {c["id"] for c in m.get("tool_calls", [])}
+        if m["role"] == "tool" and m.get("tool_call_id") not in calls:
+            return False
+    return True
+
+
+def check_shapes_store(out: Path, folder: Path, hf_reference, max_new_tokens: int, **variables: object) -> None:
+    """The store of `SHAPES` regenerated (``all``, greedy) with the template ``variables``: verify clean, the rules in
+    the manifest, the row that only calls tools refused; each stored row regenerated exactly its turns answering in
+    text (`ANSWERS`) and kept every other message as given, says so, and is coherent; each regenerated turn is HF's
+    greedy ``generate`` on HF's template of the stored messages before it (with the row's tools); the stored ids are
+    HF's template of the stored row, masked on exactly what each turn generated (a cut turn without its closing); the
+    states equal HF float32 on those ids."""
+    check = verify_store(out, trust_remote_code=True)
+    assert check.ok, check.problems
+    store = OutputStore.open_existing(out)
+    assert store.manifest.generation is not None and store.manifest.generation["rules"] == RULES
+    assert [(e["sample_id"], e["kind"]) for e in store.errors()] == [("only-tool-calls", "regenerate")]
+    tokenizer = ModelFolder.read(folder).load_tokenizer(trust_remote_code=True)
+    chat = ChatTokenizer(tokenizer, template_kwargs=variables)
+    fmt = TurnFormat.of(chat)
+    stop = sorted(model_eos(folder) | set(fmt.stop_token_ids(chat)))
+    model = hf_reference(folder).model
+    stored, records = stored_rows(out), {r.sample_id: r for r in store.records().values()}
+    given = {row["id"]: parse_row(n, row) for n, row in enumerate(shape_rows()) if row["id"] in ANSWERS}
+    assert sorted(stored) == sorted(records) == sorted(given)
+    finishes = [m["finish_reason"] for row in stored.values() for m in row["messages"] if "finish_reason" in m]
+    assert "length" in finishes  # cut turns are among them (12 new tokens of a random model)
+    for sid, row in stored.items():
+        messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in row["messages"]]
+        turns = [i for i, m in enumerate(row["messages"]) if "finish_reason" in m]
+        assert turns == ANSWERS[sid] == row["regeneration"]["regenerated"], sid
+        assert [m for i, m in enumerate(messages) if i not in turns] == [
+            m for i, m in enumerate(given[sid].messages) if i not in turns]  # fmt: skip
+        assert row.get("tools") == given[sid].tools and coherent(messages), sid
+        generated = []
+        for k in turns:
+            text = tokenizer.apply_chat_template(messages[:k], tools=row.get("tools"), tokenize=False,
+                                                 add_generation_prompt=True, **variables)  # fmt: skip
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            new = hf_generate(model, prompt, max_new_tokens, stop)
+            finish = "stop" if new[-1] in stop else "length"
+            assert row["messages"][k] == {**fmt.message(chat, prompt, new, finish), "finish_reason": finish}, (sid, k)
+            generated.append(tokenizer.decode(new))
+        text = tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=False, **variables)
+        tensors = store.format.load(out / records[sid].file)
+        ids, mask = tensors["input_ids"].flatten().tolist(), tensors["loss_mask"].flatten().tolist()
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"], sid
+        assert masked_runs(tokenizer, ids, mask) == [g for g in generated if g], sid
+    assert check_states_equal_hf(out, folder, hf_reference) == len(given)
+
+
+def test_every_message_shape_is_regenerated_coherently_as_hf_generate(
+    layertap_cli, sglang_llama, tiny_llama, hf_reference, tmp_path
+) -> None:
+    """The shapes set on the tiny Llama (its template renders no reasoning: a kept turn's is dropped as HF drops it)."""
+    out = tmp_path / "out"
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", SHAPES, "--layers", "1,3,5", "--out", out,
+                       "--store-dtype", "float32", "--engine", "sglang", "--server-url", sglang_llama.url,
+                       "--dump-root", sglang_llama.dump_root, "--in-flight", "4", "--regenerate", "all",
+                       "--temperature", "0", "--max-new-tokens", "12", "--max-bad-rows", "1", timeout=900)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    check_shapes_store(out, tiny_llama, hf_reference, 12)
+
+
+def test_kimi_k25_regenerates_every_shape_under_its_thinking_switch(
+    layertap_cli, sglang_servers, tiny_kimi25, tmp_path, hf_reference
 ) -> None:
     """Kimi-K2.5 thinks by default; ``--chat-template-kwargs '{"thinking": false}'`` turns it off, as SGLang's
     ``chat_template_kwargs`` does: each turn's generation prompt ends with an open ``<think>`` or an empty
-    ``<think></think>`` (the first turn's prompts differ by that closing id only), the regenerated turns have or lack
-    ``reasoning_content``, each is HF's greedy ``generate`` of the same prompt ids (HF's template with the same
-    variables), the stored ids are HF's template with them applied to the stored rows, verify is clean and the
-    manifest records the variables."""
+    ``<think></think>`` (a first answer's prompts differ by that closing id only), the regenerated turns have or lack
+    ``reasoning_content``; either way the store of the shapes set holds what `check_shapes_store` asks, with the same
+    variables, and the manifest records them."""
     server = sglang_servers(tiny_kimi25, layers=LAYERS, extra_args=("--trust-remote-code",))
-    data = write_rows(tmp_path / "rows.jsonl", ROWS)
     tokenizer = ModelFolder.read(tiny_kimi25).load_tokenizer(trust_remote_code=True)
-    model = hf_reference(tiny_kimi25).model
-    first_prompts = {}
+    first_prompts: dict[str, list[list[int]]] = {}
     for variables in ({}, {"thinking": False}):
         thinks = variables.get("thinking", True)
         out = tmp_path / f"thinking-{thinks}"
         flags = ["--chat-template-kwargs", json.dumps(variables)] if variables else []
-        cli = extract(layertap_cli, tiny_kimi25, server, data, out, "--regenerate", "all", "--max-new-tokens", "12",
-                      "--trust-remote-code", *flags)  # fmt: skip
+        cli = extract(layertap_cli, tiny_kimi25, server, SHAPES, out, "--regenerate", "all", "--max-new-tokens", "12",
+                      "--max-bad-rows", "1", "--trust-remote-code", *flags)  # fmt: skip
         assert cli.returncode == 0, cli.stderr[-3000:]
-        check = verify_store(out, trust_remote_code=True)
-        assert check.ok, check.problems
-        store = OutputStore.open_existing(out)
-        assert store.manifest.chat_template_kwargs == variables
+        assert OutputStore.open_existing(out).manifest.chat_template_kwargs == variables
+        check_shapes_store(out, tiny_kimi25, hf_reference, 12, **variables)
         chat = ChatTokenizer(tokenizer, template_kwargs=variables)
         fmt = TurnFormat.of(chat)
         block = [fmt.think_open] if thinks else [fmt.think_open, fmt.think_close]  # how each prompt ends
-        stop = sorted(model_eos(tiny_kimi25) | set(fmt.stop_token_ids(chat)))
-        stored, records = stored_rows(out), {r.sample_id: r for r in store.records().values()}
-        assert sorted(stored) == sorted(records) == sorted(r["id"] for r in ROWS)
-        for row in ROWS:
-            got = stored[row["id"]]
-            want = hf_greedy(model, tokenizer, row, "all", 12, stop, **variables)
-            assert [i for i, m in enumerate(got["messages"]) if "finish_reason" in m] == [k for k, *_ in want]
-            for k, prompt, new, finish in want:
+        for sid, row in stored_rows(out).items():
+            for k in row["regeneration"]["regenerated"]:
+                assert ("reasoning_content" in row["messages"][k]) == thinks, row["messages"][k]
+                messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in row["messages"][:k]]
+                text = tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=False,
+                                                     add_generation_prompt=True, **variables)  # fmt: skip
+                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
                 assert prompt[-len(block) :] == block
-                assert got["messages"][k] == {**fmt.message(chat, prompt, new, finish), "finish_reason": finish}
-                assert ("reasoning_content" in got["messages"][k]) == thinks, got["messages"][k]
-            first_prompts.setdefault(row["id"], []).append(want[0][1])
-            messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in got["messages"]]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **variables)
-            ids = store.format.load(out / records[row["id"]].file)["input_ids"].flatten().tolist()
-            assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
-        assert check_states_equal_hf(out, tiny_kimi25, hf_reference) == len(ROWS)
+                if not any(m["role"] == "assistant" for m in messages):  # the first answer: the switch alone differs
+                    first_prompts.setdefault(sid, []).append(prompt)
     think_close = tokenizer.convert_tokens_to_ids("</think>")
-    assert all(off == [*on, think_close] for on, off in first_prompts.values()), first_prompts
+    assert len(first_prompts) == 5 and all(off == [*on, think_close] for on, off in first_prompts.values())
 
 
 def test_truncated_turns_are_kept_and_counted_or_dropped(layertap_cli, sglang_servers, tiny_llama, tmp_path) -> None:
@@ -167,7 +229,7 @@ def test_truncated_turns_are_kept_and_counted_or_dropped(layertap_cli, sglang_se
                for m in r["messages"])  # fmt: skip
     # verify holds each sample to its stored row: a row whose text is not the sample's is reported.
     (log,) = (tmp_path / "kept" / "regenerated").glob("*.jsonl")
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = list(read_json_lines(log))
     lines[0]["row"]["messages"][-1]["content"] += " edited"
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     check = verify_store(tmp_path / "kept")
@@ -187,6 +249,21 @@ def test_hf_engine_is_refused(layertap_cli, tiny_llama, tmp_path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_seeded_sampling_on_a_server_that_cannot_reproduce_it_is_refused(
+    layertap_cli, sglang_llama, tiny_llama, tmp_path
+) -> None:
+    """``--seed`` at a temperature above 0 asks for reproducible sampling; the CPU server samples without the requests'
+    seeds (no --enable-deterministic-inference, which its backend cannot take): refused in one line before any work."""
+    out = tmp_path / "out"
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", write_rows(tmp_path / "rows.jsonl", ROWS),
+                       "--layers", "1,3,5", "--out", out, "--engine", "sglang", "--server-url", sglang_llama.url,
+                       "--dump-root", sglang_llama.dump_root, "--regenerate", "all", "--temperature", "0.7",
+                       "--seed", "3")  # fmt: skip
+    said = " ".join(cli.stderr.split())
+    assert cli.returncode == 2 and "--seed 3 at --temperature 0.7 asks for reproducible sampling" in said, said
+    assert "without --enable-deterministic-inference" in said and not out.exists()
+
+
 def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     layertap_cli, sglang_servers, tiny_llama, tmp_path
 ) -> None:
@@ -197,7 +274,7 @@ def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     out = tmp_path / "out"
     args = ["extract", "--model", tiny_llama, "--data", data, "--layers", "1,2,4", "--out", out, "--store-dtype",
             "float32", "--engine", "sglang", "--server-url", server.url, "--dump-root", server.dump_root,
-            "--in-flight", "2", "--regenerate", "all", "--temperature", "1.0", "--seed", "7",
+            "--in-flight", "2", "--regenerate", "all", "--temperature", "1.0",
             "--max-new-tokens", "48", "--generation-in-flight", "1"]  # fmt: skip
     first_round = AHEAD_BATCHES  # rows of the first round (one in flight); the next generates once it is captured
     proc = subprocess.Popen([*layertap_cli.argv, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -216,7 +293,8 @@ def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     assert first_round <= len(before) < len(rows)
     cli = layertap_cli(*args, timeout=900)
     assert cli.returncode == 0, cli.stderr[-3000:]
-    # The CPU server cannot sample with seeds (test_sglang_regenerate): the run says so, the manifest records it.
+    # The CPU server cannot sample with seeds (test_sglang_regenerate): unseeded (no --seed), the run says so, the
+    # manifest records it.
     assert "without --enable-deterministic-inference" in cli.stderr
     assert store.manifest.engine["server"]["deterministic"] is False
     after = stored_rows(out)

@@ -40,7 +40,7 @@ def planner(tiny_llama: Path, data: Path, rows: list[dict], stored: dict | None)
 
 
 def record_of(plan: RowPlanner, stored: dict) -> SampleRecord:
-    conversation, turns = stored_conversation(stored)
+    conversation, turns, _ = stored_conversation(stored)
     sample = plan.tokenize(0, "a", conversation, turns)
     return SampleRecord("a", 0, sample.num_tokens, "f", 1, "x", ids_sha256(sample.input_ids),
                         mask_runs(sample.loss_mask))  # fmt: skip
@@ -59,7 +59,7 @@ def test_todo_rows_are_jobs_and_rows_without_turns_are_errors(tiny_llama: Path, 
 
 def test_loss_mask_is_on_the_regenerated_turn_only(tiny_llama: Path, tmp_path: Path) -> None:
     plan = planner(tiny_llama, tmp_path / "d.jsonl", [ROW], STORED)
-    conversation, turns = stored_conversation(STORED)
+    conversation, turns, _ = stored_conversation(STORED)
     last_only = plan.tokenize(0, "a", conversation, turns)
     every = plan.tokenize(0, "a", conversation, [1, 3])
     assert torch.equal(last_only.input_ids, every.input_ids)

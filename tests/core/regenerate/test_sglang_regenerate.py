@@ -102,9 +102,7 @@ def hf_greedy(
     for k in answers if mode == "all" else answers[-1:]:
         text = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True, **variables)
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            new = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=stop, pad_token_id=stop[0])[0, len(prompt):].tolist()  # fmt: skip
+        new = hf_generate(model, prompt, max_new_tokens, stop)
         stopped = bool(new) and new[-1] in stop
         answer = tokenizer.decode(new[:-1] if stopped else new)
         messages[k] = {"role": "assistant", "content": answer}
@@ -113,6 +111,14 @@ def hf_greedy(
             messages[k] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
         out.append((k, prompt, new, "stop" if stopped else "length"))
     return out
+
+
+def hf_generate(model, prompt: list[int], max_new_tokens: int, stop: list[int]) -> list[int]:
+    """HF's greedy ``generate`` of ``prompt``: the new ids, the stop id it ended on last (as SGLang returns them)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=stop, pad_token_id=stop[0])  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 def model_eos(folder: Path) -> set[int]:

@@ -5,6 +5,9 @@ turns' reasoning."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -17,11 +20,26 @@ from layertap.regenerate import (
     Regenerated,
     TurnFormat,
     retokenization_mismatches,
+    stored_conversation,
     turn_seed,
     turns_to_regenerate,
 )
+from layertap.regenerate.turns import KEPT_CALLS, KEPT_EARLIER, KEPT_UNANSWERING
 from layertap.tiny.kimi_tokenizer import KIMI_CHAT_TEMPLATE, write_tokenizer_files
 from layertap.tiny.tokenizer import build_tokenizer
+
+# Every message shape regeneration meets (plain, system, single and parallel tool calls, a conversation ending in a tool
+# result, reasoning, U+2028/U+2029/\r/control characters, a row that only calls tools); the CPU server tests run it too.
+SHAPES = Path(__file__).resolve().parents[2] / "assets" / "datasets" / "regenerate_shapes.jsonl"
+# The turns each row regenerates under ``all`` (``last``: the final one): the assistant turns answering in text.
+ANSWERS = {"plain": [1, 3, 5], "system": [2, 4], "tool-single": [4, 6], "tool-parallel": [4], "tool-at-the-end": [1],
+           "reasoning": [1, 3], "reasoning-tool": [3], "control-chars": [2, 4]}  # fmt: skip
+
+
+def shape_rows() -> list[dict]:
+    """The rows of `SHAPES`, read by JSON lines as written (raw U+2028 and U+0085 sit inside its strings)."""
+    return [json.loads(line) for line in SHAPES.read_bytes().split(b"\n") if line]
+
 
 CHAT = {
     "id": "c1",
@@ -98,6 +116,86 @@ def test_rows_with_nothing_to_regenerate_are_refused(row: dict, reason: str, mod
     with pytest.raises(RowError, match=reason) as err:
         turns_to_regenerate(parse_row(7, row), mode, row=7, sample_id="x")  # type: ignore[arg-type]
     assert (err.value.kind, err.value.row, err.value.sample_id) == ("regenerate", 7, "x")
+
+
+@pytest.mark.parametrize("mode", ["last", "all"])
+def test_turns_that_call_tools_are_kept_with_their_results_and_only_answers_in_text_are_regenerated(mode: str) -> None:
+    rows = shape_rows()
+    assert [r["id"] for r in rows] == [*ANSWERS, "only-tool-calls"]
+    for n, row in enumerate(rows[:-1]):
+        parsed = parse_row(n, row)
+        turns = turns_to_regenerate(parsed, mode, row=n, sample_id=row["id"])  # type: ignore[arg-type]
+        assert turns == (ANSWERS[row["id"]] if mode == "all" else ANSWERS[row["id"]][-1:]), row["id"]
+        assert not any(parsed.messages[k].get("tool_calls") for k in turns)  # type: ignore[union-attr]
+    with pytest.raises(RowError, match="every assistant turn after a user turn calls tools") as err:
+        turns_to_regenerate(parse_row(8, rows[-1]), mode, row=8, sample_id="only-tool-calls")  # type: ignore[arg-type]
+    assert err.value.kind == "regenerate"
+
+
+def test_each_stored_row_says_what_was_regenerated_and_what_kept_and_why(llama_chat) -> None:
+    """The row's ``regeneration``: the regenerated turns, and each assistant turn kept as given with its reason."""
+    tools = next(r for r in shape_rows() if r["id"] == "tool-single")
+    regen = simulated(llama_chat, tools, {4: "Mild.", 6: "Bye."}, "all")
+    assert regen.record()["regeneration"] == {"regenerated": [4, 6], "kept": [{"turn": 2, "why": KEPT_CALLS}]}
+    regen = simulated(llama_chat, CHAT, {5: "Red."}, "last")
+    assert regen.record()["regeneration"] == {"regenerated": [5], "kept": [
+        {"turn": 1, "why": KEPT_UNANSWERING}, {"turn": 3, "why": KEPT_EARLIER}]}  # fmt: skip
+    conversation, turns, cut = stored_conversation(json.loads(json.dumps(regen.record())))
+    assert (conversation, turns, cut) == (regen.conversation, [5], [])
+
+
+@pytest.mark.parametrize("variables", [None, {}, {"thinking": False}], ids=["llama", "kimi-thinking", "kimi-plain"])
+def test_each_turns_prompt_is_hf_apply_chat_template_of_the_messages_before_it(
+    llama_chat, kimi_tokenizer, variables
+) -> None:
+    """What `Regenerator` sends for turn i (the chat's render of messages[:i] with the generation prompt, encoded)
+    is HF's ``apply_chat_template(messages[:i], tools=..., add_generation_prompt=True)``, for every shape."""
+    chat = llama_chat if variables is None else ChatTokenizer(kimi_tokenizer, template_kwargs=variables)
+    for n, row in enumerate(shape_rows()[:-1]):
+        conv = parse_row(n, row)
+        assert isinstance(conv, Conversation)
+        for k in ANSWERS[row["id"]]:
+            text = chat.render_messages(conv, k, generation_prompt=True, row_number=n, sample_id="s")
+            hf = chat.tokenizer.apply_chat_template(conv.messages[:k], tools=conv.tools, add_generation_prompt=True,
+                                                    tokenize=False, **(variables or {}))  # fmt: skip
+            assert text == hf and ids(chat, text) == chat.tokenizer(hf, add_special_tokens=False)["input_ids"]
+
+
+def masked_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    """The text of each run of loss-mask 1 tokens."""
+    runs: list[list[int]] = []
+    for i, (tok, on) in enumerate(zip(ids, mask, strict=True)):
+        if on:
+            runs[-1:] = [[*runs[-1], tok]] if i and mask[i - 1] else [*runs[-1:], [tok]]
+    return [tokenizer.decode(r) for r in runs]
+
+
+def masked_text(chat: ChatTokenizer, conv: Conversation, turns: list[int], cut: list[int]) -> list[str]:
+    """The text of each run of loss-mask 1 tokens of ``conv`` masked on ``turns`` (``cut`` ones cut)."""
+    sample = chat.tokenize(0, "s", conv, max_length=None, overlong="truncate", turns=turns, cut=cut)
+    return masked_runs(chat.tokenizer, sample.input_ids.tolist(), sample.loss_mask.tolist())
+
+
+def test_a_cut_turn_is_masked_without_the_end_of_turn_it_never_produced(llama_chat, kimi_tokenizer) -> None:
+    """A turn cut at max_new_tokens is stored closed by the template (context for what follows) but its mask ends with
+    its text: not the end-of-turn token, nor the ``</think>`` closing a turn cut while thinking."""
+    conv = Conversation([*CHAT["messages"][2:4], {"role": "user", "content": "More?"},
+                         {"role": "assistant", "content": "Red and  "}])  # fmt: skip
+    assert masked_text(llama_chat, conv, [1, 3], []) == ["Blue.<|im_end|>", "Red and  <|im_end|>"]
+    assert masked_text(llama_chat, conv, [1, 3], [3]) == ["Blue.<|im_end|>", "Red and  "]
+    kimi = ChatTokenizer(kimi_tokenizer)
+    thinking = Conversation([conv.messages[0], {"role": "assistant", "reasoning_content": "Sky is", "content": ""}])
+    assert masked_text(kimi, thinking, [1], []) == ["Sky is</think><|im_end|>"]
+    assert masked_text(kimi, thinking, [1], [1]) == ["Sky is"]
+    answering = Conversation([conv.messages[0], {"role": "assistant", "reasoning_content": "Sky.", "content": "Blu"}])
+    assert masked_text(kimi, answering, [1], [1]) == ["Sky.</think>Blu"]
+    # A template that trims the reasoning renders a cut turn's text otherwise than generated: the row's error.
+    trims = ChatTokenizer(kimi_tokenizer, chat_template=_rewritten(KIMI_CHAT_TEMPLATE, (
+        "(message.reasoning_content or '')", "(message.reasoning_content or '') | trim")))  # fmt: skip
+    with pytest.raises(RowError, match="does not render the reasoning_content of turn 1, cut") as err:
+        masked_text(trims, Conversation([conv.messages[0], {**thinking.messages[1], "reasoning_content": "Sky is "}]),
+                    [1], [1])  # fmt: skip
+    assert err.value.kind == "template"
 
 
 def test_turn_seeds_are_stable_and_apart() -> None:
