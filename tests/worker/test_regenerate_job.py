@@ -2,7 +2,8 @@
 once, its regenerated row beside it (greedy: the text a clean run of the `Regenerator` on the same model gives), the
 counts on ``GET /jobs/{id}``, also when a worker is SIGKILLed mid-generation and another takes its shard, when the
 worker's own server is SIGKILLed mid-generation (restarted in place, as a capture's), when the coordinator is
-SIGKILLed and restarted meanwhile, and for ``last`` on the tiny Kimi-K2.5 wrapper (model code run by the workers)."""
+SIGKILLed and restarted meanwhile, and for ``last`` on the tiny Kimi-K2.5 wrapper (model code run by the workers); over
+every message shape (tool calls, reasoning, control characters) a job stores the rows a CLI run stores."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from layertap.engines.sglang.session import ServerSession
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import GenerationSettings, Regenerated, Regenerator, RowJob
 from layertap.settings import COMMIT_THREADS
-from layertap.store.index import INDEX_DIR, REGENERATED_DIR
+from layertap.store.index import INDEX_DIR, REGENERATED_DIR, read_json_lines
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.core.regenerate.test_turns import ANSWERS, SHAPES
 from tests.sglang_fixtures import DEFAULT_LAYERS, TEST_SERVER_ARGS
 from tests.worker.conftest import SHARD_SIZE
 
@@ -88,13 +90,13 @@ def check_regenerated_job(job: dict, chats: Path, clean: dict, *, mode: str = "a
     a ``finish_reason`` on each regenerated turn), verify against the data clean (stored ids = the regenerated row
     through the template), the job's generation counts and the manifest's generation settings."""
     out = Path(job["out"])
-    given = {r["id"]: r["messages"] for r in map(json.loads, chats.read_text().splitlines())}
+    given = {r["id"]: r["messages"] for r in read_json_lines(chats)}
     n = len(given)
     assert (job["samples_done"], job["samples_failed"], job["samples_total"]) == (n, 0, n)
     report = verify_store(out, data=chats, trust_remote_code=trust_remote_code)
     assert report.ok and report.complete and report.samples == n, report.problems
     records = OutputStore.open_existing(out).records()
-    rows = [json.loads(line) for line in (out / REGENERATED).read_text().splitlines()]
+    rows = list(read_json_lines(out / REGENERATED))
     assert len(records) == n and sorted(r["id"] for r in rows) == sorted(records)
     assert {r["id"]: r for r in rows} == clean
     for row in rows:
@@ -140,6 +142,35 @@ def test_a_worker_sigkilled_mid_shard_of_a_regenerating_job_leaves_every_sample_
     # a commit logs its text, then its record: each commit thread may have died between the two
     assert committed <= len((out / REGENERATED_DIR / writer).read_text().splitlines()) <= committed + COMMIT_THREADS
     check_regenerated_job(job, chats, clean_rows)
+
+
+def test_a_job_stores_the_rows_a_cli_run_stores_for_every_message_shape(
+    regenerating_cluster, layertap_cli, sglang_llama, tiny_llama, tmp_path
+) -> None:
+    """The shapes set (plain, system, single and parallel tool calls, reasoning, U+2028/\\r/control characters, a row
+    that only calls tools) through ``POST /jobs`` and the workers, and through ``layertap extract`` on the same server
+    (the same regenerate step): the same regenerated rows, ids and loss masks, the same refused row; both verify."""
+    cluster, _ = regenerating_cluster
+    settings = {"regenerate": "all", "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "max_bad_rows": "1"}
+    job = cluster.wait_state(cluster.submit(tiny_llama, SHAPES, **settings), "done")
+    cli = layertap_cli("extract", "--model", tiny_llama, "--data", SHAPES, "--layers", "1,3,5", "--out", tmp_path / "cli",
+                       "--engine", "sglang", "--server-url", sglang_llama.url, "--dump-root", sglang_llama.dump_root,
+                       "--regenerate", "all", "--max-new-tokens", str(MAX_NEW_TOKENS), "--temperature", "0",
+                       "--max-bad-rows", "1", timeout=900)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    job_store, cli_store = (OutputStore.open_existing(p) for p in (Path(job["out"]), tmp_path / "cli"))
+    for store in (job_store, cli_store):
+        report = verify_store(store.root)
+        assert report.ok and report.samples == len(ANSWERS), report.problems
+        assert [(e["sample_id"], e["kind"]) for e in store.errors()] == [("only-tool-calls", "regenerate")]
+    rows = list(read_json_lines(cli_store.root / REGENERATED))
+    assert list(read_json_lines(job_store.root / REGENERATED)) == rows and [r["id"] for r in rows] == list(ANSWERS)
+
+    def samples(store: OutputStore) -> dict[str, tuple]:
+        return {r.sample_id: (r.index, r.num_tokens, r.ids_sha256, r.mask_runs) for r in store.records().values()}
+
+    assert samples(job_store) == samples(cli_store)
+    assert job_store.manifest.generation == cli_store.manifest.generation
 
 
 def generated_rows(cluster, job_id: str) -> int:
