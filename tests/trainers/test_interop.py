@@ -31,6 +31,7 @@ from safetensors import safe_open
 from layertap.models import ModelFolder
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
+from layertap.store.index import read_json_lines
 from layertap.tiny import build_tiny_model
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.core.trainer_reads import token_freq_file
@@ -224,8 +225,8 @@ def test_hs_connectors_fp8_reader_loads_every_file_of_an_fp8_store(trainers_pyth
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    assert summary["files"] == 12 and summary["tokens"] == sum(json.loads(line)["num_tokens"]
-           for log in (fp8 / "index").glob("*.jsonl") for line in log.read_text().splitlines())  # fmt: skip
+    assert summary["files"] == 12 and summary["tokens"] == sum(r["num_tokens"]
+           for log in (fp8 / "index").glob("*.jsonl") for r in read_json_lines(log))  # fmt: skip
     assert summary["keys"] == ["hidden_states", "token_ids"] and summary["dtype"] == "torch.bfloat16"
     assert summary["bytes_equal"], summary
     assert 0 < summary["worst_over_bound"] <= 1, summary

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save
 
 from layertap.audit import audit_store
 from layertap.store.atomic import sha256_file
+from layertap.store.index import read_json_lines
 from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
@@ -100,7 +101,7 @@ def rewrite(store: Path, sample_id: str, change: Callable[[dict], dict]) -> None
     """Replace one sample file with ``change(tensors)`` and re-hash it into the index, as a consistent writer of
     wrong states would."""
     logs = sorted((store / "index").glob("*.jsonl"))
-    lines = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    lines = [r for log in logs for r in read_json_lines(log)]
     rec = next(r for r in lines if r["sample_id"] == sample_id)
     path = store / rec["file"]
     if path.suffix == ".safetensors":  # speculators: rewritten in place, so its hidden_states/ hard link follows
@@ -109,8 +110,7 @@ def rewrite(store: Path, sample_id: str, change: Callable[[dict], dict]) -> None
         torch.save(change(torch.load(path, weights_only=True)), path)
     for log in logs:
         out = []
-        for line in log.read_text().splitlines():
-            r = json.loads(line)
+        for r in read_json_lines(log):
             if r["sample_id"] == sample_id:
                 r.update(sha256=sha256_file(path), nbytes=path.stat().st_size)
             out.append(json.dumps(r))

@@ -5,14 +5,13 @@ sample's text counts only with its record."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from layertap.sample import CapturedSample
-from layertap.store.index import INDEX_DIR, REGENERATED_DIR, JsonlLog, count_json_lines
+from layertap.store.index import INDEX_DIR, REGENERATED_DIR, JsonlLog, count_json_lines, read_json_lines
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.store.test_adopt import H, K, T, _sample, _store
@@ -101,15 +100,14 @@ def test_a_regenerated_text_without_its_index_record_never_counts(tmp_path: Path
             killed.commit(capture(index, seed=10 + index, text="half-written"))
     monkeypatch.undo()
     killed.close()
-    assert len((made.root / REGENERATED_DIR / "killed.jsonl").read_text().splitlines()) == 2
+    assert count_json_lines(made.root / REGENERATED_DIR / "killed.jsonl") == 2
 
     resumed = OutputStore(made.root, manifest, writer_id="later")  # sorts after "killed": log order does not decide
     resumed.commit(capture(0, seed=20, text="committed"))
     assert resumed.regenerated_rows(resumed.records()) == {"s0": row("s0", "committed")}
     resumed.finalize(complete=False, target=None)
     resumed.close()
-    lines = (made.root / REGENERATED).read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [row("s0", "committed")]
+    assert list(read_json_lines(made.root / REGENERATED)) == [row("s0", "committed")]
 
 
 def test_regenerated_rows_are_counted_by_json_lines_not_by_line_breaks_in_their_text(tmp_path: Path) -> None:
@@ -132,4 +130,4 @@ def test_regenerated_rows_are_counted_by_json_lines_not_by_line_breaks_in_their_
     path = made.root / REGENERATED
     assert len(path.read_text(encoding="utf-8").splitlines()) > len(texts)  # what the old count saw
     assert count_json_lines(path) == len(texts)
-    assert [json.loads(line)["messages"][1]["content"] for line in path.read_bytes().split(b"\n")[:-1]] == texts
+    assert [row["messages"][1]["content"] for row in read_json_lines(path)] == texts
