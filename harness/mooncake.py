@@ -19,7 +19,7 @@ MASTER = (sys.executable, "-m", "mooncake.cli")
 
 @dataclass
 class MooncakeMaster:
-    """A ``mooncake_master`` of our own on 127.0.0.1 (its RPC and metrics ports free ones)."""
+    """A ``mooncake_master`` of our own on 127.0.0.1 (its RPC and metrics ports free ones); ``restart`` keeps them."""
 
     dir: Path
     port: int
@@ -56,3 +56,8 @@ class MooncakeMaster:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:
             self.proc.kill(sig)
+
+    def restart(self) -> None:
+        """Killed and started again on the same port: every object it knew of is forgotten."""
+        self.stop(signal.SIGKILL)
+        self.start()

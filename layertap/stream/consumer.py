@@ -102,9 +102,12 @@ class StreamConsumer:
             return None
         entry_id, fields = entries[0]
         manifest, sample_id = json.loads(fields[b"manifest"]), fields[b"sample_id"].decode()
-        current = self.redis.hget(self.keys.stream_current(self.name), sample_id)
-        if current is not None and current.decode() != manifest["handle"]:  # put again by a resumed run: drop it
-            self.redis.xack(self.stream, self.group, entry_id)
+        with self.redis.pipeline() as pipe:
+            pipe.hget(self.keys.stream_current(self.name), sample_id)
+            pipe.hexists(self.keys.stream_acked(self.name), sample_id)
+            current, acked = pipe.execute()
+        if acked or (current is not None and current.decode() != manifest["handle"]):
+            self.redis.xack(self.stream, self.group, entry_id)  # taken already, or put again by a resumed run: drop
             return None
         try:
             tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)

@@ -25,6 +25,8 @@ from layertap.stream.mooncake import StreamError, connect, fingerprint, run_iden
 from sglang_patch.contract import SPECULATORS
 
 log = logging.getLogger(__name__)
+LOST_CHECK_S = 1.0  # how often a waiting producer checks that its unacked objects are still there
+RERUN = "Run the same command again to resume: it puts again every sample no consumer acked."
 
 
 def redis_client(url: str) -> Redis:
@@ -54,11 +56,12 @@ class MooncakeSink:
     ) -> None:
         self.store = connect(master, segment_bytes=segment_bytes, pin=True)
         self.redis = redis_client(redis_url)
-        self.keys, self.name = Keys(prefix), name
+        self.keys, self.name, self.master = Keys(prefix), name, master
         self.max_unacked, self.poll_s = max_unacked, poll_s
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
         self.put_count = 0
+        self.broken: StreamError | None = None  # once a put failed or objects were lost: every later put refused
         self.files: OutputStore | None = None
         self.run = ""
 
@@ -85,10 +88,19 @@ class MooncakeSink:
     def put(self, record: SampleRecord) -> None:
         """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks."""
         assert self.files is not None, "open() first"
+        if self.broken is not None:
+            raise self.broken
         self._wait(lambda: len(self.unacked) < self.max_unacked)
         tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
         manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
-        self.store.put_sample(manifest, tensors)
+        try:
+            self.store.put_sample(manifest, tensors)
+        except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
+            self.broken = StreamError(
+                f"putting sample {record.sample_id} into Mooncake Store failed ({exc}): is the master at {self.master} "
+                f"up, and does --mooncake-segment-mib hold --stream-unacked samples? {RERUN}"
+            )
+            raise self.broken from exc
         with self.redis.pipeline() as pipe:  # MULTI: the entry with what consumers end on and drop stale entries by
             pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
             pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})
@@ -112,12 +124,32 @@ class MooncakeSink:
         self.redis.close()
 
     def _wait(self, done: Any) -> None:
-        """Poll the acks until ``done()``."""
+        """Poll the acks until ``done()``; every second, check that what waits for its ack is still there."""
+        checked = time.monotonic()
         while True:
             self._collect_acks()
             if done():
                 return
+            if time.monotonic() - checked > LOST_CHECK_S:
+                self._check_not_lost()
+                checked = time.monotonic()
             time.sleep(self.poll_s)
+
+    def _check_not_lost(self) -> None:
+        """StreamError when objects put and not acked are gone (a restarted master forgets every object): no
+        consumer can read them, so waiting would never end. A consumer records its ack before it removes the
+        object, so the acks are collected again before one missing counts as lost."""
+        ids = list(self.unacked)
+        exists = self.store._store.batch_is_exist([self.unacked[i] for i in ids])
+        if all(e == 1 for e in exists):
+            return
+        self._collect_acks()
+        if lost := [i for i, e in zip(ids, exists, strict=True) if e != 1 and i in self.unacked]:
+            self.broken = StreamError(
+                f"{len(lost)} samples put and not acked are gone from Mooncake Store (e.g. {lost[0]}): was the "
+                f"master at {self.master} restarted? {RERUN}"
+            )
+            raise self.broken
 
     def _collect_acks(self) -> None:
         if not self.unacked:

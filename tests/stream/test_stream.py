@@ -151,6 +151,42 @@ def test_a_producer_killed_is_resumed_and_puts_again_only_what_no_consumer_acked
     assert_byte_equal_to_store(out, received)
 
 
+def test_a_restarted_master_stops_the_run_in_one_line_and_the_rerun_delivers_every_sample_once(
+    tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=8, max_words=10))
+    out, received, name, keys = tmp_path / "out", tmp_path / "received", "hf-master", Keys()
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5", "--out",
+               str(out), *stream_args(mooncake_master, redis_server, name)]  # fmt: skip
+    first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "3"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", extract, env(), tmp_path / "extract.log").start()
+    procs = [first, producer]
+    try:
+        wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(2 + UNACKED), timeout=120,
+                 what="the producer at its bound")  # fmt: skip
+        mooncake_master.restart()  # the four unacked objects are forgotten
+        assert producer.popen.wait(timeout=60) == 2, producer.log_tail()
+        first.kill(signal.SIGKILL)
+        said = " ".join((tmp_path / "extract.log").read_text().split())  # the console wraps its lines
+        assert said.count("error:") == 1 and "Traceback" not in said
+        assert "samples put and not acked are gone from Mooncake Store" in said and mooncake_master.address in said
+        rerun = Proc("extract-again", extract, env(), tmp_path / "rerun.log").start()
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+                      tmp_path / "b.log").start()  # fmt: skip
+        procs += [rerun, second]
+        assert rerun.popen.wait(timeout=300) == 0, rerun.log_tail()
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == 20
+    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
+    assert_byte_equal_to_store(out, received)
+
+
 def test_stream_dataset_yields_the_stores_samples(tiny_llama, mooncake_master, redis_server, redis_client, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=6, max_words=10))
     out, name = tmp_path / "out", "hf-run"
