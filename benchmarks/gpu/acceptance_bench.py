@@ -432,12 +432,14 @@ def launch_server(run: Run, name: str, memory_share: float) -> SGLangServer:
     return server
 
 
-def measure(run: Run, name: str, server: SGLangServer, prompts: list[list[int]], in_flight: int) -> dict[str, Any]:
+def measure(
+    name: str, server: SGLangServer, prompts: list[list[int]], in_flight: int, max_new_tokens: int
+) -> dict[str, Any]:
     """Every prompt, greedy, `in_flight` at a time, each generating exactly `max_new_tokens` (``ignore_eos``):
     the decode rate (SGLang's completion-token counts over the wall time) and, with a drafter, per-request
     acceptance lengths (SGLang's own spec_accept_length = completion tokens / verify steps)."""
     client = httpx.Client(timeout=1800)
-    params = {"temperature": 0.0, "max_new_tokens": run.sizes.max_new_tokens, "ignore_eos": True}
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
     def one(ids: list[int]) -> dict[str, Any]:
         reply = client.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params})
@@ -500,9 +502,9 @@ def stage_serve(run: Run) -> None:
             t0 = time.monotonic()
             server.wait_ready()
             started = time.monotonic() - t0
-            measure(run, name, server, prompts[:1], 1)  # first-use kernel builds
-            runs = [measure(run, name, server, prompts[: run.sizes.prompts_c1] if c == 1 else prompts, c)
-                    for c in run.concurrency]  # fmt: skip
+            measure(name, server, prompts[:1], 1, run.sizes.max_new_tokens)  # first-use kernel builds
+            runs = [measure(name, server, prompts[: run.sizes.prompts_c1] if c == 1 else prompts, c,
+                            run.sizes.max_new_tokens) for c in run.concurrency]  # fmt: skip
         finally:
             server.stop()
         flags = shlex.join(server.config.sglang_args if server.config else ())
