@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Written by `benchmarks/gpu/spec_overhead_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
              f" commit {report.git_commit()}). Target: Llama, {sizes.layers} layers, hidden {sizes.hidden}, "
              f"{sizes.heads} heads ({sizes.kv_heads} key-value), MLP {sizes.intermediate}, vocabulary {sizes.vocab}, "
-             "random weights (`--load-format dummy`), bfloat16. Drafter: TRAIN.md's EAGLE-3 draft config for it "
+             "random weights (`--load-format dummy`). Drafter: TRAIN.md's EAGLE-3 draft config for it "
              "(one layer, aux ids = capture indices - 1), random weights; EAGLE3, 3 steps, top-k 1, 4 draft tokens. "
              f"{sizes.prompts} prompts of {PROMPT_TOKENS} random token ids ({sizes.prompts_c1} one at a time), "
              f"greedy, exactly {sizes.max_new_tokens} new tokens each (`ignore_eos`). Servers up in "
