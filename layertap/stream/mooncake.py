@@ -58,9 +58,11 @@ def sample_manifest(handle: str, tensors: dict[str, torch.Tensor], record: Sampl
 
 
 class PinnedPuts:
-    """A Mooncake client whose ``put_from`` hard-pins the object (never evicted before its consumer removes it);
-    everything else is the client's own. hs-connectors' ``put_sample`` calls ``put_from`` with Mooncake's default
-    replica config, which an eviction may take under memory pressure."""
+    """A Mooncake client whose ``put_from`` hard-pins the object (never evicted before its consumer removes it) in
+    this process's own segment; everything else is the client's own. hs-connectors' ``put_sample`` calls
+    ``put_from`` with Mooncake's default replica config, which an eviction may take under memory pressure and which
+    places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
+    producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
     def __init__(self, client: Any) -> None:
         from mooncake.store import ReplicateConfig
@@ -68,6 +70,7 @@ class PinnedPuts:
         self._client = client
         self._config = ReplicateConfig()
         self._config.with_hard_pin = True
+        self._config.preferred_segment = client.get_hostname()  # the segment's name: this client's host:port
 
     def put_from(self, key: str, buffer_ptr: int, size: int) -> int:
         return self._client.put_from(key, buffer_ptr, size, self._config)

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from hs_connectors.mooncake_store import VERSION, packed_layout
 from safetensors.torch import load_file
 
 from harness.mooncake import MooncakeMaster
-from harness.processes import LAYERTAP, Proc, wait_for
+from harness.processes import LAYERTAP, REPO_ROOT, Proc, wait_for
 from harness.services import RedisServer
 from layertap.engines.sglang import free_port
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.stream.consumer import StreamDataset, delivery_problems
-from layertap.stream.mooncake import fingerprint
+from layertap.stream.mooncake import connect, fingerprint
 from sglang_patch.sample_files import ids_sha256
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.service_fixtures import TEST_PROCESS_ENV
@@ -234,3 +236,36 @@ def test_a_sample_of_another_run_or_with_other_tokens_is_refused() -> None:
     assert delivery_problems(manifest, {**tensors, "loss_mask": torch.ones(3, dtype=torch.uint8)}, run) == [
         "loss_mask differs from the manifest's runs"
     ]
+
+
+# A producer that mounts its segment, says so, and waits to be killed.
+MOUNT_AND_WAIT = """
+import sys, time
+from layertap.stream.mooncake import connect
+store = connect(sys.argv[1], segment_bytes=64 << 20)  # kept: its segment goes with the store
+print("mounted", flush=True)
+time.sleep(600)
+"""
+
+
+def test_puts_land_in_the_producers_own_segment_never_in_another_producers(mooncake_master, tmp_path) -> None:
+    # Another producer's segment goes when that one ends (or stays with the master for its -client_ttl when it is
+    # killed, every put placed there failing with -800): Mooncake's default spreads objects over every segment.
+    other = subprocess.Popen([sys.executable, "-c", MOUNT_AND_WAIT, mooncake_master.address], env=env(), cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "mounted\n"
+        store = connect(mooncake_master.address, segment_bytes=64 << 20, pin=True)
+        tensors = {"token_ids": torch.arange(8), "loss_mask": torch.ones(8, dtype=torch.uint8)}
+        specs, total = packed_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+        for i in range(16):  # placed at random, one in two would go to the other segment
+            manifest = {"handle": f"own-{i}", "version": VERSION, "tensors": specs,
+                        "metadata": {"num_tokens": 8, "total_aligned_bytes": total}}  # fmt: skip
+            store.put_sample(manifest, tensors)
+        endpoints = {store._store.get_replica_desc(f"own-{i}")[0].get_memory_descriptor().buffer_descriptor
+                     .transport_endpoint for i in range(16)}  # fmt: skip
+        store._store.close()
+    finally:
+        other.kill()
+        other.wait()
+    assert len(endpoints) == 1
