@@ -110,10 +110,9 @@ def extract(out: Path, **options: Any) -> None:
 def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink:
     """The run's Mooncake sink (`layertap.stream`), connected before any work: a master or Redis it cannot reach is
     refused first."""
-    from layertap.stream.sink import MooncakeSink
+    from layertap.stream.sink import open_sink
 
-    return MooncakeSink(settings.stream_redis_url, settings.stream_name or out.name, master=settings.mooncake_master,
-                        segment_bytes=settings.mooncake_segment_mib << 20, max_unacked=settings.stream_unacked)  # fmt: skip
+    return open_sink(settings, out)
 
 
 @main.command()

@@ -26,6 +26,8 @@ COMMIT_THREADS = 8
 GENERATION_IN_FLIGHT = 64
 # What a job may tune per run; the rest of a worker's settings are its host's (paths, server, device).
 JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight", "generation_in_flight")
+# Where a job streams its samples (docs/streaming.md); the memory a worker lends Mooncake Store is its host's.
+JOB_STREAM = ("stream", "mooncake_master", "stream_redis_url", "stream_name", "stream_unacked")
 
 
 class RunSettings(BaseModel):
@@ -133,22 +135,27 @@ class RunSettings(BaseModel):
         return self.model_copy(update=options.model_dump(exclude_none=True))
 
 
-def _job_overrides() -> type[BaseModel]:
-    """`EngineOptions`: the `JOB_TUNABLE` fields of `RunSettings`, each optional (None: the worker's own)."""
+def _job_overrides(model: str, names: tuple[str, ...], doc: str) -> type[BaseModel]:
+    """A model ``model`` of the ``names`` fields of `RunSettings`, each optional (None: the worker's own)."""
     fields = {}
-    for name in JOB_TUNABLE:
+    for name in names:
         info = RunSettings.model_fields[name]
+        optional = info.annotation | None
         fields[name] = (
-            Annotated[info.annotation | None, *info.metadata],
+            Annotated[optional, *info.metadata] if info.metadata else optional,
             Field(default=None, description=f"{info.description} Default: the worker's own (LAYERTAP_{name.upper()})."),
         )
     return create_model(
-        "EngineOptions",
-        __config__=ConfigDict(frozen=True, extra="forbid"),
-        __doc__="A job's engine tuning; None leaves the worker's own setting in force.",
-        __module__=__name__,
-        **fields,
+        model, __config__=ConfigDict(frozen=True, extra="forbid"), __doc__=doc, __module__=__name__, **fields
     )
 
 
-EngineOptions = _job_overrides()
+EngineOptions = _job_overrides(
+    "EngineOptions", JOB_TUNABLE, "A job's engine tuning; None leaves the worker's own setting in force."
+)
+StreamOptions = _job_overrides(
+    "StreamOptions",
+    JOB_STREAM,
+    "Where a job's samples are streamed (``JobSpec`` has these fields as its own, named as ``extract``'s flags); "
+    "None leaves the worker's own setting in force.",
+)

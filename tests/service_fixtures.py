@@ -7,6 +7,8 @@
   ``celery -A worker worker --pool solo`` subprocesses with the quick timings below (one engine each, one torch
   thread each: the machine has 2 cores) and kills whatever is left at the end of the test. Logs go to files whose
   tails are shown when something fails.
+- ``mooncake_master``: a real ``mooncake_master`` on loopback for one test (it starts in well under a second), for
+  the streams of `layertap.stream`, a run's or a job's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 from redis import Redis
 
+from harness.mooncake import MooncakeMaster
 from harness.services import RedisServer, Services
 from layertap.engines.sglang import free_port
 
@@ -73,6 +76,14 @@ def redis_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     yield start
     for server in started:
         server.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    """A Mooncake Store master of the test's own, stopped after it."""
+    master = MooncakeMaster.ephemeral(tmp_path)
+    yield master
+    master.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from layertap.settings import RunSettings
 class WorkerSettings(BaseSettings, RunSettings):
     """One worker process (``celery -A worker worker``): where state lives, how leases work, and how it runs a shard
     (its engine and the engine's settings: the `RunSettings` that ``layertap extract`` takes as flags, with the same
-    defaults; ``LAYERTAP_IN_FLIGHT`` is ``--in-flight``).
+    defaults; ``LAYERTAP_IN_FLIGHT`` is ``--in-flight``). Its stream settings (``LAYERTAP_STREAM``...) are the
+    defaults of the jobs that name none (``JobSpec.streaming``); ``LAYERTAP_MOONCAKE_SEGMENT_MIB`` is this host's.
 
     ``visibility_timeout_s`` must exceed the longest shard: a message not acked by then is delivered
     again (harmless: its token is stale by then, or the shard is done), but it costs a wasted claim.
@@ -68,10 +69,6 @@ class WorkerSettings(BaseSettings, RunSettings):
             )
         if self.resume_free_bytes is None:
             self.resume_free_bytes = ByteSize(self.min_free_bytes * 21 // 20)
-        if self.stream is not None:  # a shard's samples are not streamed yet: refused, not silently written only
-            raise ValueError(
-                "LAYERTAP_STREAM: workers do not stream yet (#46); stream with `layertap extract --stream`"
-            )
         if self.engine == "sglang" and self.dump_root is None:
             raise ValueError("engine 'sglang' needs LAYERTAP_DUMP_ROOT (where the capture plugin writes dumps)")
         return self

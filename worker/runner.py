@@ -4,6 +4,11 @@
 restart), the engine cache, the heartbeat thread. ``run_shard`` claims a shard attempt, runs the
 shared pipeline over its rows into the job's store, and completes it; the attempt that completes
 the last shard finalizes the store, then sends the job's audit (``worker.audit``) when it asks for one.
+
+A job that streams (``JobSpec.streaming``, the worker's ``LAYERTAP_STREAM*`` where it names none) makes each shard
+attempt a producer of its own (`layertap.stream.sink.MooncakeSink`, its segment in this process): it first puts
+again what the shard's rows hold that no consumer acked, and the shard completes only once every sample it put is
+acked, so a shard done never has samples left in a segment that could die; the finalizer ends the stream.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
@@ -38,6 +44,9 @@ from worker.guard import DiskGuard, WorkerStatus
 from worker.heartbeat import Heartbeat, RateMeter
 from worker.instrument import MeteredStore, queue_wait_s
 from worker.metrics import WorkerMetrics, serve
+
+if TYPE_CHECKING:
+    from layertap.stream.sink import MooncakeSink
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +176,11 @@ class WorkerContext:
         with self.heartbeat.holding(job_id, shard, token), self.status.working():
             store = MeteredStore.open_metered(spec.out, self.metrics)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
+            sink = None
             try:
                 plan = plan or self.plan(spec)  # the attempt's one plan: its engine's, its rows'
                 engine = self.engine_for(spec, plan)
+                sink = self.stream_sink(spec, store, attempt, claim.start, claim.stop)
                 report = run_shard(
                     plan.on(engine),
                     store,
@@ -180,12 +191,17 @@ class WorkerContext:
                     attempts=spec.sample_attempts,
                     check_level=self.settings.resume_check,
                     commit_threads=self.settings.commit_threads,
+                    sink=sink,
                 )
+                if sink is not None and not report.stopped:  # done only once delivered: see the module's docstring
+                    report.stopped = not sink.wait_acked()
             except ServerError:
                 self.engines.close()  # the next task starts a fresh engine (and server)
                 raise
             finally:
                 store.close()
+                if sink is not None:
+                    sink.close()  # what no consumer acked goes with the segment; the shard's next attempt puts it
             report.seconds = time.monotonic() - t0
             report.save()
         if report.stopped:
@@ -209,6 +225,41 @@ class WorkerContext:
         if outcome == "finalize":
             return self.finalize(job_id, token)
         return outcome
+
+    def stream_sink(
+        self, spec: JobSpec, store: OutputStore, attempt: ShardAttempt, start: int, stop: int
+    ) -> MooncakeSink | None:
+        """The attempt's producer on the job's stream (None when the job does not stream), opened on its rows
+        ``[start, stop)``; its waits for acks stop once the shard is no longer the attempt's or the job stops.
+        The stream's identity names no server: a job's samples come from every worker's (the store's server notes
+        refuse one that computes otherwise)."""
+        settings = self.settings.tuned(spec.streaming())
+        if settings.stream is None:
+            return None
+        from layertap.stream.sink import open_sink
+
+        assert spec.out is not None
+        sink = open_sink(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
+        try:
+            sink.open(store, None, start=start, stop=stop)
+        except BaseException:
+            sink.close()
+            raise
+        return sink
+
+    def end_stream(self, spec: JobSpec) -> None:
+        """Tell the job's stream's consumers it has put its last sample (every shard done, each one's acked)."""
+        settings = self.settings.tuned(spec.streaming())
+        if settings.stream is None:
+            return
+        from layertap.stream.sink import end_stream, redis_client, stream_name
+
+        assert spec.out is not None
+        redis = redis_client(settings.stream_redis_url)
+        try:
+            end_stream(redis, Keys(self.settings.key_prefix), stream_name(settings, spec.out))
+        finally:
+            redis.close()
 
     def prepare_engine(self, job_id: str) -> RunPlan | None:
         """Start (or keep) the engine for a running job before claiming one of its shards: a server that takes
@@ -270,6 +321,7 @@ class WorkerContext:
                 store = OutputStore.open_existing(spec.out)
                 swept = store.sweep_temp_files()  # every shard is done: temp files are from killed writers
                 records = store.finalize(complete=True, target=target_folder(store.manifest))
+                self.end_stream(spec)
             except Exception as exc:
                 log.exception("job %s: finalize failed", job_id)
                 attempt.note_error(f"finalize failed: {type(exc).__name__}: {exc}")

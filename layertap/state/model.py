@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from layertap.settings import EngineOptions
+from layertap.settings import JOB_STREAM, EngineOptions, StreamOptions
 from layertap.spec import ExtractionSpec, Flag
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
@@ -18,8 +18,9 @@ AuditState = Literal["pending", "running", "pass", "fail", "inconclusive", "erro
 JOB_FILE = "job.json"  # written beside the manifest at submit time; `rebuild-state` reads it back
 
 
-class JobSpec(ExtractionSpec):
-    """An extraction plus how to spread it: output folder, shard size, engine options, retry budget.
+class JobSpec(StreamOptions, ExtractionSpec):
+    """An extraction plus how to spread it: output folder, shard size, engine options, retry budget, and where its
+    samples are streamed (`StreamOptions`' fields, named as ``extract``'s: ``stream``, ``stream_name``...).
 
     ``out`` is relative to the coordinator's output root (default: the job id); once planned it is
     stored resolved and absolute. ``model`` and ``data`` must be absolute paths that every worker sees.
@@ -39,9 +40,19 @@ class JobSpec(ExtractionSpec):
         "(`layertap audit`; 0: no audit). The verdict does not change the job's state.",
     )
 
+    @model_validator(mode="after")
+    def _stream_layout(self) -> JobSpec:
+        if self.stream is not None and self.format != "speculators":
+            raise ValueError(f"stream {self.stream} puts speculators' sample: the job's format must be speculators")
+        return self
+
     def extraction(self) -> ExtractionSpec:
         """The plain extraction spec (what the manifest and the pipeline need)."""
         return ExtractionSpec(**{name: getattr(self, name) for name in ExtractionSpec.model_fields})
+
+    def streaming(self) -> StreamOptions:
+        """Where the job streams its samples, as a worker's settings take it (`RunSettings.tuned`)."""
+        return StreamOptions(**{name: getattr(self, name) for name in JOB_STREAM})
 
 
 class JobRequest(JobSpec):

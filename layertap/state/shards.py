@@ -90,6 +90,15 @@ class ShardAttempt:
             client=self.redis,
         )
 
+    def is_current(self) -> bool:
+        """Whether the job still runs and the shard is still this attempt's (a wait that commits nothing asks: a
+        streamed shard's wait for its acks)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.job(self.job_id), "state")
+            pipe.hmget(self.keys.shard(self.job_id, self.shard), "token", "state")
+            job, shard = pipe.execute()
+        return job == "running" and shard == [self.token, "running"]
+
     def complete(self, *, done: int, tokens: int, failed: int, lease_ms: int) -> str:
         """Mark the shard done with its exact counts: ``finalize`` (this was the last one), ``done`` or ``lost``."""
         k, j = self.keys, self.job_id

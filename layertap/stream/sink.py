@@ -4,6 +4,9 @@
 each sample as its commit lands (the file is read back from the store, already in speculators' layout), and drains
 it after finalizing. Puts stop while ``max_unacked`` samples wait for their acks (the producer is held, its memory
 flat); the objects live in this process's segment, so `drain` keeps it alive until every sample put is acked.
+
+A job's shard attempt is a producer of its own (``worker.runner``): it opens the sink on its rows, waits for its
+acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
 
 from layertap.errors import SpecError
+from layertap.settings import RunSettings
 from layertap.state.keys import Keys
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
@@ -27,6 +33,24 @@ from sglang_patch.contract import SPECULATORS
 log = logging.getLogger(__name__)
 LOST_CHECK_S = 1.0  # how often a waiting producer checks that its unacked objects are still there
 RERUN = "Run the same command again to resume: it puts again every sample no consumer acked."
+
+
+def stream_name(settings: RunSettings, out: Path) -> str:
+    """A run's stream: ``stream_name``, else its output folder's name (a job's: its id, unless it named ``out``)."""
+    return settings.stream_name or out.name
+
+
+def open_sink(settings: RunSettings, out: Path, **options: Any) -> MooncakeSink:
+    """The sink of a run into ``out`` (`MooncakeSink`, ``options`` its own), connected before any work: a master or
+    Redis it cannot reach is refused first."""
+    return MooncakeSink(settings.stream_redis_url, stream_name(settings, out), master=settings.mooncake_master,
+                        segment_bytes=settings.mooncake_segment_mib << 20, max_unacked=settings.stream_unacked,
+                        **options)  # fmt: skip
+
+
+def end_stream(redis: Redis, keys: Keys, name: str) -> None:
+    """Tell the stream's consumers that its run put its last sample (they end once every sample put is acked)."""
+    redis.hset(keys.stream_run(name), "ended", 1)
 
 
 def redis_client(url: str) -> Redis:
@@ -41,7 +65,9 @@ def redis_client(url: str) -> Redis:
 
 class MooncakeSink:
     """Puts a run's committed samples into Mooncake Store (hard-pinned, hs-connectors' ``put_sample``) and their
-    manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once."""
+    manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once.
+    ``keep_going`` is asked every second while it waits for acks: once False (a job's shard cancelled or taken
+    away) the wait stops, and a sample then not put is left to the attempt that resumes the shard."""
 
     def __init__(
         self,
@@ -53,11 +79,12 @@ class MooncakeSink:
         max_unacked: int,
         prefix: str = "layertap",
         poll_s: float = 0.02,
+        keep_going: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = connect(master, segment_bytes=segment_bytes, pin=True)
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.master = Keys(prefix), name, master
-        self.max_unacked, self.poll_s = max_unacked, poll_s
+        self.max_unacked, self.poll_s, self.keep_going = max_unacked, poll_s, keep_going
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
         self.put_count = 0
@@ -65,10 +92,11 @@ class MooncakeSink:
         self.files: OutputStore | None = None
         self.run = ""
 
-    def open(self, store: OutputStore, server: str | None) -> None:
+    def open(self, store: OutputStore, server: str | None, *, start: int = 0, stop: int | None = None) -> None:
         """Before the run's first sample: its identity published for consumers (`run_identity`), then every sample
-        the store already holds that no consumer acked put (again): a resumed run re-produces what a killed producer
-        left unacked (its objects went with it) or never put, and nothing a consumer took."""
+        of rows ``[start, stop)`` (a shard's; all by default) the store already holds that no consumer acked put
+        (again): a resumed run re-produces what a killed producer left unacked (its objects went with it) or never
+        put, and nothing a consumer took."""
         if store.manifest.format != SPECULATORS:
             raise SpecError(
                 "--stream mooncake puts hs-connectors' layout, speculators' sample (token_ids, hidden_states "
@@ -79,18 +107,21 @@ class MooncakeSink:
         self.redis.hset(self.keys.stream_run(self.name),
                         mapping={"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0})  # fmt: skip
         acked = {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
-        unacked = sorted((r for r in store.records().values() if r.sample_id not in acked), key=lambda r: r.index)
+        unacked = sorted((r for r in store.records().values() if r.sample_id not in acked and r.index >= start
+                          and (stop is None or r.index < stop)), key=lambda r: r.index)  # fmt: skip
         if unacked:
             log.info("stream %s: putting the %d samples in the store no consumer acked", self.name, len(unacked))
         for record in unacked:
             self.put(record)
 
     def put(self, record: SampleRecord) -> None:
-        """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks."""
+        """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks (not
+        put once ``keep_going`` turns False: the shard's next attempt puts it)."""
         assert self.files is not None, "open() first"
         if self.broken is not None:
             raise self.broken
-        self._wait(lambda: len(self.unacked) < self.max_unacked)
+        if not self._wait(lambda: len(self.unacked) < self.max_unacked):
+            return
         tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
         manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
         try:
@@ -112,26 +143,34 @@ class MooncakeSink:
     def drain(self) -> None:
         """After the run's last sample: say so to the consumers, then wait until every sample put is acked (the
         objects live in this process's segment). Ctrl-C (or a signal) stops the wait; what is unacked is lost."""
-        self.redis.hset(self.keys.stream_run(self.name), "ended", 1)
+        end_stream(self.redis, self.keys, self.name)
+        self.wait_acked()
+
+    def wait_acked(self) -> bool:
+        """Until every sample put is acked (True), or ``keep_going`` turns False (False: what is unacked goes with
+        this process's segment, and a resumed run puts it again)."""
         if self.unacked:
             log.info("stream %s: waiting for %d unacked samples of %d put", self.name, len(self.unacked),
                      self.put_count)  # fmt: skip
-        self._wait(lambda: not self.unacked)
+        return self._wait(lambda: not self.unacked)
 
     def close(self) -> None:
         """Unmount the segment (its objects go with it) and drop the Redis client."""
         self.store._store.close()  # hs-connectors' store has no close of its own
         self.redis.close()
 
-    def _wait(self, done: Any) -> None:
-        """Poll the acks until ``done()``; every second, check that what waits for its ack is still there."""
+    def _wait(self, done: Callable[[], bool]) -> bool:
+        """Poll the acks until ``done()`` (True); every second, check that what waits for its ack is still there and
+        that the run goes on (False once ``keep_going`` says not)."""
         checked = time.monotonic()
         while True:
             self._collect_acks()
             if done():
-                return
+                return True
             if time.monotonic() - checked > LOST_CHECK_S:
                 self._check_not_lost()
+                if not self.keep_going():
+                    return False
                 checked = time.monotonic()
             time.sleep(self.poll_s)
 

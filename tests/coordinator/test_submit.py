@@ -42,6 +42,11 @@ GIVEN: dict[str, Any] = {
     "top_p": 0.9,
     "seed": 7,
     "drop_truncated": True,
+    "stream": "mooncake",
+    "mooncake_master": "10.0.0.7:50051",
+    "stream_redis_url": "redis://10.0.0.7:6379/2",
+    "stream_name": "given",
+    "stream_unacked": 9,
     "expected_tokens": 1000,
 }
 ENGINE = JOB_TUNABLE

@@ -1,0 +1,111 @@
+"""A job that streams (#46): ``POST /jobs`` with ``stream: mooncake`` over two Celery workers (HF engine), each shard
+attempt a producer of its own into the job's one stream (a real ``mooncake_master``, the session's Redis), read by a
+consumer process with hs-connectors' own reader (tests/stream/consume.py): every sample of the job's store is
+delivered once, byte-equal to its file; a worker SIGKILLed holding unacked samples loses none and delivers none twice
+(the shard's next attempt puts again exactly what no consumer acked)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from harness.mooncake import MooncakeMaster
+from harness.processes import Proc, wait_for
+from harness.services import RedisServer
+from layertap.state.keys import Keys
+from layertap.store.store import OutputStore
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.stream.test_stream import CONSUME, assert_byte_equal_to_store, env, first_acks
+
+ROWS, SHARD = 40, 10
+UNACKED = 3  # each producer's bound
+# The workers' own stream setting (the job names the rest): the memory each lends Mooncake Store.
+WORKER_ENV = {"LAYERTAP_MOONCAKE_SEGMENT_MIB": "64"}
+
+
+def job_fields(master: MooncakeMaster, redis: RedisServer, name: str) -> dict:
+    """The job's shards and stream, as POST /jobs takes them (the fields `layertap submit` and `extract` take as
+    flags)."""
+    return {"shard_size": SHARD, "format": "speculators", "stream": "mooncake", "mooncake_master": master.address,
+            "stream_redis_url": redis.url, "stream_name": name, "stream_unacked": UNACKED}  # fmt: skip
+
+
+def consumer(redis: RedisServer, master: MooncakeMaster, name: str, folder: Path, who: str, *args: str) -> Proc:
+    cmd = [sys.executable, str(CONSUME), redis.url, name, master.address, str(folder / "received"), "--consumer",
+           who, *args]  # fmt: skip
+    return Proc(f"consumer-{who}", cmd, env(), folder / f"{who}.log").start()
+
+
+def test_a_streamed_job_delivers_every_sample_once_byte_equal_to_its_store(
+    start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=11, max_words=10))
+    cluster = start_cluster(workers=2, **WORKER_ENV)
+    name, keys = "job-stream", Keys()
+    reader = consumer(redis_server, mooncake_master, name, tmp_path, "a")
+    try:
+        job_id = cluster.submit(tiny_llama, data, **job_fields(mooncake_master, redis_server, name))
+        job = cluster.wait_state(job_id, "done")
+        assert reader.popen.wait(timeout=60) == 0, reader.log_tail()  # it ends: the job ended its stream
+    finally:
+        reader.kill(signal.SIGKILL)
+
+    out = Path(job["out"])
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == ROWS and job["samples_done"] == ROWS
+    state = cluster.state
+    assert state.hget(keys.stream_run(name), "ended") == "1"
+    entries = [fields for _, fields in state.xrange(keys.stream(name))]
+    assert sorted(e["sample_id"] for e in entries) == sorted(records)  # each put once: nothing to put again
+    assert sorted(first_acks(tmp_path / "a.log")) == sorted(records)
+    assert state.xpending(keys.stream(name), "trainers")["pending"] == 0
+    assert_byte_equal_to_store(out, tmp_path / "received")
+
+
+def test_a_worker_killed_holding_unacked_samples_loses_none_and_delivers_none_twice(
+    start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=12, max_words=10))
+    cluster = start_cluster(workers=2, **WORKER_ENV)
+    name, keys, state = "job-killed", Keys(), cluster.state
+    # The first consumer acks two samples and dies holding the third: the producers fill up to their bounds.
+    first = consumer(redis_server, mooncake_master, name, tmp_path, "a", "--hang-after", "3")
+    procs = [first]
+    try:
+        job_id = cluster.submit(tiny_llama, data, **job_fields(mooncake_master, redis_server, name))
+        wait_for(lambda: (tmp_path / "received" / "hung").exists(), timeout=120, what="the consumer's third sample")
+
+        def holder() -> dict | None:
+            """A running shard whose attempt put samples no consumer acked (its worker at the bound)."""
+            unacked = set(state.hkeys(keys.stream_current(name))) - set(state.hkeys(keys.stream_acked(name)))
+            rows = {int(state.hget(keys.stream_current(name), s).rsplit("-", 1)[1]) for s in unacked}
+            for n, shard in enumerate(cluster.shards(job_id)):
+                held = {r for r in rows if n * SHARD <= r < (n + 1) * SHARD}
+                if shard.get("state") == "running" and len(held) >= UNACKED:
+                    return {**shard, "n": n, "held": held}
+            return None
+
+        victim = wait_for(holder, timeout=120, what="a worker at its bound", every=0.1)
+        entries_before = state.xlen(keys.stream(name))
+        cluster.workers[victim["worker"]].kill(signal.SIGKILL)  # its segment, and the samples in it, go with it
+        first.kill(signal.SIGKILL)
+        second = consumer(redis_server, mooncake_master, name, tmp_path, "b", "--claim-idle-ms", "1000")
+        procs.append(second)
+        job = cluster.wait_state(job_id, "done")
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    out = Path(job["out"])
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == ROWS
+    shard = cluster.shards(job_id)[victim["n"]]
+    assert int(shard["attempts"]) >= 2 and shard["worker"] != victim["worker"]  # the other worker took it over
+    later = [fields for _, fields in state.xrange(keys.stream(name))][entries_before:]
+    held_ids = {sid for sid in records if records[sid].index in victim["held"]}
+    assert held_ids <= {e["sample_id"] for e in later}  # what died unacked was put again
+    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)  # all, none twice
+    assert state.xpending(keys.stream(name), "trainers")["pending"] == 0
+    assert_byte_equal_to_store(out, tmp_path / "received")
