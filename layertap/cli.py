@@ -59,7 +59,7 @@ def extract(out: Path, **options: Any) -> None:
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
         sink = None if settings.stream is None else _stream_sink(settings, out)
-    progress = RichProgress(console)
+    progress = RichProgress(console, stream=None if sink is None else sink.view)
     try:
         with failing_on_errors():
             if settings.engine == "hf":

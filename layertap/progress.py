@@ -1,12 +1,16 @@
-"""The CLI's progress bar: samples, tokens/s (and generated tokens/s when regenerating) and ETA on one line (rich)."""
+"""The CLI's progress bar: samples, tokens/s (and generated tokens/s when regenerating) and ETA on one line (rich);
+a streaming run's samples put, acked and in flight on a line below it."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
+
+from layertap.state.model import StreamView
 
 
 class _TokensPerSecond(ProgressColumn):
@@ -27,11 +31,36 @@ class _GeneratedPerSecond(ProgressColumn):
                     style="magenta")  # fmt: skip
 
 
-class RichProgress:
-    """A ``ProgressSink`` that draws a rich bar; already-done samples count as completed."""
+STREAM_STATES = {"putting": "putting", "held": "held at the bound", "draining": "waiting for the last acks",
+                 "done": "every one acked"}  # fmt: skip
 
-    def __init__(self, console: Console | None = None) -> None:
-        self._progress = Progress(
+
+def stream_line(view: StreamView) -> str:
+    """One stream's producer as the CLI tells it: put, acked, in flight against its bound, what it does, and how long
+    it waited at the bound (its consumers behind)."""
+    return (f"stream {view.name}: {view.put:,} put, {view.acked:,} acked, {view.in_flight:,} in flight (bound "
+            f"{view.bound:,}), {STREAM_STATES[view.state]}, held {view.held_s:,.1f}s")  # fmt: skip
+
+
+class _Progress(Progress):
+    """rich's ``Progress`` with a streaming run's line under its bar."""
+
+    def __init__(self, *columns: ProgressColumn, stream: Callable[[], StreamView] | None, **options: object) -> None:
+        self.stream = stream  # before rich's __init__, which renders once
+        super().__init__(*columns, **options)  # type: ignore[arg-type]
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield from super().get_renderables()
+        if self.stream is not None:
+            yield Text(stream_line(self.stream()), style="blue")
+
+
+class RichProgress:
+    """A ``ProgressSink`` that draws a rich bar; already-done samples count as completed. ``stream``: the view of a
+    streaming run's producer (`layertap.stream.sink.MooncakeSink.view`), drawn under the bar."""
+
+    def __init__(self, console: Console | None = None, stream: Callable[[], StreamView] | None = None) -> None:
+        self._progress = _Progress(
             TextColumn("[bold]extract"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -41,6 +70,7 @@ class RichProgress:
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=console,
+            stream=stream,
         )
         self._task = None
 

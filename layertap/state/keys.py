@@ -28,12 +28,18 @@ The whole schema, under one prefix (default ``layertap``):
     {p}:worker:{name}                 HASH  job, shard, rates, host, pid, engine; expires with the heartbeat
     {p}:input_limit:{model}           HASH  worker name -> the longest prompt (tokens) its server for that model
                                             accepts, set when it attaches; a worker counts while its record lives
+    {p}:streams                       ZSET  stream name -> when its producer last opened it (ms): the streams view
     {p}:stream:{name}                 STREAM a streamed run's samples (`layertap.stream`), one entry each: sample_id,
                                             manifest (hs-connectors' JSON: handle, version, tensors, metadata);
                                             trainers read it through a consumer group
     {p}:stream:{name}:run             HASH  identity (JSON: the run putting into the stream), fingerprint (every
                                             entry's metadata carries it, the consumer checks it), put (samples put),
-                                            ended (1 once the producer has put its last)
+                                            ended (1 once the producer has put its last), bound (each producer's
+                                            --stream-unacked: a job's shard attempts are producers each), held_s
+                                            (seconds producers waited at their bound, ended waits summed)
+    {p}:stream:{name}:held            HASH  producer (its handles' nonce) -> "since_ms seen_ms" while it waits at its
+                                            bound: when the wait began, when it last said so (every second; an entry
+                                            older than `model.HELD_STALE_MS` is a dead producer's); removed after
     {p}:stream:{name}:acked           HASH  sample id -> the consumer that acked it (set with its XACK, once)
     {p}:stream:{name}:current         HASH  sample id -> the handle of its latest put: an entry naming another handle
                                             is stale (its producer died; a resumed run put the sample again)
@@ -113,6 +119,10 @@ class Keys:
     def audit_lease(self, job_id: str) -> str:
         return f"{self.audit(job_id)}:lease"
 
+    @property
+    def streams(self) -> str:
+        return f"{self.prefix}:streams"
+
     def stream(self, name: str) -> str:
         return f"{self.prefix}:stream:{name}"
 
@@ -124,6 +134,9 @@ class Keys:
 
     def stream_current(self, name: str) -> str:
         return f"{self.stream(name)}:current"
+
+    def stream_held(self, name: str) -> str:
+        return f"{self.stream(name)}:held"
 
     def job_pattern(self, job_id: str) -> str:
         """Matches every key of one job (for deleting it)."""

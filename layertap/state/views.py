@@ -1,4 +1,5 @@
-"""Read-only views of jobs for the API and the CLI: progress summed over shards, per-worker, errors.
+"""Read-only views of jobs and streams for the API and the CLI: progress summed over shards, per-worker, errors;
+each stream's samples put, acked and in flight.
 
 Each view costs a fixed number of round trips (pipelines), whatever the job's size.
 """
@@ -6,12 +7,13 @@ Each view costs a fixed number of round trips (pipelines), whatever the job's si
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 from redis import Redis
 
 from layertap.state.keys import Keys
-from layertap.state.model import AuditView, JobView, SampleFailure, WorkerView
+from layertap.state.model import AuditView, JobView, SampleFailure, StreamView, WorkerView
 
 
 def list_job_ids(redis: Redis, keys: Keys, *, limit: int = 100) -> list[str]:
@@ -106,3 +108,17 @@ def live_workers(redis: Redis, keys: Keys) -> dict[str, dict[str, str]]:
     for name in names:
         pipe.hgetall(keys.worker(name))
     return {name: record for name, record in zip(names, pipe.execute(), strict=True) if record}
+
+
+def stream_views(redis: Redis, keys: Keys, *, limit: int = 20) -> list[StreamView]:
+    """The streams whose producers opened them last, newest first, in two round trips: CLI runs and jobs alike,
+    whatever process puts into them. ``redis`` decodes its replies."""
+    names = redis.zrevrange(keys.streams, 0, limit - 1)
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.stream_run(name))
+        pipe.hlen(keys.stream_current(name))  # distinct samples put: a resumed run's puts again count once
+        pipe.hlen(keys.stream_acked(name))
+        pipe.hgetall(keys.stream_held(name))
+    replies, now_ms = pipe.execute(), round(time.time() * 1000)
+    return [StreamView.of(name, *replies[4 * i : 4 * i + 4], now_ms) for i, name in enumerate(names)]

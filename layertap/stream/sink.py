@@ -3,7 +3,8 @@
 `MooncakeSink` is a run's ``SampleSink`` (`layertap.pipeline.ledger`): the run opens it once its store exists, puts
 each sample as its commit lands (the file is read back from the store, already in speculators' layout), and drains
 it after finalizing. Puts stop while ``max_unacked`` samples wait for their acks (the producer is held, its memory
-flat); the objects live in this process's segment, so `drain` keeps it alive until every sample put is acked.
+flat, and says so in the stream's ``held`` hash: the views' ``held``); the objects live in this process's segment, so
+`drain` keeps it alive until every sample put is acked.
 
 A job's shard attempt is a producer of its own (``worker.runner``): it opens the sink on its rows, waits for its
 acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`).
@@ -25,6 +26,7 @@ from redis.exceptions import RedisError
 from layertap.errors import SpecError
 from layertap.settings import RunSettings
 from layertap.state.keys import Keys
+from layertap.state.model import StreamView
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from layertap.stream.mooncake import StreamError, connect, fingerprint, run_identity, sample_manifest
@@ -88,6 +90,9 @@ class MooncakeSink:
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
         self.put_count = 0
+        self.held_since: float | None = None  # time.time() when the wait at the bound began; None while it puts
+        self.held_s = 0.0  # this run's waits at the bound, ended ones summed
+        self.ended = False
         self.broken: StreamError | None = None  # once a put failed or objects were lost: every later put refused
         self.files: OutputStore | None = None
         self.run = ""
@@ -104,8 +109,11 @@ class MooncakeSink:
             )
         identity = run_identity(store.manifest, server)
         self.files, self.run = store, fingerprint(identity)
-        self.redis.hset(self.keys.stream_run(self.name),
-                        mapping={"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0})  # fmt: skip
+        run = {"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0, "bound": self.max_unacked}
+        with self.redis.pipeline() as pipe:
+            pipe.hset(self.keys.stream_run(self.name), mapping=run)
+            pipe.zadd(self.keys.streams, {self.name: round(time.time() * 1000)})
+            pipe.execute()
         acked = {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
         unacked = sorted((r for r in store.records().values() if r.sample_id not in acked and r.index >= start
                           and (stop is None or r.index < stop)), key=lambda r: r.index)  # fmt: skip
@@ -120,7 +128,8 @@ class MooncakeSink:
         assert self.files is not None, "open() first"
         if self.broken is not None:
             raise self.broken
-        if not self._wait(lambda: len(self.unacked) < self.max_unacked):
+        self._collect_acks()
+        if len(self.unacked) >= self.max_unacked and not self._hold():
             return
         tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
         manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
@@ -144,6 +153,7 @@ class MooncakeSink:
         """After the run's last sample: say so to the consumers, then wait until every sample put is acked (the
         objects live in this process's segment). Ctrl-C (or a signal) stops the wait; what is unacked is lost."""
         end_stream(self.redis, self.keys, self.name)
+        self.ended = True
         self.wait_acked()
 
     def wait_acked(self) -> bool:
@@ -159,6 +169,35 @@ class MooncakeSink:
         self.store._store.close()  # hs-connectors' store has no close of its own
         self.redis.close()
 
+    def view(self) -> StreamView:
+        """This run's puts against its consumers, from what the producer knows (no round trip: the CLI's bar draws it
+        several times a second); the acks as last collected."""
+        held_now = 0.0 if self.held_since is None else time.time() - self.held_since
+        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked),
+                          bound=self.max_unacked, held=int(self.held_since is not None), held_s=self.held_s + held_now,
+                          ended=self.ended)  # fmt: skip
+
+    def _hold(self) -> bool:
+        """Wait at the bound until a consumer acks, the wait told for the views (`layertap.state.views.stream_views`):
+        in the stream's ``held`` hash while it lasts (said again every second, so a killed producer's word goes
+        stale), then added to the run's ``held_s``."""
+        self.held_since = time.time()
+        self._say_held()
+        try:
+            return self._wait(lambda: len(self.unacked) < self.max_unacked)
+        finally:
+            held, self.held_since = time.time() - self.held_since, None
+            self.held_s += held
+            with self.redis.pipeline() as pipe:
+                pipe.hdel(self.keys.stream_held(self.name), self.nonce)
+                pipe.hincrbyfloat(self.keys.stream_run(self.name), "held_s", held)
+                pipe.execute()
+
+    def _say_held(self) -> None:
+        assert self.held_since is not None
+        since, now = round(self.held_since * 1000), round(time.time() * 1000)
+        self.redis.hset(self.keys.stream_held(self.name), self.nonce, f"{since} {now}")
+
     def _wait(self, done: Callable[[], bool]) -> bool:
         """Poll the acks until ``done()`` (True); every second, check that what waits for its ack is still there and
         that the run goes on (False once ``keep_going`` says not)."""
@@ -169,6 +208,8 @@ class MooncakeSink:
                 return True
             if time.monotonic() - checked > LOST_CHECK_S:
                 self._check_not_lost()
+                if self.held_since is not None:
+                    self._say_held()
                 if not self.keep_going():
                     return False
                 checked = time.monotonic()
