@@ -11,7 +11,9 @@
 # - Both trainers are installed --no-deps, with the dependencies their training code imports pinned in
 #   scripts/trainers-requirements.txt. Left out on purpose: sglang 0.5.14 (SpecForge's online capture only),
 #   torchvision/torchaudio (speculators' multimodal paths), wandb/tensorboard (trackers), yunchang (sequence
-#   parallelism), mooncake (transfer backends).
+#   parallelism). Mooncake's CPU wheel and redis are in, at the project's pins: a trainer process that reads
+#   layertap's stream (tests/trainers/run_*.py --stream) imports layertap.stream.consumer, which needs them besides
+#   torch, safetensors, pydantic and hs-connectors (layertap itself comes on PYTHONPATH, not installed here).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${LAYERTAP_TRAINERS_VENV:-/opt/trainers-venv}"

@@ -140,13 +140,19 @@ class StreamConsumer:
             ended, put, acked = pipe.execute()
         return ended == b"1" and acked >= put
 
-    def __iter__(self) -> Iterator[Delivery]:
-        """Deliveries until the run is finished; each is acked when the next is asked for (or the loop ends)."""
-        while not self.finished():
+    def deliveries(self, limit: int | None = None) -> Iterator[Delivery]:
+        """Deliveries until the run is finished, or ``limit`` are taken (a trainer's share of a stream others read
+        too); each is acked when the next is asked for (or the loop ends)."""
+        taken = 0
+        while taken != limit and not self.finished():
             if (delivery := self.receive()) is None:
                 continue
             yield delivery
             self.ack(delivery)
+            taken += 1
+
+    def __iter__(self) -> Iterator[Delivery]:
+        return self.deliveries()
 
     def close(self) -> None:
         self.transfer.store._store.close()  # hs-connectors' store has no close of its own
@@ -157,16 +163,26 @@ class StreamDataset(IterableDataset):
     """A run's stream as a torch ``IterableDataset`` of samples ``{input_ids, hidden_states, loss_mask}`` (plus
     ``hidden_states_scales`` from an FP8 run): ``input_ids`` int64 [T], ``hidden_states`` [T, k+1, H] with the aux
     layers in capture-index order and the pre-norm final last (speculators' sample), ``loss_mask`` uint8 [T]. Each
-    DataLoader worker is a consumer of its own; a sample is acked when its worker is asked for the next."""
+    DataLoader worker is a consumer of its own; a sample is acked when its worker is asked for the next. ``limit``:
+    each consumer takes at most that many (then ``len()`` is it, for a trainer that sizes its schedule by it)."""
 
-    def __init__(self, redis_url: str, name: str, *, master: str, group: str = "trainers", **consumer: Any) -> None:
+    def __init__(
+        self, redis_url: str, name: str, *, master: str, group: str = "trainers", limit: int | None = None,
+        **consumer: Any,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.args = {"redis_url": redis_url, "name": name, "master": master, "group": group, **consumer}
+        self.limit = limit
+
+    def __len__(self) -> int:
+        if self.limit is None:
+            raise TypeError("a stream without a limit has no length")
+        return self.limit
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         consumer = StreamConsumer(**self.args)  # in the DataLoader worker: clients are per process
         try:
-            for delivery in consumer:
+            for delivery in consumer.deliveries(self.limit):
                 tensors = dict(delivery.tensors)
                 yield {"input_ids": tensors.pop("token_ids"), **tensors}
         finally:

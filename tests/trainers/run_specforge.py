@@ -7,10 +7,20 @@ That module alone is imported with a stand-in ``triton`` (its decorators return 
 kernel is ever launched) and with ``torch.compile`` as the identity, and ``LogSoftmaxLoss.apply`` becomes
 the same module's reference implementation ``_compute_loss``, run eagerly (SpecForge's own loss benchmark
 compares the two as equals).
+
+``run_specforge.py --stream REDIS_URL NAME MASTER STEPS TARGET train ...``: fed from layertap's stream instead of
+``data.hidden_states_path``'s files. SpecForge's offline trainer takes a fixed list of sample refs, so its
+``build_offline_runtime`` becomes its own disaggregated consumer's (``build_disagg_offline_runtime``: "trains from a
+caller-supplied feature store"), given STEPS samples read with `StreamDataset` (acked as they are taken), each as
+the offline features `specforge_features` makes with TARGET's final norm, in its own ``LocalFeatureStore``. It
+prints ``stream-check {json}``: each sample against the file of the same tokens under ``data.hidden_states_path``
+(SpecForge's own loader): which tensors are equal, and the final state's largest difference relative to its scale.
 """
 
+import json
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -34,5 +44,47 @@ loss.LogSoftmaxLoss.apply = loss._compute_loss
 
 from specforge.cli import main  # noqa: E402
 
+
+def from_stream(redis_url: str, name: str, master: str, steps: int, target: Path):
+    """``build_offline_runtime`` with the stream's samples for the files."""
+    from specforge import launch
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    from layertap.stream.consumer import StreamDataset
+    from layertap.stream.trainers import final_norm, specforge_features
+
+    def build(*, hidden_states_path: str, **kwargs):
+        norm, store = final_norm(target), LocalFeatureStore(kwargs["run_id"])
+        samples = [specforge_features(s, norm) for s in StreamDataset(redis_url, name, master=master, limit=steps)]
+        meta = {"run_id": kwargs["run_id"], "strategy": "eagle3", "target_repr": "hidden_state",
+                "ttt_length": kwargs["ttt_length"], "max_len": kwargs["max_len"]}  # fmt: skip
+        refs = [store.put(s, sample_id=f"stream:{i:08d}", metadata={**meta, "num_tokens": len(s["input_ids"])})
+                for i, s in enumerate(samples)]  # fmt: skip
+        print("stream-check " + json.dumps(check(samples, list_feature_files(hidden_states_path))), flush=True)
+        return launch.build_disagg_offline_runtime(feature_store=store, refs=refs, **kwargs)
+
+    launch.build_offline_runtime = build
+
+
+def check(samples: list[dict], paths: list[str]) -> list[dict]:
+    """Each sample against the file of the same tokens among ``paths``, as SpecForge's own loader reads it."""
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    files = {bytes(f["input_ids"].numpy()): f for f in map(load_feature_file, paths)}
+    out = []
+    for s in samples:
+        f = files[bytes(s["input_ids"].numpy())]
+        keys = ("input_ids", "loss_mask", "aux_hidden_state")
+        equal = [k for k in keys if s[k].dtype == f[k].dtype and torch.equal(s[k], f[k])]
+        final = (s["hidden_state"].float() - f["hidden_state"].float()).abs().max() / f["hidden_state"].abs().max()
+        out.append({"tokens": len(s["input_ids"]), "equal": equal, "final_rel_diff": float(final)})
+    return out
+
+
+if sys.argv[1] == "--stream":
+    redis_url, name, master, steps, target = sys.argv[2:7]
+    from_stream(redis_url, name, master, int(steps), Path(target))
+    del sys.argv[1:7]
 sys.argv = ["specforge", *sys.argv[1:]]
 sys.exit(main())
