@@ -13,7 +13,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from coordinator.api.errors import error_handler, invalid_request
-from coordinator.api.routes import health, jobs, metrics, status_page, workers
+from coordinator.api.routes import health, jobs, metrics, status_page, streams, workers
 from coordinator.config import CoordinatorSettings
 from coordinator.dispatch import Dispatcher, reaper_loop
 from coordinator.metrics import StateCollector, build_registry
@@ -65,5 +65,6 @@ app.add_exception_handler(RedisError, error_handler(status.HTTP_503_SERVICE_UNAV
 app.include_router(health.router)
 app.include_router(jobs.router)
 app.include_router(workers.router)
+app.include_router(streams.router)
 app.include_router(metrics.router)
 app.include_router(status_page.router)

@@ -1,7 +1,8 @@
 """Every metric the coordinator exports on ``/metrics``, in one place.
 
-Per-job progress lives in Redis already, so it is read at scrape time by ``StateCollector``
-(a fixed number of round trips per job, whatever its size) instead of being copied into counters.
+Per-job progress and each stream's producer (samples put, acked, in flight, held at its bound) live in Redis
+already, so they are read at scrape time by ``StateCollector`` (a fixed number of round trips per job or stream,
+whatever its size) instead of being copied into counters.
 The coordinator's own events are plain counters bumped where they happen.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
@@ -24,7 +25,7 @@ from coordinator.dispatch import Dispatcher
 from layertap.diskspace import free_bytes
 from layertap.state.keys import Keys
 from layertap.state.model import AuditState, JobState, ShardState
-from layertap.state.views import job_view, list_job_ids, live_workers
+from layertap.state.views import job_view, list_job_ids, live_workers, stream_views
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class StateCollector(Collector):
         )
         try:
             families, workers, queue = self._read()
+            streams = self._streams()
         except RedisError as exc:
             log.warning("metrics: Redis unavailable: %s", exc)
             up.add_metric([], 0)
@@ -146,6 +148,7 @@ class StateCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from families
+        yield from streams
         yield workers
         yield GaugeMetricFamily(
             "layertap_broker_queue_messages", "Shard messages waiting in the broker queue.", value=queue
@@ -186,6 +189,25 @@ class StateCollector(Collector):
         for state in WORKER_STATES:
             workers.add_metric([state], by_state.get(state, 0))
         return fam, workers, self.dispatcher.queue_length()
+
+    def _streams(self) -> list[Metric]:
+        """Each stream's producer, CLI run or job (`layertap.state.views.stream_views`)."""
+        g = GaugeMetricFamily
+        samples = g("layertap_stream_samples", "A stream's samples by status: put (distinct), acked by a consumer, "
+                    "in_flight (put, not acked yet: at most the bound).", labels=["stream", "status"])  # fmt: skip
+        bound = g("layertap_stream_unacked_bound", "A producer's bound: it stops putting at this many in flight.",
+                  labels=["stream"])  # fmt: skip
+        held = g("layertap_stream_held", "Producers waiting at their bound now: the consumers are behind.",
+                 labels=["stream"])  # fmt: skip
+        held_s = CounterMetricFamily("layertap_stream_held_seconds", "Seconds producers waited at their bound.",
+                                     labels=["stream"])  # fmt: skip
+        for view in stream_views(self.redis, self.keys):
+            for status, value in (("put", view.put), ("acked", view.acked), ("in_flight", view.in_flight)):
+                samples.add_metric([view.name, status], value)
+            bound.add_metric([view.name], view.bound)
+            held.add_metric([view.name], view.held)
+            held_s.add_metric([view.name], view.held_s)
+        return [samples, bound, held, held_s]
 
 
 def build_registry(state: StateCollector) -> CollectorRegistry:

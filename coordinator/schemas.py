@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict
 
-from layertap.state.model import JobRequest, JobView
+from layertap.state.model import JobRequest, JobView, StreamState, StreamView
 
 
 class JobCreate(JobRequest):
@@ -216,3 +216,29 @@ class WorkerStatePublic(BaseModel):
 class WorkersPublic(BaseModel):
     count: int
     workers: list[WorkerStatePublic]
+
+
+class StreamPublic(BaseModel):
+    """A stream's producers against its consumers: samples ``put`` and ``acked``, ``in_flight`` (put, not acked yet:
+    each producer holds its own at ``bound``; a job's shard attempts are producers each), ``held`` producers waiting
+    at their bound now (the consumers are behind), ``held_s`` the seconds they waited there in all; ``state`` putting,
+    held, draining (its last sample put, the producer waits for the rest's acks) or done."""
+
+    name: str
+    state: StreamState
+    put: int
+    acked: int
+    in_flight: int
+    bound: int
+    held: int
+    held_s: float
+
+    @classmethod
+    def of(cls, view: StreamView) -> StreamPublic:
+        return cls(name=view.name, state=view.state, put=view.put, acked=view.acked, in_flight=view.in_flight,
+                   bound=view.bound, held=view.held, held_s=view.held_s)  # fmt: skip
+
+
+class StreamsPublic(BaseModel):
+    count: int
+    streams: list[StreamPublic]

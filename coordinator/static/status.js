@@ -143,10 +143,18 @@ function workerRow(w) {
   return row;
 }
 
+// A stream's producer (a CLI run or a job): held means it waits at its bound of unacked samples, its consumers behind.
+function streamRow(s) {
+  return el("tr", { "data-stream": s.name, "data-state": s.state, "data-in-flight": s.in_flight },
+    el("td", {}, s.name), el("td", {}, el("span", { class: `badge ${s.state}` }, s.state)),
+    el("td", {}, fmt.int(s.put)), el("td", {}, fmt.int(s.acked)),
+    el("td", {}, `${fmt.int(s.in_flight)} / ${fmt.int(s.bound)}`), el("td", {}, fmt.duration(s.held_s)));
+}
+
 async function refresh() {
   const problem = document.getElementById("problem");
   try {
-    const [jobs, workers] = await Promise.all([api("/jobs?limit=20"), api("/workers")]);
+    const [jobs, workers, streams] = await Promise.all([api("/jobs?limit=20"), api("/workers"), api("/streams")]);
     const withErrors = jobs.jobs.filter((j) => j.samples_failed > 0);
     const errors = Object.fromEntries(await Promise.all(
       withErrors.map(async (j) => [j.job_id, await api(`/jobs/${encodeURIComponent(j.job_id)}/errors`)])));
@@ -156,6 +164,8 @@ async function refresh() {
     const body = document.querySelector("#workers tbody");
     body.replaceChildren(...(workers.count ? workers.workers.map(workerRow)
                                            : [el("tr", {}, el("td", { colspan: "8", class: "muted" }, "No live workers."))]));
+    document.querySelector("#streams tbody").replaceChildren(...(streams.count ? streams.streams.map(streamRow)
+                                           : [el("tr", {}, el("td", { colspan: "6", class: "muted" }, "No streams."))]));
     problem.hidden = true;
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (err) {
