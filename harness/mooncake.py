@@ -35,6 +35,12 @@ class MooncakeMaster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """Its own Prometheus text: ``master_key_count``, ``segment_allocated_bytes{segment}`` (bytes its objects
+        take in each client's segment)..."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def start(self) -> MooncakeMaster:
         cmd = [*MASTER, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1", f"-metrics_port={self.metrics_port}",
                "-metrics_host=127.0.0.1"]  # fmt: skip

@@ -53,12 +53,14 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
 
 
 class _Page(HTMLParser):
-    """What the status page drew: each job card's data attributes and text, each worker row's text."""
+    """What the status page drew: each job card's data attributes and text, each worker row's text, each stream
+    row's state and text."""
 
     def __init__(self) -> None:
         super().__init__()
         self.jobs: dict[str, dict] = {}
         self.workers: dict[str, str] = {}
+        self.streams: dict[str, dict] = {}
         self._open: list[tuple[str, str, str]] = []  # (tag, kind, key) of the cards and rows being read
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
@@ -69,6 +71,9 @@ class _Page(HTMLParser):
         elif "data-worker" in a:
             self.workers[a["data-worker"]] = ""
             self._open.append((tag, "worker", a["data-worker"]))
+        elif "data-stream" in a:
+            self.streams[a["data-stream"]] = {"state": a["data-state"], "text": ""}
+            self._open.append((tag, "stream", a["data-stream"]))
         elif self._open and self._open[-1][0] == tag:
             self._open.append((tag, "", ""))
 
@@ -82,6 +87,8 @@ class _Page(HTMLParser):
                 self.jobs[key]["text"] += data + " "
             elif kind == "worker":
                 self.workers[key] += data + " "
+            elif kind == "stream":
+                self.streams[key]["text"] += data + " "
 
 
 def render(stack: Stack, profile: Path) -> _Page:

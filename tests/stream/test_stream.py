@@ -1,6 +1,7 @@
 """`layertap extract --stream mooncake` against a real ``mooncake_master`` on loopback and a real Redis: every
 committed sample reaches a consumer group once, byte-equal to the run's own file store, and a consumer killed with a
-sample pending loses nothing (another reclaims it with XAUTOCLAIM).
+sample pending loses nothing (another reclaims it with XAUTOCLAIM), and one that falls behind holds the producer at its
+bound, as the coordinator's streams view, its metrics, its status page and the CLI's bar say.
 
 Consumers are processes of their own (tests/stream/consume.py) reading with hs-connectors' ``MooncakeTransfer``;
 the samples come from the CPU SGLang server (the session's tiny Llama) or, for the dataset, the HF engine.
@@ -8,10 +9,12 @@ the samples come from the CPU SGLang server (the session's tiny Llama) or, for t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from layertap.stream.consumer import StreamDataset, delivery_problems
 from layertap.stream.mooncake import connect, fingerprint
 from sglang_patch.sample_files import ids_sha256
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.monitoring.test_live import _Page, chromium, scraped
 from tests.service_fixtures import TEST_PROCESS_ENV
 from tests.sglang_fixtures import DEFAULT_LAYERS
 
@@ -73,6 +77,16 @@ def assert_byte_equal_to_store(out: Path, received: Path) -> None:
         assert torch.equal(got["loss_mask"], rec.loss_mask())
 
 
+def hand_over(stuck: Proc, producer: Proc, consume: list[str], logs: Path, procs: list[Proc], timeout: int) -> None:
+    """``stuck`` (a consumer sitting on a sample) killed, another one (``b``, reclaiming after 1 s) takes its pending
+    sample and the rest; returns once the producer (within ``timeout``) and that consumer exited 0."""
+    stuck.kill(signal.SIGKILL)
+    second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(), logs / "b.log").start()
+    procs.append(second)
+    assert producer.popen.wait(timeout=timeout) == 0, producer.log_tail()
+    assert second.popen.wait(timeout=60) == 0, second.log_tail()
+
+
 def test_a_consumer_killed_mid_stream_loses_nothing_and_gets_nothing_twice(
     sglang_llama, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
 ) -> None:
@@ -94,12 +108,7 @@ def test_a_consumer_killed_mid_stream_loses_nothing_and_gets_nothing_twice(
         assert redis_client.hlen(keys.stream_acked(name)) == 9
         wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(9 + UNACKED), timeout=120,
                  what="the producer at its bound")  # fmt: skip
-        first.kill(signal.SIGKILL)
-        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
-                      tmp_path / "b.log").start()  # fmt: skip
-        procs.append(second)
-        assert producer.popen.wait(timeout=600) == 0, producer.log_tail()
-        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+        hand_over(first, producer, consume, tmp_path, procs, timeout=600)
     finally:
         for proc in procs:
             proc.kill(signal.SIGKILL)
@@ -187,6 +196,73 @@ def test_a_restarted_master_stops_the_run_in_one_line_and_the_rerun_delivers_eve
     assert len(records) == 20
     assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
     assert_byte_equal_to_store(out, received)
+
+
+def test_a_consumer_that_falls_behind_holds_the_producer_at_its_bound_as_every_view_says(
+    tiny_llama, mooncake_master, redis_server, redis_client, services, tmp_path
+) -> None:
+    coordinator = services.coordinator(redis_server.url, tmp_path / "outputs")
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=9, max_words=10))
+    out, received, name, keys = tmp_path / "out", tmp_path / "received", "hf-behind", Keys()
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "3"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
+                                "1,3,5", "--out", str(out), *stream_args(mooncake_master, redis_server, name)],
+                    env(), tmp_path / "extract.log").start()  # fmt: skip
+    procs = [first, producer]
+    run = keys.stream_run(name)
+    try:
+        # The consumer acks 2 (their objects removed), then sits on its 3rd: the producer puts UNACKED past the acks.
+        wait_for(lambda: (tmp_path / "a.log").read_text().count("acked ") == 2 and redis_client.hget(run, "put") ==
+                 str(2 + UNACKED) and redis_client.hlen(keys.stream_held(name)) == 1, timeout=120,
+                 what="the producer held at its bound")  # fmt: skip
+        largest = max(json.loads(f["manifest"])["metadata"]["total_aligned_bytes"]
+                      for _, f in redis_client.xrange(keys.stream(name)))  # fmt: skip
+        for _ in range(4):  # held, across the producer's checks of its objects (every LOST_CHECK_S)
+            state, master = redis_client.hgetall(run), scraped(mooncake_master.metrics_url)
+            assert (state["put"], state["ended"], redis_client.hlen(keys.stream_held(name))) == (
+                str(2 + UNACKED),
+                "0",
+                1,
+            )
+            assert master[("master_key_count", ())] == UNACKED  # the acked ones removed, nothing more put
+            in_segments = sum(v for (metric, _), v in master.items() if metric == "segment_allocated_bytes")
+            assert 0 < in_segments <= UNACKED * largest
+            time.sleep(0.5)
+        assert producer.alive()
+        api = coordinator.client()
+        (held,) = api.get("/streams").json()["streams"]
+        assert {k: v for k, v in held.items() if k != "held_s"} == {"name": name, "state": "held", "put": 2 + UNACKED,
+                                                                   "acked": 2, "in_flight": UNACKED, "bound": UNACKED,
+                                                                   "held": 1}  # fmt: skip
+        assert held["held_s"] > 0
+        metrics = scraped(f"{coordinator.url}/metrics")
+        for status, count in (("put", 2 + UNACKED), ("acked", 2), ("in_flight", UNACKED)):
+            assert metrics[("layertap_stream_samples", (("status", status), ("stream", name)))] == count
+        assert metrics[("layertap_stream_held", (("stream", name),))] == 1
+        assert metrics[("layertap_stream_unacked_bound", (("stream", name),))] == UNACKED
+        page = _Page()
+        page.feed(chromium(f"{coordinator.url}/status", tmp_path / "profile", "--dump-dom").stdout)
+        row = page.streams[name]
+        assert row["state"] == "held" and " ".join(row["text"].split()).startswith(
+            f"{name} held {2 + UNACKED} 2 {UNACKED} / {UNACKED} "
+        )
+
+        hand_over(first, producer, consume, tmp_path, procs, timeout=300)  # the producer goes on
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == 20 and sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
+    (done,) = api.get("/streams").json()["streams"]
+    assert (done["state"], done["put"], done["acked"], done["in_flight"]) == ("done", 20, 20, 0)
+    assert done["held_s"] >= held["held_s"]
+    metrics = scraped(f"{coordinator.url}/metrics")
+    assert metrics[("layertap_stream_held", (("stream", name),))] == 0 == redis_client.hlen(keys.stream_held(name))
+    assert metrics[("layertap_stream_held_seconds_total", (("stream", name),))] == done["held_s"]
+    said = " ".join((tmp_path / "extract.log").read_text().split())  # the bar's last draw, under the bar
+    assert f"stream {name}: 20 put, 20 acked, 0 in flight (bound {UNACKED}), every one acked, held " in said
 
 
 def test_stream_dataset_yields_the_stores_samples(tiny_llama, mooncake_master, redis_server, redis_client, tmp_path):

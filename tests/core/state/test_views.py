@@ -1,9 +1,12 @@
-"""A job's view against a real Redis: a regenerating job's generation counts and its ETA (`JobView.eta_s`)."""
+"""A job's view against a real Redis: a regenerating job's generation counts and its ETA (`JobView.eta_s`); a
+stream's view (`stream_views`)."""
+
+import time
 
 import pytest
 
 from layertap.state.shards import ShardAttempt, publish_worker
-from layertap.state.views import job_view
+from layertap.state.views import job_view, stream_views
 from tests.core.state.support import KEYS, new_job, regenerating
 
 
@@ -56,3 +59,22 @@ def test_without_regeneration_the_eta_is_rows_left_over_the_sample_rate(redis_cl
     assert not view.regenerates and view.eta_s == pytest.approx(24 / 0.5)
     live(redis_client, samples_per_s=0.0, generated_tokens_per_s=0.0)
     assert job_view(redis_client, KEYS, "j1").eta_s is None
+
+
+def test_a_streams_view_counts_the_producers_held_now_and_leaves_a_dead_ones_word_out(redis_client) -> None:
+    now, name = round(time.time() * 1000), "s"
+    redis_client.zadd(KEYS.streams, {name: now})
+    redis_client.hset(KEYS.stream_run(name), mapping={"bound": 4, "ended": 0, "held_s": 2.5})
+    redis_client.hset(KEYS.stream_current(name), mapping={f"s{i}": f"h{i}" for i in range(10)})
+    redis_client.hset(KEYS.stream_acked(name), mapping={f"s{i}": "c" for i in range(3)})
+    # One producer waits at its bound (3 s so far, said 0.5 s ago); another was killed waiting (said a minute ago).
+    redis_client.hset(KEYS.stream_held(name), mapping={"p1": f"{now - 3_000} {now - 500}",
+                                                       "p0": f"{now - 70_000} {now - 60_000}"})  # fmt: skip
+    (view,) = stream_views(redis_client, KEYS)
+    assert (view.put, view.acked, view.in_flight, view.bound, view.held, view.state) == (10, 3, 7, 4, 1, "held")
+    assert 2.5 + 3.0 <= view.held_s < 2.5 + 60  # the dead producer's wait not counted
+    redis_client.hdel(KEYS.stream_held(name), "p1")
+    redis_client.hset(KEYS.stream_run(name), "ended", 1)
+    assert stream_views(redis_client, KEYS)[0].state == "draining"
+    redis_client.hset(KEYS.stream_acked(name), mapping={f"s{i}": "c" for i in range(10)})
+    assert stream_views(redis_client, KEYS)[0].state == "done"
