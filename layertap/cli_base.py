@@ -46,9 +46,10 @@ AUDIT_EXIT = {"pass": Exit.OK, "fail": Exit.FAILED, "inconclusive": Exit.INCONCL
 
 
 def fail(message: str, status: Exit = Exit.CANNOT_RUN) -> NoReturn:
-    """Print ``error: message`` (``failed:`` for a bad outcome) on stderr and exit with ``status``."""
+    """Print ``error: message`` (``failed:`` for a bad outcome) on stderr, as one line that the terminal wraps (rich
+    would break it at its width, inside a path a user copies), and exit with ``status``."""
     label = "[bold red]failed:[/]" if status == Exit.FAILED else "[bold red]error:[/]"
-    console.print(f"{label} {escape(message)}")  # server log lines and API details hold [brackets]
+    console.print(f"{label} {escape(message)}", soft_wrap=True)  # server log lines and API details hold [brackets]
     sys.exit(status)
 
 
