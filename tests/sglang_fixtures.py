@@ -18,12 +18,14 @@ Fixtures:
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,9 +113,16 @@ def cuda_stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_cuda_stub(tmp_path_factory.mktemp("cuda-stub"))
 
 
-# Servers kept running at once: each CPU server holds ~1.5-2 GB (its scheduler and detokenizer); with every server of
-# a session kept to its end, eleven at once ran the 24 GB CI box out of memory at the TP=2 test.
-MAX_LIVE_SERVERS = 4
+# Servers kept running at once, by all of a run's pytest-xdist workers together: each CPU server holds ~1.5-2 GB (its
+# scheduler and detokenizer); with every server of a session kept to its end, eleven at once ran the 24 GB CI box out
+# of memory at the TP=2 test. A worker keeps its share, never fewer than two (a test may use two at once).
+MAX_LIVE_SERVERS = 6
+
+
+def live_servers_per_worker() -> int:
+    """This process's share of `MAX_LIVE_SERVERS` (all of it without xdist)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(2, MAX_LIVE_SERVERS // workers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +144,24 @@ def pytest_runtest_protocol(item: pytest.Item) -> None:
     item.config.stash[CURRENT_TEST] = item.nodeid
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its starts to the controller, which prints the summary (`pytest_testnodedown`)."""
+    if hasattr(session.config, "workeroutput"):
+        starts = session.config.stash.get(SERVER_STARTS, [])
+        session.config.workeroutput["server_starts"] = [astuple(s) for s in starts]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The controller gathers each worker's starts (``node``: xdist's WorkerController) for the summary."""
+    starts = node.config.stash.setdefault(SERVER_STARTS, [])
+    starts += [ServerStart(*s) for s in getattr(node, "workeroutput", {}).get("server_starts", [])]
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """Every server the factory started, by key: how many starts (more than one is a restart after eviction), their
-    seconds, and the tests that caused them. Starts are the suite's main cost: a CPU server takes 25-60 s."""
+    """Every server the factory started, by key: how many starts (more than one is a restart after eviction, or the
+    same server in another xdist worker), their seconds, and the tests that caused them. Starts are the suite's main
+    cost: a CPU server takes 25-60 s."""
     starts = config.stash.get(SERVER_STARTS, [])
     if not starts:
         return
@@ -166,7 +190,8 @@ def _described(key: tuple) -> str:
 def sglang_servers(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, cuda_stub_dir: Path, sglang_python: Path
 ) -> Iterator[Callable[..., SGLangServer]]:
-    """Factory of CPU capture servers, one per distinct argument set. At most ``MAX_LIVE_SERVERS`` run at once; to
+    """Factory of CPU capture servers, one per distinct argument set. At most this worker's share of
+    ``MAX_LIVE_SERVERS`` (`live_servers_per_worker`) run at once; to
     start another, the one asked for by the fewest test modules so far is stopped (the least recently asked for
     among equals, never one the running test asked for): a server many modules share (the tiny Llama's default)
     outlives the one-module servers between its uses instead of being restarted after each. A stopped server is
@@ -195,7 +220,7 @@ def sglang_servers(
         if key in running:
             running.move_to_end(key)
             return running[key][1]
-        while len(running) >= MAX_LIVE_SERVERS:
+        while len(running) >= live_servers_per_worker():
             # Never one this test holds (it may use several at once); the first of equals is the least recently asked.
             others = [k for k in running if last_asked_by[k] != test] or list(running)
             running.pop(min(others, key=lambda k: len(modules[k])))[0].close()
