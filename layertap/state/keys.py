@@ -135,6 +135,9 @@ class Keys:
     def stream_current(self, name: str) -> str:
         return f"{self.stream(name)}:current"
 
+    def stream_taken(self, name: str) -> str:
+        return f"{self.stream(name)}:taken"
+
     def stream_held(self, name: str) -> str:
         return f"{self.stream(name)}:held"
 

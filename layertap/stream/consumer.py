@@ -4,7 +4,9 @@ own reader (``MooncakeTransfer``), checked, acked once and then removed from Moo
 A sample is delivered to one consumer of the group (``XREADGROUP``); it stays pending until that consumer acks it
 (`StreamConsumer.ack`: ``XACK`` and the ack recorded, in one transaction, then the object removed). A consumer that
 dies leaves its pending entries to the others: each reclaims entries idle for ``claim_idle_ms`` (``XAUTOCLAIM``)
-before it reads new ones. `StreamDataset` is a torch ``IterableDataset`` that acks a sample when the next is asked
+before it reads new ones. A sample has one entry taken at a time (``taken``: sample id -> entry): a producer that
+dies while a consumer holds a sample and is resumed puts the sample again under a new entry, which is dropped while
+the taken one is pending; whoever holds (or reclaims) the taken entry reads the sample's current object. `StreamDataset` is a torch ``IterableDataset`` that acks a sample when the next is asked
 for, so a trainer killed mid-step gets its sample re-delivered to another.
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 from hs_connectors import MooncakeTransfer
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 from torch.utils.data import IterableDataset
 
 from layertap.state.keys import Keys
@@ -92,8 +94,9 @@ class StreamConsumer:
 
     def receive(self) -> Delivery | None:
         """The next sample for this consumer: a dead consumer's pending one first (idle ``claim_idle_ms``), else a
-        new one (waiting up to ``block_ms``); None when there is none yet, or the entry read was stale (dropped) or
-        its object gone (left pending until its producer puts it again). StreamError on a sample not of its run."""
+        new one (waiting up to ``block_ms``); None when there is none yet, or the entry read was dropped (its sample
+        acked, or taken under another entry still pending) or its object gone (left pending until its producer puts
+        it again). StreamError on a sample not of its run."""
         _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                               start_id="0-0", count=1)  # fmt: skip
         entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
@@ -102,33 +105,79 @@ class StreamConsumer:
             return None
         entry_id, fields = entries[0]
         manifest, sample_id = json.loads(fields[b"manifest"]), fields[b"sample_id"].decode()
-        with self.redis.pipeline() as pipe:
-            pipe.hget(self.keys.stream_current(self.name), sample_id)
-            pipe.hexists(self.keys.stream_acked(self.name), sample_id)
-            current, acked = pipe.execute()
-        if acked or (current is not None and current.decode() != manifest["handle"]):
-            self.redis.xack(self.stream, self.group, entry_id)  # taken already, or put again by a resumed run: drop
+        current = self._take(entry_id.decode(), sample_id)
+        if current is None:
+            self.redis.xack(self.stream, self.group, entry_id)  # acked already, or another delivery holds it: drop
             return None
-        try:
-            tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)
-        except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into that failed)
-            # Its producer died before the sample was acked: left pending, to be reclaimed once a resumed run has
-            # put the sample again (this entry then stale).
-            log.warning("sample %s: its object is gone (%s); waiting for its producer to put it again", sample_id, exc)
-            return None
+        while True:
+            manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
+            try:
+                tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)
+                break
+            except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into failed)
+                if (current := self._release(entry_id.decode(), sample_id, current)) is None:
+                    log.warning("sample %s: its object is gone (%s); left to the entry its producer puts it again "
+                                "with", sample_id, exc)  # fmt: skip
+                    return None
         run = self.redis.hget(self.keys.stream_run(self.name), "fingerprint")
         if problems := delivery_problems(manifest, tensors, (run or b"").decode()):
             raise StreamError(f"sample {sample_id}: " + "; ".join(problems))
         return Delivery(entry_id.decode(), sample_id, manifest, tensors)
 
+    def _take(self, entry_id: str, sample_id: str) -> str | None:
+        """The handle of the sample's current object, with ``entry_id`` recorded as the entry it is delivered
+        under; None when the sample is acked or taken under another entry that is still pending (its consumer
+        alive, or dead and to be reclaimed). A taken entry no longer pending and not acked (a consumer group made
+        anew) gives way to this one."""
+        taken_key = self.keys.stream_taken(self.name)
+        with self.redis.pipeline() as pipe:
+            pipe.hexists(self.keys.stream_acked(self.name), sample_id)
+            pipe.hsetnx(taken_key, sample_id, entry_id)
+            pipe.hget(taken_key, sample_id)
+            pipe.hget(self.keys.stream_current(self.name), sample_id)
+            acked, _, taken, current = pipe.execute()  # current: written with the entry (the producer's MULTI)
+        if acked:
+            return None
+        if taken.decode() != entry_id:
+            if self.redis.xpending_range(self.stream, self.group, min=taken, max=taken, count=1):
+                return None
+            if self.redis.hexists(self.keys.stream_acked(self.name), sample_id):  # acked since (with its XACK)
+                return None
+            self.redis.hset(taken_key, sample_id, entry_id)
+        return current.decode()
+
+    def _release(self, entry_id: str, sample_id: str, handle: str) -> str | None:
+        """After the object ``handle`` could not be fetched: the sample's current handle when a resumed run put it
+        again meanwhile (fetch that), else None with the sample no longer taken under ``entry_id``, so that the
+        entry its producer puts it again with is delivered. The entry stays pending: reclaimed once idle, it is
+        delivered if its object is there after all and no other entry took the sample."""
+        current_key, taken_key = self.keys.stream_current(self.name), self.keys.stream_taken(self.name)
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(current_key, taken_key)  # the producer writes current with the new entry, in one MULTI
+                    current, taken = pipe.hget(current_key, sample_id), pipe.hget(taken_key, sample_id)
+                    if current.decode() != handle:
+                        return current.decode()
+                    pipe.multi()
+                    if taken is not None and taken.decode() == entry_id:
+                        pipe.hdel(taken_key, sample_id)
+                    pipe.execute()
+                    return None
+                except WatchError:
+                    continue
+
     def ack(self, delivery: Delivery) -> bool:
-        """Ack ``delivery`` (with the ack recorded for its producer, in one transaction), then remove its object.
-        False when it was acked already (by the consumer that reclaimed it from this one)."""
+        """Ack ``delivery`` (with the ack recorded for its producer, in one transaction), then remove its object and
+        the sample's current one when a resumed run put it again meanwhile. False when it was acked already (by the
+        consumer that reclaimed it from this one)."""
         with self.redis.pipeline() as pipe:
             pipe.xack(self.stream, self.group, delivery.entry_id)
             pipe.hsetnx(self.keys.stream_acked(self.name), delivery.sample_id, self.consumer)
-            acked, _ = pipe.execute()
-        self.transfer.delete(delivery.manifest["handle"])
+            pipe.hget(self.keys.stream_current(self.name), delivery.sample_id)
+            acked, _, current = pipe.execute()
+        for handle in {delivery.manifest["handle"], current.decode()}:
+            self.transfer.delete(handle)
         return bool(acked)
 
     def finished(self) -> bool:

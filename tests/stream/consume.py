@@ -2,14 +2,16 @@
 ``MooncakeTransfer`` reads each object), each delivery saved as ``<out>/<sample_id>.safetensors`` before its ack.
 
 One line a delivery on stdout: ``acked SAMPLE_ID XACK EXISTS`` (XACK 1 the first ack of its entry; EXISTS 0 once
-its object is removed). With ``--hang-after K`` the K-th delivery is saved, named in ``<out>/hung`` and never acked
-(the process sleeps until killed: the test's consumer that dies holding a pending sample).
+its object is removed). With ``--hang-after K`` the K-th delivery is saved, named in ``<out>/hung`` and held: the
+process waits until killed (the test's consumer that dies holding a pending sample) or sent SIGUSR1 (one that acks
+it late, after its producer died and was resumed meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import signal
+import threading
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -30,7 +32,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     consumer = StreamConsumer(args.redis_url, args.name, master=args.master, consumer=args.consumer,
                               claim_idle_ms=args.claim_idle_ms, block_ms=200)  # fmt: skip
-    delivered = 0
+    delivered, resume = 0, threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: resume.set())
     while not consumer.finished():
         if (delivery := consumer.receive()) is None:
             continue
@@ -40,7 +43,7 @@ def main() -> None:
         tmp.rename(args.out / f"{delivery.sample_id}.safetensors")
         if delivered == args.hang_after:
             (args.out / "hung").write_text(delivery.sample_id)
-            time.sleep(3600)
+            resume.wait(3600)
         first = consumer.ack(delivery)
         exists = consumer.transfer.store._store.is_exist(delivery.manifest["handle"])
         print(f"acked {delivery.sample_id} {int(first)} {exists}", flush=True)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from hs_connectors.mooncake_store import VERSION, packed_layout
 from safetensors.torch import load_file
@@ -122,9 +123,12 @@ def test_a_consumer_killed_mid_stream_loses_nothing_and_gets_nothing_twice(
     assert_byte_equal_to_store(out, received)
 
 
+@pytest.mark.parametrize("holder", ["killed", "acks_late"])
 def test_a_producer_killed_is_resumed_and_puts_again_only_what_no_consumer_acked(
-    tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+    holder, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
 ) -> None:
+    """The consumer holding the third sample when its producer is killed is killed too (its sample reclaimed by
+    another), or outlives it and acks late, after the resumed run put the sample again: no other consumer gets it."""
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(30, seed=7, max_words=10))
     out, received, name, keys = tmp_path / "out", tmp_path / "received", "hf-resumed", Keys()
     consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
@@ -134,20 +138,28 @@ def test_a_producer_killed_is_resumed_and_puts_again_only_what_no_consumer_acked
     producer = Proc("extract", extract, env(), tmp_path / "extract.log").start()
     procs = [first, producer]
     try:
-        # Two samples acked, the third held by a consumer that dies: the producer at its bound, then killed too.
+        # Two samples acked, the third held by the first consumer: the producer at its bound, then killed.
         wait_for(lambda: (received / "hung").exists(), timeout=120, what="the consumer's third sample")
+        hung = (received / "hung").read_text()
         wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(2 + UNACKED), timeout=120,
                  what="the producer at its bound")  # fmt: skip
         producer.kill(signal.SIGKILL)
-        first.kill(signal.SIGKILL)
+        if holder == "killed":
+            first.kill(signal.SIGKILL)
         acked_before, entries_before = (
             set(redis_client.hkeys(keys.stream_acked(name))),
             redis_client.xlen(keys.stream(name)),
         )
         resumed = Proc("extract-resumed", extract, env(), tmp_path / "resumed.log").start()
-        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+        claim_ms = 1000 if holder == "killed" else 600_000  # a live consumer's sample is claimed only once idle
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", str(claim_ms)], env(),
                       tmp_path / "b.log").start()  # fmt: skip
         procs += [resumed, second]
+        if holder == "acks_late":
+            wait_for(lambda: redis_client.hlen(keys.stream_acked(name)) >= 29, timeout=300,
+                     what="every sample but the held one acked")  # fmt: skip
+            first.send_signal(signal.SIGUSR1)
+            assert first.popen.wait(timeout=60) == 0, first.log_tail()
         assert resumed.popen.wait(timeout=300) == 0, resumed.log_tail()
         assert second.popen.wait(timeout=60) == 0, second.log_tail()
     finally:
@@ -158,7 +170,11 @@ def test_a_producer_killed_is_resumed_and_puts_again_only_what_no_consumer_acked
     assert len(records) == 30 and len(acked_before) == 2
     put_again = [fields["sample_id"] for _, fields in redis_client.xrange(keys.stream(name))][entries_before:]
     assert sorted(put_again) == sorted(set(records) - acked_before)  # the rest once each, nothing a consumer took
-    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
+    logs = tmp_path / "a.log", tmp_path / "b.log"
+    assert sorted(first_acks(*logs)) == sorted(records)
+    delivered = [line.split()[1] for log in logs for line in log.read_text().splitlines() if line.startswith("acked ")]
+    assert sorted(delivered) == sorted(records)  # each sample delivered to one consumer, once
+    assert redis_client.hget(keys.stream_acked(name), hung) == ("a" if holder == "acks_late" else "b")
     assert_byte_equal_to_store(out, received)
 
 
