@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.errors import SampleError, StoreError
@@ -26,7 +26,7 @@ from layertap.models.folder import ModelFolder
 from layertap.sample import CapturedSample
 from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
-from layertap.store.formats.base import torch_dtype
+from layertap.store.formats.base import CheckLevel, torch_dtype
 from layertap.store.guide import write_training_guide
 from layertap.store.index import (
     ERRORS_DIR,
@@ -40,10 +40,9 @@ from layertap.store.index import (
 )
 from layertap.store.manifest import MANIFEST, Manifest, check_compatible, read_manifest
 from layertap.store.token_freq import TOKEN_FREQ_DIR, committed_counts, count_line, write_token_freq
-from layertap.store.validate import all_finite, state_problems
+from layertap.store.validate import state_problems
 from sglang_patch.sample_files import ids_sha256, mask_runs
 
-CheckLevel = Literal["quick", "full"]
 REGENERATED = "regenerated.jsonl"  # the regenerated dataset: one {"id", "messages"} row per committed sample
 SERVERS_DIR = "servers"  # which server each writer's samples come from: <writer>.json, before its first sample
 
@@ -233,15 +232,7 @@ class OutputStore:
             tensors = self.format.load(path)
         except Exception as exc:
             return [f"unreadable: {exc}"]
-        out = self.format.problems(tensors, record, self.layout)
-        ids = tensors.get(self.layout.ids_key)
-        if ids is not None and ids_sha256(ids) != record.ids_sha256:
-            out.append("input_ids differ from the index record")
-        if level == "full":
-            out += [
-                f"{k}: non-finite values" for k in self.format.state_keys if k in tensors and not all_finite(tensors[k])
-            ]
-        return out
+        return self.format.content_problems(tensors, record, self.layout, level)
 
     def sweep_temp_files(self) -> int:
         """Delete temp files of killed writers. Only call when no other writer uses the store."""

@@ -26,9 +26,12 @@ from redis.exceptions import ResponseError, WatchError
 from torch.utils.data import IterableDataset
 
 from layertap.state.keys import Keys
+from layertap.store.formats import get_format
+from layertap.store.formats.base import CheckLevel
+from layertap.store.index import SampleRecord
 from layertap.stream.mooncake import StreamError, connect
 from layertap.stream.sink import redis_client
-from sglang_patch.sample_files import ids_sha256, mask_from_runs
+from sglang_patch.contract import SampleLayout
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +40,51 @@ log = logging.getLogger(__name__)
 class Delivery:
     """One sample as it arrived: its stream entry, hs-connectors' manifest and its tensors (``token_ids`` int64 [T],
     ``hidden_states`` [T, k+1, H], ``loss_mask`` uint8 [T]; an FP8 run's ``hidden_states_scales`` float32
-    [T, k+1, 1])."""
+    [T, k+1, 1]), and what its checks found (`delivery_problems`; `StreamConsumer.receive` raises on any)."""
 
     entry_id: str
     sample_id: str
     manifest: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    problems: tuple[str, ...] = ()
 
 
-def delivery_problems(manifest: dict[str, Any], tensors: dict[str, torch.Tensor], run: str) -> list[str]:
-    """What disagrees between a fetched sample and its manifest's identity (empty if fine): the run's fingerprint,
-    the token count, the ``input_ids`` hash and the loss mask, as ``verify`` checks a file against its record."""
+def stream_record(manifest: dict[str, Any]) -> SampleRecord:
+    """The store's index record of a streamed sample, as its manifest carries it (`mooncake.sample_manifest`):
+    ``file`` its handle, ``nbytes`` its packed size, no file hash (the object's tensors are checked instead)."""
     meta = manifest["metadata"]
-    facts, num_tokens = meta["layertap"], meta["num_tokens"]
+    facts = meta["layertap"]
+    return SampleRecord(facts["sample_id"], facts["row"], meta["num_tokens"], manifest["handle"],
+                        meta["total_aligned_bytes"], "", facts["ids_sha256"], tuple(map(tuple, facts["mask_runs"])),
+                        facts["truncated"])  # fmt: skip
+
+
+def delivery_problems(
+    manifest: dict[str, Any], tensors: dict[str, torch.Tensor], run: str, layout: SampleLayout | None,
+    level: CheckLevel = "quick",
+) -> list[str]:  # fmt: skip
+    """What disagrees between a fetched sample and its manifest (empty if fine): the run's fingerprint (``run``, the
+    stream's), the loss mask against its runs, and what ``verify`` checks of a file against its record
+    (`SampleFormat.content_problems`: keys, shapes and dtypes of the stream's ``layout``, the ``input_ids`` hash;
+    ``full``: every state finite)."""
+    record, facts = stream_record(manifest), manifest["metadata"]["layertap"]
     out = []
     if facts["run"] != run:
         out.append(f"put by another run (fingerprint {facts['run'][:12]}, the stream's run is {run[:12]})")
-    ids = tensors["token_ids"]
-    if ids.shape != (num_tokens,) or ids_sha256(ids) != facts["ids_sha256"]:
-        out.append("token_ids differ from the manifest's input_ids hash")
-    if not torch.equal(tensors["loss_mask"], mask_from_runs(facts["mask_runs"], num_tokens)):
+    tensors = dict(tensors)
+    if (mask := tensors.pop("loss_mask", None)) is None or not torch.equal(mask, record.loss_mask()):
         out.append("loss_mask differs from the manifest's runs")
-    if tensors["hidden_states"].shape[0] != num_tokens:
-        out.append(f"hidden_states has {tensors['hidden_states'].shape[0]} rows for {num_tokens} tokens")
-    return out
+    if layout is None:
+        return [*out, "its stream has no sample layout (no run opened it)"]
+    return out + get_format(layout.layout).content_problems(tensors, record, layout, level)
+
+
+def run_layout(published: bytes | None) -> SampleLayout | None:
+    """The sample layout a run published with its identity (`MooncakeSink.open`), None when there is none."""
+    if published is None:
+        return None
+    fields = json.loads(published)
+    return SampleLayout(**{**fields, "layers": tuple(fields["layers"]), "finals": tuple(fields["finals"])})
 
 
 class StreamConsumer:
@@ -93,10 +117,17 @@ class StreamConsumer:
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
 
     def receive(self) -> Delivery | None:
-        """The next sample for this consumer: a dead consumer's pending one first (idle ``claim_idle_ms``), else a
-        new one (waiting up to ``block_ms``); None when there is none yet, or the entry read was dropped (its sample
-        acked, or taken under another entry still pending) or its object gone (left pending until its producer puts
-        it again). StreamError on a sample not of its run."""
+        """The next sample for this consumer (`poll`), its quick checks passed: StreamError on a sample that fails
+        them (not of its run, or not what its manifest says)."""
+        if (delivery := self.poll()) is not None and delivery.problems:
+            raise StreamError(f"sample {delivery.sample_id}: " + "; ".join(delivery.problems))
+        return delivery
+
+    def poll(self, level: CheckLevel = "quick") -> Delivery | None:
+        """The next sample for this consumer with what its checks at ``level`` found (`delivery_problems`): a dead
+        consumer's pending one first (idle ``claim_idle_ms``), else a new one (waiting up to ``block_ms``); None when
+        there is none yet, or the entry read was dropped (its sample acked, or taken under another entry still
+        pending) or its object gone (left pending until its producer puts it again)."""
         _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                               start_id="0-0", count=1)  # fmt: skip
         entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
@@ -119,10 +150,9 @@ class StreamConsumer:
                     log.warning("sample %s: its object is gone (%s); left to the entry its producer puts it again "
                                 "with", sample_id, exc)  # fmt: skip
                     return None
-        run = self.redis.hget(self.keys.stream_run(self.name), "fingerprint")
-        if problems := delivery_problems(manifest, tensors, (run or b"").decode()):
-            raise StreamError(f"sample {sample_id}: " + "; ".join(problems))
-        return Delivery(entry_id.decode(), sample_id, manifest, tensors)
+        run, layout = self.redis.hmget(self.keys.stream_run(self.name), ["fingerprint", "layout"])
+        problems = delivery_problems(manifest, tensors, (run or b"").decode(), run_layout(layout), level)
+        return Delivery(entry_id.decode(), sample_id, manifest, tensors, tuple(problems))
 
     def _take(self, entry_id: str, sample_id: str) -> str | None:
         """The handle of the sample's current object, with ``entry_id`` recorded as the entry it is delivered

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,10 @@ class MooncakeSink:
         self.run = ""
 
     def open(self, store: OutputStore, server: str | None, *, start: int = 0, stop: int | None = None) -> None:
-        """Before the run's first sample: its identity published for consumers (`run_identity`), then every sample
-        of rows ``[start, stop)`` (a shard's; all by default) the store already holds that no consumer acked put
-        (again): a resumed run re-produces what a killed producer left unacked (its objects went with it) or never
-        put, and nothing a consumer took."""
+        """Before the run's first sample: its identity (`run_identity`) and its store's sample layout published for
+        consumers, then every sample of rows ``[start, stop)`` (a shard's; all by default) the store already holds
+        that no consumer acked put (again): a resumed run re-produces what a killed producer left unacked (its
+        objects went with it) or never put, and nothing a consumer took."""
         if store.manifest.format != SPECULATORS:
             raise SpecError(
                 "--stream mooncake puts hs-connectors' layout, speculators' sample (token_ids, hidden_states "
@@ -109,7 +110,8 @@ class MooncakeSink:
             )
         identity = run_identity(store.manifest, server)
         self.files, self.run = store, fingerprint(identity)
-        run = {"identity": json.dumps(identity), "fingerprint": self.run, "ended": 0, "bound": self.max_unacked}
+        run = {"identity": json.dumps(identity), "fingerprint": self.run, "layout": json.dumps(asdict(store.layout)),
+               "ended": 0, "bound": self.max_unacked}  # fmt: skip
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.stream_run(self.name), mapping=run)
             pipe.zadd(self.keys.streams, {self.name: round(time.time() * 1000)})

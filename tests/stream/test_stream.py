@@ -30,6 +30,7 @@ from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.stream.consumer import StreamDataset, delivery_problems
 from layertap.stream.mooncake import connect, fingerprint
+from sglang_patch.contract import SPECULATORS, SampleLayout
 from sglang_patch.sample_files import ids_sha256
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.monitoring.test_live import _Page, chromium, scraped
@@ -315,19 +316,23 @@ def test_a_master_it_cannot_reach_is_refused_in_one_line(layertap_cli, tiny_llam
 
 def test_a_sample_of_another_run_or_with_other_tokens_is_refused() -> None:
     ids, mask = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1], dtype=torch.uint8)
-    run = fingerprint({"model_config_sha256": "x"})
-    manifest = {"metadata": {"num_tokens": 3, "layertap": {"run": run, "ids_sha256": ids_sha256(ids),
-                                                           "mask_runs": [[1, 3]]}}}  # fmt: skip
+    run, layout = fingerprint({"model_config_sha256": "x"}), SampleLayout(SPECULATORS, (1,), ("pre",), "float32", 4)
+    facts = {"run": run, "sample_id": "s", "row": 0, "ids_sha256": ids_sha256(ids), "mask_runs": [[1, 3]],
+             "truncated": False}  # fmt: skip
+    manifest = {"handle": "h", "metadata": {"num_tokens": 3, "total_aligned_bytes": 128, "layertap": facts}}
     tensors = {"token_ids": ids, "loss_mask": mask, "hidden_states": torch.zeros(3, 2, 4)}
-    assert delivery_problems(manifest, tensors, run) == []
-    assert delivery_problems(manifest, tensors, fingerprint({"model_config_sha256": "y"}))[0].startswith(
+    assert delivery_problems(manifest, tensors, run, layout) == []
+    assert delivery_problems(manifest, tensors, fingerprint({"model_config_sha256": "y"}), layout)[0].startswith(
         "put by another run"
     )
     other = {**tensors, "token_ids": torch.tensor([5, 6, 8])}
-    assert delivery_problems(manifest, other, run) == ["token_ids differ from the manifest's input_ids hash"]
-    assert delivery_problems(manifest, {**tensors, "loss_mask": torch.ones(3, dtype=torch.uint8)}, run) == [
+    assert delivery_problems(manifest, other, run, layout) == ["input_ids differ from the index record"]
+    assert delivery_problems(manifest, {**tensors, "loss_mask": torch.ones(3, dtype=torch.uint8)}, run, layout) == [
         "loss_mask differs from the manifest's runs"
     ]
+    nan = {**tensors, "hidden_states": torch.full((3, 2, 4), float("nan"))}
+    assert delivery_problems(manifest, nan, run, layout) == []  # a trainer's quick check
+    assert delivery_problems(manifest, nan, run, layout, "full") == ["hidden_states: non-finite values"]
 
 
 # A producer that mounts its segment, says so, and waits to be killed.
