@@ -1,16 +1,16 @@
-"""The ``layertap`` command line: extract, verify, demo, tiny-model, text-view."""
+"""The ``layertap`` command line: extract, verify, stream-verify, demo, tiny-model, text-view."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.markup import escape
 
 from layertap.cli_audit import register_audit_command
-from layertap.cli_base import Exit, console, fail, failing_on_errors, model_options, model_values
+from layertap.cli_base import Exit, console, fail, failing_on_errors, key_prefix_option, model_options, model_values
 from layertap.cli_jobs import register_job_commands
 from layertap.engines.factory import hf_engine_factory, sglang_engine_factory
 from layertap.logs import configure_logging, level_for
@@ -20,6 +20,9 @@ from layertap.trainers import GUIDE
 
 if TYPE_CHECKING:
     from layertap.stream.sink import MooncakeSink
+    from layertap.verify import VerifyReport
+
+STREAM_ADDRESSES = ("mooncake_master", "stream_redis_url")  # the run settings a stream's consumer takes too
 
 
 @click.group()
@@ -139,15 +142,56 @@ def verify(out: Path, quick: bool, rewrite_token_freq: bool, data: Path | None, 
     with failing_on_errors():
         report = verify_store(out, "quick" if quick else "full", rewrite_token_freq=rewrite_token_freq, data=data,
                               trust_remote_code=trust_remote_code)  # fmt: skip
+    _report("verify", report)
+
+
+@main.command("stream-verify")
+@click.argument("name")
+@model_options(RunSettings, exclude=tuple(f for f in RunSettings.model_fields if f not in STREAM_ADDRESSES))
+@key_prefix_option
+@click.option("--group", default="trainers", show_default=True, help="The consumer group it reads in.")
+@click.option("--consumer", default=None, help="Its name in the group (default: host-pid).")
+@click.option("--quick", is_flag=True, help="Skip the finiteness checks.")
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=None,
+    help="Give up once nothing arrived for this many seconds: the run not ended, and each sample put and not acked "
+    "(its object gone, or pending with another consumer), are then problems. Default: wait, as a trainer does.",
+)
+def stream_verify(
+    name: str, key_prefix: str, group: str, consumer: str | None, quick: bool, idle_timeout: float | None,
+    **options: Any,
+) -> None:  # fmt: skip
+    """Consume stream NAME as a trainer does, checking each sample as verify checks a file (the run's fingerprint:
+    model, tokenizer, dataset, layers, dtype, server; keys, shapes, dtypes, input_ids hash, loss mask, finiteness;
+    each sample once, each dataset row under one sample id), until its run has ended and every sample is acked.
+    Exit 1 on any problem, each named by its sample.
+
+    Each sample is acked once checked, problems or not (an unacked sample holds its producer), so it can stand in
+    for a trainer in a smoke run. Beside trainers in --group it checks only the share it gets, and a consumer of any
+    group removes what it acks: there is no reading a stream without consuming it."""
+    from layertap.stream.verify import verify_stream
+
+    with failing_on_errors():
+        settings = RunSettings(**model_values(RunSettings, options))
+        report = verify_stream(settings.stream_redis_url, name, master=settings.mooncake_master, group=group,
+                               consumer=consumer, prefix=key_prefix, level="quick" if quick else "full",
+                               idle_s=idle_timeout)  # fmt: skip
+    _report("stream-verify", report)
+
+
+def _report(command: str, report: VerifyReport) -> NoReturn:
+    """Print what ``command`` found (and the training guide it rewrote), then exit 1 on any problem."""
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     for p in report.problems:
-        console.print(f"[red]problem:[/] {p}")
+        console.print(f"[red]problem:[/] {escape(p)}", soft_wrap=True)
     if report.guide is not None:
         click.echo(report.guide)
     status = "[green]clean[/]" if report.ok else f"[red]{len(report.problems)} problems[/]"
     console.print(
-        f"verify {out}: {report.samples} samples, {report.tokens:,} tokens, {report.nbytes:,} bytes: {status}"
+        f"{command} {report.what}: {report.samples} samples, {report.tokens:,} tokens, {report.nbytes:,} bytes: {status}"
     )
     sys.exit(Exit.OK if report.ok else Exit.FAILED)
 

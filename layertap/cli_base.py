@@ -5,8 +5,9 @@ default and help are its own, so ``extract`` and ``submit`` take the `Extraction
 worker the `RunSettings`. `model_values` gathers the parsed options back into each model's constructor arguments.
 
 Exit status, for every command: 0 done; 1 it ran and the outcome is bad (a run over its bad-row limit or that
-stored nothing, problems found by ``verify``, a job not done, an audit FAIL); 2 it could not run (bad input,
-a refused request, an unreachable coordinator; click's own usage errors are 2 as well); 3 an INCONCLUSIVE audit.
+stored nothing, problems found by ``verify`` or ``stream-verify``, a job not done, an audit FAIL); 2 it could not
+run (bad input, a refused request, an unreachable coordinator; click's own usage errors are 2 as well); 3 an
+INCONCLUSIVE audit.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class Exit(IntEnum):
     CANNOT_RUN = 2
     INCONCLUSIVE = 3
 
+
+# The Redis key prefix of a deployment's keys (its workers' and coordinator's LAYERTAP_KEY_PREFIX).
+key_prefix_option = click.option(
+    "--key-prefix",
+    envvar="LAYERTAP_KEY_PREFIX",
+    default="layertap",
+    show_default=True,
+    help="The prefix of the deployment's Redis keys (its workers' LAYERTAP_KEY_PREFIX).",
+)
 
 # An audit verdict's status, for `layertap audit` and `submit --wait` alike (CANNOT_RUN: bad input, no memory).
 AUDIT_EXIT = {"pass": Exit.OK, "fail": Exit.FAILED, "inconclusive": Exit.INCONCLUSIVE}

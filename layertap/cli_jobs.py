@@ -19,7 +19,16 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from layertap.cli_base import AUDIT_EXIT, Exit, console, fail, failing_on_errors, model_options, model_values
+from layertap.cli_base import (
+    AUDIT_EXIT,
+    Exit,
+    console,
+    fail,
+    failing_on_errors,
+    key_prefix_option,
+    model_options,
+    model_values,
+)
 from layertap.logs import configure_logging, level_for
 from layertap.state.model import JobRequest
 from layertap.trainers import GUIDE
@@ -221,7 +230,7 @@ def resume(job_id: str, api: str, token: str | None) -> None:
 @click.command("rebuild-state")
 @click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--redis-url", envvar="LAYERTAP_REDIS_URL", required=True, help="The Redis the coordinator uses.")
-@click.option("--key-prefix", envvar="LAYERTAP_KEY_PREFIX", default="layertap", show_default=True)
+@key_prefix_option
 @click.option("--replace", is_flag=True, help="Overwrite the job if Redis still holds it.")
 @click.option("--full", is_flag=True, help="Re-hash every committed file instead of checking size, shapes and ids.")
 def rebuild_state(out: Path, redis_url: str, key_prefix: str, replace: bool, full: bool) -> None:

@@ -93,7 +93,7 @@ class RunSettings(BaseModel):
         "(docs/streaming.md); the run ends once every sample is acked.",
     )
     mooncake_master: str = Field(
-        default="127.0.0.1:50051", description="With --stream mooncake: the Mooncake master (host:port)."
+        default="127.0.0.1:50051", description="The Mooncake master (host:port) of the stream (--stream mooncake)."
     )
     mooncake_segment_mib: int = Field(
         default=4096,
@@ -102,7 +102,7 @@ class RunSettings(BaseModel):
         "it must hold --stream-unacked of them.",
     )
     stream_redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="With --stream: the Redis holding the stream of manifests."
+        default="redis://127.0.0.1:6379/0", description="The Redis holding the stream's manifests (--stream)."
     )
     stream_name: str | None = Field(
         default=None, description="With --stream: the stream's name (default: the output folder's name)."

@@ -24,9 +24,10 @@ from layertap.trainers import TOKEN_FREQ_FILE
 
 @dataclass
 class VerifyReport:
-    """What verify saw; ``ok`` means a trainer can read every committed sample as recorded."""
+    """What verify saw (``stream-verify`` too: `layertap.stream.verify`); ``ok`` means a trainer can read every
+    committed sample as recorded."""
 
-    root: Path
+    what: str  # the store's folder, or ``stream NAME``
     samples: int = 0
     tokens: int = 0
     nbytes: int = 0
@@ -54,7 +55,7 @@ def verify_store(
     the samples against that dataset (`data_problems`), then rewrite ``TRAIN.md`` once the run is complete."""
     store = OutputStore.open_existing(root)
     records = sorted(store.records().values(), key=lambda r: r.index)
-    report = VerifyReport(root=root, complete=store.manifest.complete)
+    report = VerifyReport(what=str(root), complete=store.manifest.complete)
     unreadable = False
     for rec in records:
         report.samples += 1

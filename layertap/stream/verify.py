@@ -1,0 +1,96 @@
+"""``layertap stream-verify``: one consumer of a run's stream that checks each sample as it arrives, as ``verify``
+checks a file (`delivery_problems`: the run's fingerprint, keys, shapes, dtypes, the ``input_ids`` hash, the loss
+mask, finiteness), and acks it, so that it can stand in for a trainer in a smoke run.
+
+It acks a sample with problems too (reported, not held back): a trainer that held it would keep the run waiting for
+an ack forever. Verifying takes what it verifies: every consumer of a stream, in any group, removes the object it
+acks, so a verifier beside the trainers checks the share of the samples that it gets, never a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from layertap.store.formats.base import CheckLevel
+from layertap.stream.consumer import StreamConsumer, stream_record
+from layertap.verify import VerifyReport
+
+log = logging.getLogger(__name__)
+
+
+def verify_stream(
+    redis_url: str, name: str, *, level: CheckLevel = "full", idle_s: float | None = None, **consumer: Any
+) -> VerifyReport:
+    """Take the stream's samples as one consumer (``consumer``: `StreamConsumer`'s own arguments, ``master`` first)
+    until its run has ended and every sample it put is acked: each checked at ``level`` and acked; each delivered
+    once, each dataset row under one sample id. With ``idle_s``: give up once nothing arrived for that long, every
+    sample put and not acked then a problem that says where it is (`_left`)."""
+    reader = StreamConsumer(redis_url, name, **consumer)
+    report = VerifyReport(what=f"stream {name}")
+    if not reader.redis.exists(reader.keys.stream_run(name)):
+        log.warning("stream %s has no run yet (prefix %s): waiting for its producer", name, reader.keys.prefix)
+    rows: dict[int, set[str]] = defaultdict(set)
+    delivered: set[str] = set()
+    try:
+        idle_since = time.monotonic()
+        while not reader.finished():
+            if (delivery := reader.poll(level)) is None:
+                if idle_s is not None and time.monotonic() - idle_since > idle_s:
+                    report.problems += _left(reader, idle_s)
+                    break
+                continue
+            idle_since = time.monotonic()
+            record = stream_record(delivery.manifest)
+            report.samples, report.tokens, report.nbytes = (report.samples + 1, report.tokens + record.num_tokens,
+                                                            report.nbytes + record.nbytes)  # fmt: skip
+            where = f"sample {delivery.sample_id} (row {record.index})"
+            report.problems += [f"{where}: {p}" for p in delivery.problems]
+            if delivery.sample_id in delivered:
+                report.problems.append(f"{where}: delivered again after its ack")
+            delivered.add(delivery.sample_id)
+            rows[record.index].add(delivery.sample_id)
+            reader.ack(delivery)
+        else:
+            report.complete = True
+        put = reader.redis.hlen(reader.keys.stream_current(name))
+    except KeyboardInterrupt:
+        report.problems.append("interrupted before the stream ended")
+        return report
+    finally:
+        reader.close()
+    report.problems += [f"dataset row {row} is streamed under {len(ids)} sample ids: {sorted(ids)}"
+                        for row, ids in sorted(rows.items()) if len(ids) > 1]  # fmt: skip
+    if report.complete and put > len(delivered):
+        report.warnings.append(f"{put - len(delivered)} of the run's {put} samples were acked by other consumers")
+    return report
+
+
+def _left(reader: StreamConsumer, idle_s: float) -> list[str]:
+    """Why the stream has not ended after ``idle_s`` with nothing delivered: its run not ended, and each sample put
+    and not acked, with where it is (its object gone, or its entry pending with a consumer)."""
+    keys, name = reader.keys, reader.name
+    out = []
+    if reader.redis.hget(keys.stream_run(name), "ended") != b"1":
+        out.append(f"nothing arrived for {idle_s:g}s and the run has not ended (its producer is slow, or gone)")
+    acked = set(reader.redis.hkeys(keys.stream_acked(name)))
+    left = {
+        k.decode(): v.decode() for k, v in reader.redis.hgetall(keys.stream_current(name)).items() if k not in acked
+    }
+    if not left:
+        return out
+    exists = reader.transfer.store._store.batch_is_exist(list(left.values()))
+    taken = reader.redis.hmget(keys.stream_taken(name), list(left))
+    for (sample_id, handle), found, entry in zip(left.items(), exists, taken, strict=True):
+        pending = entry and reader.redis.xpending_range(reader.stream, reader.group, min=entry, max=entry, count=1)
+        if found != 1:
+            why = (f"its object {handle} is not in Mooncake Store (its producer died, or the master restarted: the "
+                   f"run's resume puts it again)")  # fmt: skip
+        elif pending:
+            why = f"pending with consumer {pending[0]['consumer'].decode()}"
+        else:
+            why = "its object is there, its entry never delivered"
+        out.append(f"sample {sample_id}: put and not acked within {idle_s:g}s: {why}")
+    return out
