@@ -20,6 +20,9 @@ class TokenizedSample:
     ``regenerated``: the regenerated row these ids are the text of (`Regenerated.record`), committed with the
     sample; None for a row captured as given. ``generated_tokens``: the new tokens the server generated for it (its
     re-tokenized text may count otherwise), committed with it so that a rebuilt job state counts them again.
+    ``context``: the assistant turns asked to be trained that the sample holds only as context, outside the mask (the
+    chat template renders them otherwise than generated once later turns follow), each with why; ``messages``: how many
+    of a conversation's messages the sample holds (fewer when it ends with its last trained turn), None for other rows.
     """
 
     sample_id: str
@@ -29,6 +32,8 @@ class TokenizedSample:
     truncated: bool = False
     regenerated: dict[str, Any] | None = None
     generated_tokens: int = 0
+    context: tuple[tuple[int, str], ...] = ()
+    messages: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,11 +13,22 @@ by rendering: the text of ``messages[:k]`` with the generation prompt is a prefi
 ``messages[:k+1]`` when message ``k`` is the assistant's, and the new suffix is what the assistant
 produced. That prefix property is checked, never assumed; the character spans are mapped to tokens
 with the offsets of one tokenisation of the full text, so the ids are exactly the server's.
+
+Each trained turn appears in the sample as the target produced it: the template's rendering of the messages before
+it with the generation prompt, then the turn as generated (its reasoning, ``</think>``, its content, its end of turn).
+Where the full rendering holds every trained turn so, it is the sample. A template that rewrites turns once later ones
+follow (Kimi-K2.5's drops the reasoning of every turn up to the last answer) does not: the sample is then the
+conversation up to its last trained turn as the target saw it when writing that turn (the messages before it rendered
+with the generation prompt, then the turn), earlier turns trained where it shows them as generated and context
+(`Rendering.context`, outside the mask) where not, the messages after it left out. A turn whose own rendering drops its
+reasoning into an empty ``<think></think>`` has the reasoning put back into that block; a generation prompt that closes
+the block itself (thinking off) and a template with no thinking block keep the turn as rendered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +41,17 @@ from layertap.sample import TokenizedSample
 from layertap.spec import OverlongPolicy
 
 Span = tuple[int, int]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Why a turn asked to be trained is context only in its sample (`Rendering.context`).
+REWRITTEN = "context: the chat template rewrites it once later turns follow"
+REASONING_DROPPED = f"{REWRITTEN} (drops its reasoning)"
+UNLOCATED = "context: the chat template does not render it after its generation prompt"
 
 # Put after a cut turn's last generated text to find where that text ends in the rendering (`ChatTokenizer.render`):
 # a private-use character pair no chat template writes.
 _CUT_MARK = "\ue000cut\ue001"
+# A turn's reasoning replaced by this shows whether the template renders the reasoning at all.
+_REASONING_MARK = "\ue000reasoning\ue001"
 
 # A plain two-turn chat every template must be able to mask: if it cannot, no conversation can be trusted.
 _PROBE = Conversation(
@@ -44,6 +62,29 @@ _PROBE = Conversation(
         {"role": "assistant", "content": "Blue."},
     ]
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """A conversation as its sample holds it (`ChatTokenizer.render`): ``text``; ``spans``, the characters
+    ``[start, end)`` the loss mask covers, of the trained turns in order; ``context``, each assistant turn asked to be
+    trained that the text holds only as context (not as it was generated), with why; ``messages``, how many of the
+    conversation's messages the text holds (fewer when it ends with its last trained turn)."""
+
+    text: str
+    spans: list[Span]
+    context: tuple[tuple[int, str], ...]
+    messages: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One assistant turn as generated: ``before``, its prompt (the messages before it rendered with the generation
+    prompt); ``text``, what follows it; ``end``, where in ``before + text`` its loss mask ends."""
+
+    before: str
+    text: str
+    end: int
 
 
 class ChatTokenizer:
@@ -98,20 +139,24 @@ class ChatTokenizer:
         told apart any more, so every token is a target, as in pretraining-style drafter data.
         Pretokenized rows keep their ids and mask (all 1 when absent). ``turns`` (indices into a conversation's
         messages) limits the mask to those assistant turns (regenerated ones; the others are context as given);
-        the ``cut`` ones among them end their mask with their text (see the module doc).
+        the ``cut`` ones among them end their mask with their text; a turn the sample holds only as context is named
+        in the sample's ``context`` (see the module doc).
 
         Longer than ``max_length``: ``truncate`` keeps the first ``max_length`` tokens and flags the
         sample; ``skip`` raises RowError. Raises RowError (with its kind) for an empty result, a
         truncation that leaves no assistant token, ids outside the vocabulary, anything the template or
-        the tokenizer raises, or a template that is not prefix-stable.
+        the tokenizer raises, or a turn the template cannot show as generated (`render`).
         """
 
         def fail(reason: str, kind: str | None = None) -> RowError:
             return RowError(reason, row=row_number, sample_id=sample_id, kind=kind)
 
+        context: tuple[tuple[int, str], ...] = ()
+        held = None
         if isinstance(row, Conversation):
             self._check_template()
-            ids, mask = self._conversation(row, row_number, sample_id, turns, cut)
+            ids, mask, rendering = self._conversation(row, row_number, sample_id, turns, cut)
+            context, held = rendering.context, rendering.messages
         elif isinstance(row, Preformatted):
             ids = self._encode(row.text, row_number, sample_id)["input_ids"]
             mask = [1] * len(ids)
@@ -140,6 +185,8 @@ class ChatTokenizer:
             input_ids=torch.tensor(ids, dtype=torch.long),
             loss_mask=torch.tensor(mask, dtype=torch.uint8),
             truncated=truncated,
+            context=context,
+            messages=held,
         )
 
     def _check_template(self) -> None:
@@ -191,15 +238,17 @@ class ChatTokenizer:
         sample_id: str | None,
         turns: Collection[int] | None = None,
         cut: Collection[int] = (),
-    ) -> tuple[str, list[Span]]:
-        """The rendered conversation and the character spans ``[start, end)`` of its assistant turns (of those
-        among ``turns``, indices into its messages, when given).
+    ) -> Rendering:
+        """The conversation as its sample holds it (see the module doc): the text, the character spans of the
+        assistant turns it trains (of those among ``turns``, indices into its messages, when given) and the turns it
+        holds as context only.
 
         A span runs from the end of the generation prompt to the end of the assistant's turn,
         whitespace the template puts after the end-of-turn token excluded (the model stops at the
         token and never produces the separator); a ``cut`` turn's span ends with its text (`_cut_end`).
-        Raises RowError when the template is not prefix-stable (e.g. it rewrites earlier turns depending
-        on what follows them).
+        Raises RowError (kind ``template``) when the last turn to train cannot be shown as generated: its generation
+        prompt is not where the template renders the turn, or the template drops its reasoning with no empty
+        thinking block to put it in.
         """
 
         def fail(reason: str) -> RowError:
@@ -207,58 +256,94 @@ class ChatTokenizer:
 
         msgs = conv.messages
         full = self._render(msgs, conv, False, fail)
-        spans: list[Span] = []
-        for k, msg in enumerate(msgs):
-            if msg["role"] != "assistant" or (turns is not None and k not in turns):
-                continue
-            before = self._render(msgs[:k], conv, True, fail)
-            through = self._render(msgs[: k + 1], conv, False, fail)
-            for shorter, longer, what in (
-                (before, through, f"messages[:{k}] with the generation prompt"),
-                (through, full, f"messages[:{k + 1}]"),
-            ):
-                if not longer.startswith(shorter):
-                    at = _first_difference(shorter, longer)
-                    raise fail(
-                        f"chat template is not prefix-stable, so assistant turns cannot be located: the text "
-                        f"of {what} is not a prefix of the longer rendering (they differ at character {at}: "
-                        f"{shorter[at : at + 40]!r} vs {longer[at : at + 40]!r}); pass a chat template "
-                        "that renders earlier turns the same whatever follows"
-                    )
-            if k in cut:
-                end = self._cut_end(msgs[: k + 1], conv, len(before), through, fail)
-            else:
-                end = max(len(before), len(through.rstrip()))
-            if end > len(before):
-                spans.append((len(before), end))
-        return full, spans
+        wanted = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and (turns is None or k in turns)]
+        generated: dict[int, _Turn | None] = {}
+        for k in wanted:
+            try:
+                generated[k] = self._turn(conv, k, k in cut, fail)
+            except RowError:
+                if k == wanted[-1]:
+                    raise
+                generated[k] = None  # an earlier turn the template cannot show as generated: context
+        text, held = full, len(msgs)
+        if not all(t is not None and full.startswith(t.before + t.text) for t in generated.values()):
+            last = generated[wanted[-1]]
+            assert last is not None
+            text, held = last.before + last.text, wanted[-1] + 1
+        spans, context = [], []
+        for k, t in generated.items():
+            if t is None:
+                context.append((k, UNLOCATED))
+            elif not text.startswith(t.before + t.text):
+                context.append((k, REASONING_DROPPED if msgs[k].get("reasoning_content") else REWRITTEN))
+            elif t.end > len(t.before):
+                spans.append((len(t.before), t.end))
+        return Rendering(text, spans, tuple(context), held)
 
-    def _cut_end(
-        self, msgs: list[dict[str, Any]], conv: Conversation, start: int, through: str, fail: Callable[[str], RowError]
-    ) -> int:
-        """Where the text of the cut turn ``msgs[-1]`` ends in ``through`` (the rendering of ``msgs``; the turn starts
-        at ``start``): the end of its content, or of its reasoning when it was cut before any content (``start`` when
-        it has neither). Found by rendering the turn again with `_CUT_MARK` after that text; RowError (kind
-        ``template``) when the template does not render it as it is (then its made-up end cannot be told apart)."""
-        msg = msgs[-1]
+    def _turn(self, conv: Conversation, k: int, cut: bool, fail: Callable[[str], RowError]) -> _Turn:
+        """Assistant turn ``k`` of ``conv`` as generated: its prompt, its text (`_turn_text`) and where its mask ends
+        (a ``cut`` one's at the end of its text: `_cut_end`)."""
+        before = self._render(conv.messages[:k], conv, True, fail)
+        text = self._turn_text(conv, k, conv.messages[k], before, fail)
+        end = self._cut_end(conv, k, before, text, fail) if cut else len(before) + len(text.rstrip())
+        return _Turn(before, text, end)
+
+    def _turn_text(
+        self, conv: Conversation, k: int, msg: dict[str, Any], before: str, fail: Callable[[str], RowError]
+    ) -> str:
+        """What the target wrote after its prompt ``before`` for ``msg`` as turn ``k``: the template's rendering of
+        ``messages[:k] + [msg]`` after the prompt (after the prompt's last occurrence when the template renders the
+        earlier messages otherwise once the turn follows), its reasoning put into the empty thinking block where the
+        template drops it."""
+        msgs = conv.messages[:k]
+        through = self._render([*msgs, msg], conv, False, fail)
+        if through.startswith(before):
+            text = through[len(before) :]
+        else:  # the template rewrites what came before once this turn follows: the turn follows the last prompt
+            base = self._render(msgs, conv, False, fail)
+            prompt = before[len(base) :] if before.startswith(base) else ""
+            at = through.rfind(prompt) if prompt else -1
+            if at < 0:
+                at = _first_difference(before, through)
+                raise fail(
+                    f"chat template is not prefix-stable, so assistant turn {k} cannot be located: its generation "
+                    f"prompt is not where the template renders the turn (the text of messages[:{k}] with the "
+                    f"generation prompt and of messages[:{k + 1}] differ at character {at}: "
+                    f"{before[at : at + 40]!r} vs {through[at : at + 40]!r}); pass a chat template whose generation "
+                    "prompt begins the assistant turn it renders"
+                )
+            text = through[at + len(prompt) :]
+        reasoning = msg.get("reasoning_content")
+        if reasoning and _REASONING_MARK not in self._render(
+            [*msgs, {**msg, "reasoning_content": _REASONING_MARK}], conv, False, fail
+        ):
+            text = _with_reasoning(before, text, reasoning, lambda why: fail(f"turn {k}: {why}"))
+        return text
+
+    def _cut_end(self, conv: Conversation, k: int, before: str, text: str, fail: Callable[[str], RowError]) -> int:
+        """Where the text of the cut turn ``k`` ends in ``before + text`` (the turn starts at ``len(before)``): the end
+        of its content, or of its reasoning when it was cut before any content (``len(before)`` when it has
+        neither). Found by making the turn again with `_CUT_MARK` after that text; RowError (kind ``template``) when
+        the template does not render it as it is (then its made-up end cannot be told apart)."""
+        msg = conv.messages[k]
         field = next((f for f in ("content", "reasoning_content") if msg.get(f)), None)
         if field is None:
-            return start
-        marked = self._render([*msgs[:-1], {**msg, field: msg[field] + _CUT_MARK}], conv, False, fail)
+            return len(before)
+        marked = self._turn_text(conv, k, {**msg, field: msg[field] + _CUT_MARK}, before, fail)
         at = marked.find(_CUT_MARK)
-        if at < start or marked[:at] + marked[at + len(_CUT_MARK) :] != through:
+        if at < 0 or marked[:at] + marked[at + len(_CUT_MARK) :] != text:
             raise fail(
-                f"the chat template does not render the {field} of turn {len(msgs) - 1}, cut at max_new_tokens, as "
+                f"the chat template does not render the {field} of turn {k}, cut at max_new_tokens, as "
                 "it was generated, so the end of turn it closes the turn with cannot be told apart from it"
             )
-        return at
+        return len(before) + at
 
     def _conversation(
         self, conv: Conversation, row_number: int, sample_id: str, turns: Collection[int] | None, cut: Collection[int]
-    ) -> tuple[list[int], list[int]]:
-        text, spans = self.render(conv, row_number=row_number, sample_id=sample_id, turns=turns, cut=cut)
-        enc = self._encode(text, row_number, sample_id, offsets=True)
-        return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], spans)
+    ) -> tuple[list[int], list[int], Rendering]:
+        rendering = self.render(conv, row_number=row_number, sample_id=sample_id, turns=turns, cut=cut)
+        enc = self._encode(rendering.text, row_number, sample_id, offsets=True)
+        return enc["input_ids"], _mask_from_spans(enc["offset_mapping"], rendering.spans), rendering
 
     def _render(
         self, messages: list[dict[str, Any]], conv: Conversation, gen: bool, fail: Callable[[str], RowError]
@@ -313,6 +398,25 @@ def _tiktoken_offsets(encoding: Any, ids: list[int], text: str) -> list[tuple[in
         at = _first_difference(decoded, text)
         raise SpecError(f"the tokenizer does not round-trip the rendered text (differs at character {at})")
     return list(zip(starts, [*starts[1:], len(text)], strict=True))
+
+
+def _with_reasoning(before: str, text: str, reasoning: str, fail: Callable[[str], RowError]) -> str:
+    """Turn ``text`` (after its prompt ``before``), whose rendering drops its ``reasoning``, as generated: the
+    reasoning put into its empty thinking block (``<think></think>``, opened by the prompt or by the turn). Kept as
+    rendered where the prompt closes the block itself (thinking off: the target writes no reasoning after it) or the
+    template has no thinking block at all; RowError where it has one the reasoning cannot be put into."""
+    if before.endswith(THINK_OPEN) and text.startswith(THINK_CLOSE):
+        return reasoning + text
+    if text.startswith(THINK_OPEN + THINK_CLOSE):
+        return THINK_OPEN + reasoning + text[len(THINK_OPEN) :]
+    if before.endswith(THINK_OPEN + THINK_CLOSE) or not (
+        before.endswith(THINK_OPEN) or THINK_OPEN in text or THINK_CLOSE in text
+    ):
+        return text
+    raise fail(
+        f"the chat template drops the turn's reasoning and renders no empty {THINK_OPEN}{THINK_CLOSE} right after "
+        "its generation prompt to put it back into, so the turn cannot be shown as the target generated it"
+    )
 
 
 def _first_difference(a: str, b: str) -> int:

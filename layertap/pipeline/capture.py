@@ -18,14 +18,14 @@ from layertap.engines.base import Engine
 from layertap.errors import LayertapError, RowError, SampleError
 from layertap.pipeline.ledger import Ledger
 from layertap.pipeline.plan import RunPlan
-from layertap.pipeline.steps import Item, Tokenize
+from layertap.pipeline.steps import Item
 from layertap.regenerate import retokenization_mismatches
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 
 log = logging.getLogger(__name__)
 
 
-def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledger) -> Iterator[Item]:
+def admit(items: Iterator[Item], plan: RunPlan, ledger: Ledger) -> Iterator[Item]:
     """The ``todo`` items whose samples go on to the capture: a new sample longer than the engine takes (a stored
     plan's max_length above its server's limit: `RunPlan.on`) is its row's error (kind ``input_limit``); each
     admitted one is counted in the report (truncated, and for a regenerated row its new tokens, cut turns and turns
@@ -46,7 +46,7 @@ def admit(items: Iterator[Item], plan: RunPlan, tokenize: Tokenize, ledger: Ledg
         if (out := item.regenerated) is not None:
             report.generated_tokens += out.generated_tokens
             report.turns_cut += out.cut_turns
-            report.retokenization_mismatches += len(retokenization_mismatches(tokenize.chat, out))
+            report.retokenization_mismatches += len(retokenization_mismatches(out, sample))
         yield item
 
 

@@ -93,5 +93,5 @@ def _tokenized(
     except RowError as err:
         ledger.row_failed(err)
         return None
-    sample = replace(sample, regenerated=out.record(), generated_tokens=out.generated_tokens)
+    sample = replace(sample, regenerated=out.record(sample), generated_tokens=out.generated_tokens)
     return Item(row, "todo", sample=sample, regenerated=out)

@@ -97,7 +97,7 @@ def run_shard(
     try:
         items = todo if regenerator is None else regenerate(todo, regenerator, tokenize, spec, ledger)
         capture = Capture(engine, ledger, attempts=attempts, commit_threads=commit_threads)
-        capture.run(admit(items, plan, tokenize, ledger))
+        capture.run(admit(items, plan, ledger))
     finally:
         if regenerator is not None:
             report.generation_seconds = regenerator.seconds

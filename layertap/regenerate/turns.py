@@ -6,7 +6,9 @@ Pure functions of a conversation, a `ChatTokenizer` and token ids: no server her
   first user turn that answer in text, every one in order (``all``) or the last of them (``last``). A turn that calls
   tools (``tool_calls``) is kept as given, and so are the tool results answering it: regenerated as text, its results
   would answer a call the stored conversation no longer holds. Rows with nothing to regenerate are refused (RowError
-  kind ``regenerate``). `kept_turns` says, per assistant turn kept, why (each stored row carries it).
+  kind ``regenerate``). `kept_turns` says, per assistant turn kept, why (each stored row carries it); the row also
+  names the regenerated turns its sample holds only as context (`layertap.data.chat`: a template that rewrites a
+  turn once later ones follow) and how many messages the sample holds.
 - `TurnFormat`: what a folder's template and tokenizer say about a generated turn: the end-of-turn token the
   template closes an assistant turn with (sent as a stop token: the model's own eos may be another token) and
   the thinking markers (``<think>``/``</think>`` as single tokens, as Kimi-K2.5's), if the tokenizer has them.
@@ -22,13 +24,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from layertap.data.chat import ChatTokenizer
+from layertap.data.chat import THINK_CLOSE, THINK_OPEN, ChatTokenizer
 from layertap.data.rows import Conversation, ParsedRow, Preformatted, Pretokenized
 from layertap.errors import RowError
+from layertap.sample import TokenizedSample
 from layertap.spec import RegenerateMode as Mode
 
 FinishReason = Literal["stop", "length"]
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 # What a regenerating run regenerates and keeps, and what a cut turn is: the manifest's ``generation.rules``. A store
 # made under other rules is another run (a resume is refused); the docs' table (docs/cli.md) says the same per shape.
@@ -37,6 +39,13 @@ RULES: dict[str, str] = {
     "one (all) or the last (last), each on the chat template of the stored messages before it (with the row's tools) "
     "and the generation prompt; kept as given: system, user and tool messages, assistant turns that call tools "
     "(tool_calls, with the tool results answering them) and assistant turns before the first user turn",
+    "trained": "each trained turn appears in the sample as the target produced it: the chat template of the messages "
+    "before it with the generation prompt, then the turn as generated (its reasoning, </think>, its content, its end "
+    "of turn); where the template's rendering of the whole conversation holds every regenerated turn so, it is the "
+    "sample; where it rewrites turns once later ones follow (drops their reasoning), the sample is the conversation up "
+    "to the last regenerated turn as the target saw it when writing it, earlier turns the template shows otherwise "
+    "than generated are context (outside the loss mask, named in the row) and the messages after it are left out; a "
+    "turn whose own rendering drops its reasoning into an empty <think></think> has it put back there",
     "cut": "a turn cut at max_new_tokens (finish_reason length) is stored as generated; the end of turn the chat "
     "template closes it with, which the model never produced, is context for what follows and outside the loss mask",
 }
@@ -72,10 +81,12 @@ class Regenerated:
     conversation: Conversation
     turns: tuple[GeneratedTurn, ...]
 
-    def record(self) -> dict[str, Any]:
+    def record(self, sample: TokenizedSample) -> dict[str, Any]:
         """The row as the regenerated dataset stores it: ``{"id", "messages", ["tools"], "regeneration"}``, the
         messages in OpenAI form, each regenerated turn with its ``finish_reason`` (``length``: cut, see `RULES`);
-        ``regeneration`` says which turns were regenerated and which assistant turns were kept as given, and why."""
+        ``regeneration`` says which turns were regenerated, which assistant turns were kept as given and why, which
+        regenerated turns its ``sample`` (this row tokenized) holds only as context and why, and how many messages
+        the sample holds."""
         messages = [dict(m) for m in self.conversation.messages]
         for turn in self.turns:
             messages[turn.index]["finish_reason"] = turn.finish_reason
@@ -83,7 +94,12 @@ class Regenerated:
         if self.conversation.tools is not None:
             row["tools"] = self.conversation.tools
         indices = [t.index for t in self.turns]
-        row["regeneration"] = {"regenerated": indices, "kept": kept_turns(self.conversation.messages, indices)}
+        row["regeneration"] = {
+            "regenerated": indices,
+            "kept": kept_turns(self.conversation.messages, indices),
+            "context": [{"turn": k, "why": why} for k, why in sample.context],
+            "messages_in_sample": sample.messages,
+        }
         return row
 
     @property
@@ -179,8 +195,8 @@ class TurnFormat:
     def of(cls, chat: ChatTokenizer) -> TurnFormat:
         """Read from the template's rendering of a plain chat and from the tokenizer; RowError (kind ``template``)
         when the template cannot render one."""
-        text, spans = chat.render(_PROBE, row_number=-1, sample_id=None)
-        turn = text[spans[-1][0] : spans[-1][1]] if spans else ""
+        probe = chat.render(_PROBE, row_number=-1, sample_id=None)
+        turn = probe.text[slice(*probe.spans[-1])] if probe.spans else ""
         end = turn.rpartition(_PROBE_CONTENT)[2] if _PROBE_CONTENT in turn else ""
         opened, closed = _single_token(chat, THINK_OPEN), _single_token(chat, THINK_CLOSE)
         thinking = opened is not None and closed is not None
@@ -226,22 +242,22 @@ def _decode(chat: ChatTokenizer, ids: list[int]) -> str:
     return chat.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if ids else ""
 
 
-def retokenization_mismatches(chat: ChatTokenizer, regenerated: Regenerated) -> list[str]:
-    """Where the ids of the regenerated conversation (the template applied to all its messages, tokenized: what
-    the capture stores and a trainer tokenizes) do not begin with a turn's prompt ids then its output ids, one
-    line per turn; empty when they hold every turn as it was generated. They do not when the model wrote a token
-    sequence its tokenizer would not (a non-canonical split, a character's bytes cut in two, an id that decodes to
-    text of other ids), stopped on an eos the template does not end turns with, or when the template renders a
-    turn otherwise than it was generated (it drops the reasoning of earlier turns, as Kimi-K2.5's own template does of
-    every turn up to the last answer without tool calls, or closes a turn cut inside its thinking with ``</think>``)."""
-    where = {"row_number": -1, "sample_id": regenerated.sample_id}
-    conv = regenerated.conversation
-    ids = chat.encode(chat.render_messages(conv, len(conv.messages), generation_prompt=False, **where), **where)
+def retokenization_mismatches(regenerated: Regenerated, sample: TokenizedSample) -> list[str]:
+    """Where the ids of ``sample`` (the regenerated conversation through the chat template, tokenized: what the
+    capture stores and a trainer tokenizes) do not begin with a trained turn's prompt ids then its output ids (as far
+    as a truncated sample goes), one line per turn; empty when they hold every trained turn as it was generated. They
+    do not when the model wrote a token sequence its tokenizer would not (a non-canonical split, a character's bytes
+    cut in two, an id that decodes to text of other ids), stopped on an eos the template does not end turns with, or
+    when the template renders a turn otherwise than it was generated (closes a turn cut inside its thinking with
+    ``</think>``). A turn the sample holds only as context (`TokenizedSample.context`) is not trained: not checked."""
+    ids = sample.input_ids.tolist()
+    context = {k for k, _ in sample.context}
     problems = []
     for turn in regenerated.turns:
         seen = turn.prompt_ids + turn.output_ids
-        if ids[: len(seen)] != seen:
-            at = next((i for i, (a, b) in enumerate(zip(ids, seen, strict=False)) if a != b), min(len(ids), len(seen)))
+        n = min(len(ids), len(seen))
+        if turn.index not in context and ids[:n] != seen[:n]:
+            at = next((i for i, (a, b) in enumerate(zip(ids, seen, strict=False)) if a != b), n)
             problems.append(
                 f"turn {turn.index}: the conversation's ids differ from the {len(turn.prompt_ids)} prompt + "
                 f"{len(turn.output_ids)} generated ids it saw, first at id {at}"

@@ -5,7 +5,8 @@ The ranks come from the project's own byte-level BPE (`tokenizer.py`): the 256 b
 result in merge order. The special tokens carry Kimi's role markers, so a conversation renders with the
 same structure a real Kimi-K2.5 folder gives it: `<|im_system|>`/`<|im_user|>`/`<|im_assistant|>` role
 headers closed by `<|im_middle|>`, `<|im_end|>` ending every turn, `<think>...</think>` for reasoning (opened by the
-generation prompt unless the template variable `thinking` is false) and a tool-call section.
+generation prompt unless the template variable `thinking` is false; left empty in every turn up to the last answer, as
+Kimi-K2.5's template leaves it) and a tool-call section.
 """
 
 from __future__ import annotations
@@ -30,23 +31,26 @@ KIMI_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", MEDIA_PAD,
 )  # fmt: skip
 
-# Our own template in Kimi's layout, with Kimi-K2.5's thinking switch: the template variable `thinking` (on unless
-# given false, as SGLang's `chat_template_kwargs`). On, the generation prompt opens the thinking block
-# (`<|im_assistant|>assistant<|im_middle|><think>`) and an assistant turn renders as `<think>reasoning</think>`
-# (empty reasoning when it has none) then its content; off, the prompt closes an empty block (`<think></think>`) and
-# a turn renders as `<think></think>` then its content, its reasoning left out. Kimi-K2.5's own template also blanks
-# the reasoning of every turn up to the last plain assistant answer, so a turn renders otherwise once a later
-# answer follows; ours never does: no separators between turns and every turn renders the same whatever follows it,
-# so each assistant turn (after its generation prompt: the rest of the think block, content, tool-call section,
-# `<|im_end|>`) is a string suffix of the rendering.
+# Our own template in Kimi's layout, with Kimi-K2.5's habits. The thinking switch: the template variable `thinking` (on
+# unless given false, as SGLang's `chat_template_kwargs`); on, the generation prompt opens the thinking block
+# (`<|im_assistant|>assistant<|im_middle|><think>`), off it closes an empty one (`<think></think>`). Turns render as
+# Kimi-K2.5's do whatever the switch: the conversation is split after its last assistant turn without tool calls (the
+# last answer); every assistant turn up to it renders an empty `<think></think>` (its reasoning dropped: completed
+# turns), every one after it (tool-calling turns of the turn in progress) `<think>reasoning</think>`; then content,
+# tool-call section, `<|im_end|>`. So a turn renders otherwise once a later answer follows it, and an answer's own
+# rendering holds no reasoning (`layertap.data.chat` shows each trained turn as it was generated all the same).
 KIMI_CHAT_TEMPLATE = (
     TEXT_MACRO
     + "{%- if tools -%}{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}{%- endif -%}"
+    "{%- set ns = namespace(last_answer=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and not message.tool_calls -%}{%- set ns.last_answer = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for message in messages -%}"
     "{%- if message.role == 'user' -%}{{- '<|im_user|>user<|im_middle|>' + text(message.content) -}}"
     "{%- elif message.role == 'assistant' -%}"
     "{{- '<|im_assistant|>assistant<|im_middle|>' -}}"
-    "{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}"
+    "{%- if loop.index0 <= ns.last_answer -%}{{- '<think></think>' -}}"
     "{%- else -%}{{- '<think>' + (message.reasoning_content or '') + '</think>' -}}{%- endif -%}"
     "{{- text(message.content) -}}"
     "{%- if message.tool_calls -%}"

@@ -27,7 +27,7 @@ from layertap.store.index import INDEX_DIR, REGENERATED_DIR, read_json_lines
 from layertap.store.store import REGENERATED, OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.core.regenerate.test_turns import ANSWERS, SHAPES
+from tests.core.regenerate.test_turns import ANSWERS, SHAPES, sample_of
 from tests.sglang_fixtures import DEFAULT_LAYERS, TEST_SERVER_ARGS
 from tests.worker.conftest import SHARD_SIZE
 
@@ -60,7 +60,7 @@ def greedy_rows(url: str, model: Path, rows: list[dict], mode: str, *, trust_rem
         regen.close()
         session.close()
     assert all(isinstance(r, Regenerated) for r in out), out
-    return {r.sample_id: r.record() for r in out}
+    return {r.sample_id: r.record(sample_of(chat, r)) for r in out}
 
 
 @pytest.fixture(scope="module")

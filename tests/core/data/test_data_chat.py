@@ -105,7 +105,7 @@ def test_multi_turn_mask_with_system_tools_and_tool_turns(name: str, request: py
 def test_kimi_default_system_prompt_and_sharegpt_row(kimi_tokenizer: PreTrainedTokenizerFast):
     row = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello, human."}]}
     _check_mask(kimi_tokenizer, row, ["Hello, human.<|im_end|>"])
-    text, _ = ChatTokenizer(kimi_tokenizer).render(parse_row(0, row), row_number=0, sample_id=None)
+    text = ChatTokenizer(kimi_tokenizer).render(parse_row(0, row), row_number=0, sample_id=None).text
     assert "You are Kimi" in text  # the injected system prompt is there, and unmasked (checked above)
 
 
@@ -214,12 +214,26 @@ def test_guard_ignores_rows_without_roles():
     check_loss_mask(parse_row(0, {"messages": [{"role": "assistant", "content": "Alone"}]}), all_one)
 
 
-@pytest.mark.parametrize("template", [COUNTS_TURNS, THINK_PROMPT])
-def test_template_that_is_not_prefix_stable_is_a_row_error(tiny_tokenizer, template: str):
-    ct = ChatTokenizer(tiny_tokenizer, chat_template=template)
+def test_template_whose_generation_prompt_does_not_begin_the_turn_is_a_row_error(tiny_tokenizer):
+    """A prompt ending in an empty thinking block the turn's rendering never shows: the turn cannot be located."""
+    ct = ChatTokenizer(tiny_tokenizer, chat_template=THINK_PROMPT)
     with pytest.raises(RowError, match="not prefix-stable") as info:
         ct.tokenize(9, "s1", parse_row(9, SIMPLE), max_length=None, overlong="skip")
-    assert info.value.row == 9 and info.value.sample_id == "s1"
+    assert (info.value.row, info.value.sample_id, info.value.kind) == (9, "s1", "template")
+
+
+def test_template_that_rewrites_what_came_before_gives_the_last_turn_as_the_target_saw_it(tiny_tokenizer):
+    """A header counting the turns renders otherwise once a turn follows: the sample is the prompt the assistant was
+    given (its header counts 1) and the turn after it, not the whole rendering (whose header counts 2)."""
+    ct = ChatTokenizer(tiny_tokenizer, chat_template=COUNTS_TURNS)
+    conv = parse_row(9, SIMPLE)
+    sample = ct.tokenize(9, "s1", conv, max_length=None, overlong="skip")
+    prompt = tiny_tokenizer.apply_chat_template(conv.messages[:1], chat_template=COUNTS_TURNS, tokenize=False,
+                                                add_generation_prompt=True)  # fmt: skip
+    assert "turns=1" in prompt
+    ids = sample.input_ids.tolist()
+    assert ids == tiny_tokenizer(prompt + "Hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert _runs(tiny_tokenizer, ids, sample.loss_mask.tolist(), 1) == ["Hello<|im_end|>"]
 
 
 def test_template_exception_is_a_row_error(tiny_tokenizer):

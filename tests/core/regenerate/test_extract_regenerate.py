@@ -67,6 +67,28 @@ def stored_rows(out: Path) -> dict[str, dict]:
     return {row["id"]: row for row in read_json_lines(out / REGENERATED)}
 
 
+def expected_sample(tokenizer, messages: list[dict], tools, generated: dict[int, list[int]], **variables) -> tuple:
+    """The rule for a sample, written apart from the code with HF's ``apply_chat_template``: each regenerated turn
+    ``k`` as generated is HF's template of ``messages[:k]`` with the generation prompt, then its new ids decoded, closed
+    as the template closes a turn (``</think>`` when it ended while thinking, ``<|im_end|>``). Where HF's template of
+    the whole row begins with every turn so, it is the sample; else the last turn as generated is, the messages after
+    it left out. -> (the sample's text, the turns it holds as generated: the trained ones, in order, and how many
+    messages it holds)."""
+
+    def as_generated(k: int) -> tuple[str, str]:
+        prompt = tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True,
+                                               **variables)  # fmt: skip
+        body = tokenizer.decode(generated[k]).removesuffix("<|im_end|>")
+        closing = ("</think>" if prompt.endswith("<think>") and "</think>" not in body else "") + "<|im_end|>"
+        return prompt + body, prompt + body + closing
+
+    full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **variables)
+    turns = {k: as_generated(k) for k in generated}
+    whole = all(full.startswith(closed) for _, closed in turns.values())
+    text, held = (full, len(messages)) if whole else (turns[max(turns)][1], max(turns) + 1)
+    return text, [k for k, (upto, _) in turns.items() if text.startswith(upto)], held
+
+
 @pytest.mark.parametrize("mode", ["last", "all"])
 def test_extract_regenerates_as_hf_generate_and_captures_the_regenerated_text(
     layertap_cli, served, hf_reference, tmp_path, mode: str
@@ -99,15 +121,18 @@ def test_extract_regenerates_as_hf_generate_and_captures_the_regenerated_text(
         assert [i for i, m in enumerate(got["messages"]) if "finish_reason" in m] == [k for k, *_ in want]
         for k, prompt, new, finish in want:
             assert got["messages"][k] == {**turn_format.message(chat, prompt, new, finish), "finish_reason": finish}
-        # What a trainer tokenizes: HF's own template applied to the stored row gives the stored ids.
+        # What a trainer tokenizes: HF's own template applied to the stored row gives the stored ids (Kimi-K2.5's,
+        # which drops a thinking turn's reasoning, the last turn as generated: `expected_sample`).
         messages = [{k: v for k, v in m.items() if k != "finish_reason"} for m in got["messages"]]
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text, trained, _ = expected_sample(tokenizer, messages, None, {k: new for k, _, new, _ in want})
         tensors = store.format.load(out / records[row["id"]].file)
         ids = tensors["input_ids"].flatten().tolist()
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         mask = tensors["loss_mask"].flatten()
-        first_prompt = want[0][1]
+        first_prompt = next(prompt for k, prompt, *_ in want if k == trained[0])
         assert not mask[: len(first_prompt)].any() and mask[len(first_prompt) :].any()  # regenerated turns only
+        context = [k for k, *_ in want if k not in trained]
+        assert [c["turn"] for c in got["regeneration"]["context"]] == context
     assert check_states_equal_hf(out, folder, hf_reference) == len(ROWS)
 
 
@@ -126,8 +151,9 @@ def check_shapes_store(out: Path, folder: Path, hf_reference, max_new_tokens: in
     the manifest, the row that only calls tools refused; each stored row regenerated exactly its turns answering in
     text (`ANSWERS`) and kept every other message as given, says so, and is coherent; each regenerated turn is HF's
     greedy ``generate`` on HF's template of the stored messages before it (with the row's tools); the stored ids are
-    HF's template of the stored row, masked on exactly what each turn generated (a cut turn without its closing); the
-    states equal HF float32 on those ids."""
+    HF's template of the stored row (the last turn as generated where that template does not hold every turn so:
+    `expected_sample`), masked on exactly what each trained turn generated (a cut turn without its closing), the others
+    named as context in the row; the states equal HF float32 on those ids."""
     check = verify_store(out, trust_remote_code=True)
     assert check.ok, check.problems
     store = OutputStore.open_existing(out)
@@ -150,7 +176,7 @@ def check_shapes_store(out: Path, folder: Path, hf_reference, max_new_tokens: in
         assert [m for i, m in enumerate(messages) if i not in turns] == [
             m for i, m in enumerate(given[sid].messages) if i not in turns]  # fmt: skip
         assert row.get("tools") == given[sid].tools and coherent(messages), sid
-        generated = []
+        generated = {}
         for k in turns:
             text = tokenizer.apply_chat_template(messages[:k], tools=row.get("tools"), tokenize=False,
                                                  add_generation_prompt=True, **variables)  # fmt: skip
@@ -158,12 +184,14 @@ def check_shapes_store(out: Path, folder: Path, hf_reference, max_new_tokens: in
             new = hf_generate(model, prompt, max_new_tokens, stop)
             finish = "stop" if new[-1] in stop else "length"
             assert row["messages"][k] == {**fmt.message(chat, prompt, new, finish), "finish_reason": finish}, (sid, k)
-            generated.append(tokenizer.decode(new))
-        text = tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=False, **variables)
+            generated[k] = new
+        text, trained, held = expected_sample(tokenizer, messages, row.get("tools"), generated, **variables)
         tensors = store.format.load(out / records[sid].file)
         ids, mask = tensors["input_ids"].flatten().tolist(), tensors["loss_mask"].flatten().tolist()
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"], sid
-        assert masked_runs(tokenizer, ids, mask) == [g for g in generated if g], sid
+        assert masked_runs(tokenizer, ids, mask) == [g for k in trained if (g := tokenizer.decode(generated[k]))], sid
+        assert [c["turn"] for c in row["regeneration"]["context"]] == [k for k in turns if k not in trained], sid
+        assert row["regeneration"]["messages_in_sample"] == held, sid
     assert check_states_equal_hf(out, folder, hf_reference) == len(given)
 
 
@@ -186,7 +214,8 @@ def test_kimi_k25_regenerates_every_shape_under_its_thinking_switch(
     """Kimi-K2.5 thinks by default; ``--chat-template-kwargs '{"thinking": false}'`` turns it off, as SGLang's
     ``chat_template_kwargs`` does: each turn's generation prompt ends with an open ``<think>`` or an empty
     ``<think></think>`` (a first answer's prompts differ by that closing id only), the regenerated turns have or lack
-    ``reasoning_content``; either way the store of the shapes set holds what `check_shapes_store` asks, with the same
+    ``reasoning_content`` (thinking, the sample holds a turn whose reasoning the template drops once a later answer
+    follows as context: `expected_sample`); either way the store of the shapes set holds what `check_shapes_store` asks, with the same
     variables, and the manifest records them."""
     server = sglang_servers(tiny_kimi25, layers=LAYERS, extra_args=("--trust-remote-code",))
     tokenizer = ModelFolder.read(tiny_kimi25).load_tokenizer(trust_remote_code=True)
@@ -203,6 +232,10 @@ def test_kimi_k25_regenerates_every_shape_under_its_thinking_switch(
         chat = ChatTokenizer(tokenizer, template_kwargs=variables)
         fmt = TurnFormat.of(chat)
         block = [fmt.think_open] if thinks else [fmt.think_open, fmt.think_close]  # how each prompt ends
+        # Thinking, an answer's reasoning is dropped once a later answer follows: such turns are context (each row's
+        # sample its last turn as generated); not thinking, every turn is trained.
+        context = [c["turn"] for row in stored_rows(out).values() for c in row["regeneration"]["context"]]
+        assert bool(context) == thinks, context
         for sid, row in stored_rows(out).items():
             for k in row["regeneration"]["regenerated"]:
                 assert ("reasoning_content" in row["messages"][k]) == thinks, row["messages"][k]

@@ -28,6 +28,7 @@ from layertap.regenerate import GenerationSettings, Regenerated, Regenerator, Ro
 from layertap.sample import CapturedSample
 from layertap.spec import resolve_capture
 from tests.conftest import _unwrapped
+from tests.core.regenerate.test_turns import sample_of
 from tests.sglang_fixtures import DEFAULT_LAYERS
 from tests.sglang_patch.test_server import rel
 
@@ -145,7 +146,7 @@ def test_greedy_turns_equal_hf_generate(served, hf_models, mode: str) -> None:
         got = by_id[row["id"]]
         want = hf_greedy(model, chat.tokenizer, row, mode, 12, stop)
         assert [(t.index, t.prompt_ids, t.output_ids, t.finish_reason) for t in got.turns] == want, row["id"]
-        record = got.record()
+        record = got.record(sample_of(chat, got))
         assert record["id"] == row["id"] and len(record["messages"]) == len(row["messages"])
         for t in got.turns:
             assert record["messages"][t.index]["finish_reason"] == t.finish_reason
@@ -158,7 +159,8 @@ def test_cut_turns_say_length(served) -> None:
     (result,) = regenerate(server, chat, ROWS[:1], mode="all", max_new_tokens=3)
     assert isinstance(result, Regenerated)
     assert [(len(t.output_ids), t.finish_reason) for t in result.turns] == [(3, "length"), (3, "length")]
-    assert [m.get("finish_reason") for m in result.record()["messages"]] == [None, None, "length", None, "length"]
+    record = result.record(sample_of(chat, result))
+    assert [m.get("finish_reason") for m in record["messages"]] == [None, None, "length", None, "length"]
 
 
 def test_rows_are_refused_one_by_one(served) -> None:
@@ -217,7 +219,7 @@ def test_an_aborted_generation_costs_its_row_an_attempt(sglang_servers, tiny_lla
     else:
         (clean,) = regenerate(server, chat, ROWS[2:], **settings)
         assert isinstance(result, Regenerated) and isinstance(clean, Regenerated)
-        assert result.record() == clean.record()
+        assert result.record(sample_of(chat, result)) == clean.record(sample_of(chat, clean))
 
 
 def test_generation_is_not_captured(served) -> None:

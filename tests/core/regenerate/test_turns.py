@@ -1,7 +1,7 @@
 """The pure side of regeneration: which turns, turn seeds, generated ids -> an OpenAI assistant message (reasoning
-kept apart), and the check that the template gives back the ids a generation saw, on the tiny models' own
-tokenizers and templates (the Kimi-K2.5 one with its thinking markers) and a template that drops earlier
-turns' reasoning."""
+kept apart), and the check that the sample gives back the ids a generation saw, on the tiny models' own
+tokenizers and templates (the Kimi-K2.5 one with its thinking markers, which drops completed turns' reasoning as
+Kimi-K2.5's does: each trained turn is still in its sample as generated)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from layertap.data.chat import ChatTokenizer
+from layertap.data.chat import REASONING_DROPPED, ChatTokenizer
 from layertap.data.rows import Conversation, parse_row
 from layertap.errors import RowError
 from layertap.regenerate import (
@@ -25,6 +25,7 @@ from layertap.regenerate import (
     turns_to_regenerate,
 )
 from layertap.regenerate.turns import KEPT_CALLS, KEPT_EARLIER, KEPT_UNANSWERING
+from layertap.sample import TokenizedSample
 from layertap.tiny.kimi_tokenizer import KIMI_CHAT_TEMPLATE, write_tokenizer_files
 from layertap.tiny.tokenizer import build_tokenizer
 
@@ -60,18 +61,6 @@ def _rewritten(template: str, *edits: tuple[str, str]) -> str:
         assert template.count(old) == 1, old
         template = template.replace(old, new)
     return template
-
-
-# A multi-turn habit like Kimi-K2.5's, in the tiny template: the reasoning of an assistant turn before the last user
-# turn is not rendered (`<think></think>` stands in its place).
-DROPS_EARLIER_REASONING = _rewritten(
-    KIMI_CHAT_TEMPLATE,
-    ("{%- for message in messages -%}",
-     "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
-     "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for message in messages -%}"),
-    ("{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + ",
-     "{%- if loop.index0 < ns.last_user -%}{{- '<think></think>' -}}{%- else -%}{{- '<think>' + "),
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +125,13 @@ def test_each_stored_row_says_what_was_regenerated_and_what_kept_and_why(llama_c
     """The row's ``regeneration``: the regenerated turns, and each assistant turn kept as given with its reason."""
     tools = next(r for r in shape_rows() if r["id"] == "tool-single")
     regen = simulated(llama_chat, tools, {4: "Mild.", 6: "Bye."}, "all")
-    assert regen.record()["regeneration"] == {"regenerated": [4, 6], "kept": [{"turn": 2, "why": KEPT_CALLS}]}
+    assert recorded(llama_chat, regen)["regeneration"] == {
+        "regenerated": [4, 6], "kept": [{"turn": 2, "why": KEPT_CALLS}], "context": [], "messages_in_sample": 7}  # fmt: skip
     regen = simulated(llama_chat, CHAT, {5: "Red."}, "last")
-    assert regen.record()["regeneration"] == {"regenerated": [5], "kept": [
-        {"turn": 1, "why": KEPT_UNANSWERING}, {"turn": 3, "why": KEPT_EARLIER}]}  # fmt: skip
-    conversation, turns, cut = stored_conversation(json.loads(json.dumps(regen.record())))
+    assert recorded(llama_chat, regen)["regeneration"] == {"regenerated": [5], "kept": [
+        {"turn": 1, "why": KEPT_UNANSWERING}, {"turn": 3, "why": KEPT_EARLIER}], "context": [],
+        "messages_in_sample": 7}  # fmt: skip
+    conversation, turns, cut = stored_conversation(json.loads(json.dumps(recorded(llama_chat, regen))))
     assert (conversation, turns, cut) == (regen.conversation, [5], [])
 
 
@@ -170,7 +161,7 @@ def masked_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
     return [tokenizer.decode(r) for r in runs]
 
 
-def masked_text(chat: ChatTokenizer, conv: Conversation, turns: list[int], cut: list[int]) -> list[str]:
+def masked_text(chat: ChatTokenizer, conv: Conversation, turns: list[int] | None, cut: list[int]) -> list[str]:
     """The text of each run of loss-mask 1 tokens of ``conv`` masked on ``turns`` (``cut`` ones cut)."""
     sample = chat.tokenize(0, "s", conv, max_length=None, overlong="truncate", turns=turns, cut=cut)
     return masked_runs(chat.tokenizer, sample.input_ids.tolist(), sample.loss_mask.tolist())
@@ -189,9 +180,11 @@ def test_a_cut_turn_is_masked_without_the_end_of_turn_it_never_produced(llama_ch
     assert masked_text(kimi, thinking, [1], [1]) == ["Sky is"]
     answering = Conversation([conv.messages[0], {"role": "assistant", "reasoning_content": "Sky.", "content": "Blu"}])
     assert masked_text(kimi, answering, [1], [1]) == ["Sky.</think>Blu"]
-    # A template that trims the reasoning renders a cut turn's text otherwise than generated: the row's error.
+    # A template that renders every turn's reasoning, trimmed, renders a cut turn's text otherwise than generated: the
+    # row's error.
     trims = ChatTokenizer(kimi_tokenizer, chat_template=_rewritten(KIMI_CHAT_TEMPLATE, (
-        "(message.reasoning_content or '')", "(message.reasoning_content or '') | trim")))  # fmt: skip
+        "loop.index0 <= ns.last_answer", "false"), ("(message.reasoning_content or '')",
+                                                   "(message.reasoning_content or '') | trim")))  # fmt: skip
     with pytest.raises(RowError, match="does not render the reasoning_content of turn 1, cut") as err:
         masked_text(trims, Conversation([conv.messages[0], {**thinking.messages[1], "reasoning_content": "Sky is "}]),
                     [1], [1])  # fmt: skip
@@ -247,6 +240,17 @@ def test_without_thinking_markers_everything_is_content(llama_chat) -> None:
     assert fmt.message(llama_chat, [], out, "stop") == {"role": "assistant", "content": "<think>no</think> plain"}
 
 
+def sample_of(chat: ChatTokenizer, regen: Regenerated) -> TokenizedSample:
+    """The sample of a regenerated row, as the regenerate step tokenizes it: masked on its regenerated turns."""
+    turns = [t.index for t in regen.turns]
+    return chat.tokenize(0, "s", regen.conversation, max_length=None, overlong="truncate", turns=turns, cut=regen.cut)
+
+
+def recorded(chat: ChatTokenizer, regen: Regenerated) -> dict:
+    """The regenerated row as the store keeps it, beside its sample."""
+    return regen.record(sample_of(chat, regen))
+
+
 def simulated(chat: ChatTokenizer, row: dict, texts: dict[int, str], mode: str) -> Regenerated:
     """What `Regenerator.regenerate` makes of ``row`` when the model writes ``texts[turn]`` (its canonical ids,
     then the end of turn): the same prompts, `TurnFormat.message`, in the same order."""
@@ -267,13 +271,18 @@ THOUGHTS = {3: "Primary.</think>Blue.", 5: "Warm one.</think>Red."}  # after a g
 def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) -> None:
     for chat, texts in ((kimi_chat, THOUGHTS), (llama_chat, {3: "Blue.", 5: "Red."})):
         regen = simulated(chat, CHAT, texts, "all")
-        assert retokenization_mismatches(chat, regen) == []
-        # and the capture's own tokenization holds each turn's prompt and output ids, in place
-        full = chat.tokenize(0, "s", regen.conversation, max_length=None, overlong="truncate").input_ids.tolist()
-        for turn in regen.turns:
+        sample = sample_of(chat, regen)
+        assert retokenization_mismatches(regen, sample) == []
+        # and the capture's own tokenization holds each trained turn's prompt and output ids, in place (Kimi: the
+        # last, its sample ending with it; the first is context, its reasoning dropped once the second follows)
+        trained = [t for t in regen.turns if t.index not in dict(sample.context)]
+        assert [t.index for t in trained] == ([5] if chat is kimi_chat else [3, 5])
+        for turn in trained:
             seen = turn.prompt_ids + turn.output_ids
-            assert full[: len(seen)] == seen
-    assert regen.record()["messages"][3] == {"role": "assistant", "content": "Blue.", "finish_reason": "stop"}
+            assert sample.input_ids.tolist()[: len(seen)] == seen
+        assert sample.input_ids.tolist() == seen or chat is llama_chat
+    assert recorded(llama_chat, regen)["messages"][3] == {"role": "assistant", "content": "Blue.",
+                                                          "finish_reason": "stop"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -281,7 +290,7 @@ def test_the_template_gives_back_what_the_generation_saw(kimi_chat, llama_chat) 
 )
 def test_the_thinking_switch_opens_or_closes_the_think_block_as_kimi_k25s(kimi_tokenizer, variables, thinks) -> None:
     """Kimi-K2.5's switch: thinking (on unless false) ends the generation prompt with an open ``<think>``, off with an
-    empty ``<think></think>``; a turn renders its reasoning on, none off, and stays the rendering's suffix."""
+    empty ``<think></think>``; the turn is in the sample as generated after it: its reasoning on, none off."""
     chat = ChatTokenizer(kimi_tokenizer, template_kwargs=variables)
     conv = parse_row(0, {"messages": [{"role": "user", "content": "Why?"},
                                       {"role": "assistant", "reasoning_content": "Sky.", "content": "Rayleigh."}]})  # fmt: skip
@@ -292,9 +301,9 @@ def test_the_thinking_switch_opens_or_closes_the_think_block_as_kimi_k25s(kimi_t
                                                         **variables)  # fmt: skip
     fmt = TurnFormat.of(chat)
     assert ids(chat, prompt) == ids(chat, head) + ([fmt.think_open] if thinks else [fmt.think_open, fmt.think_close])
-    text, spans = chat.render(conv, row_number=0, sample_id="t")
-    assert text == prompt + ("Sky.</think>" if thinks else "") + "Rayleigh.<|im_end|>"
-    assert [text[a:b] for a, b in spans] == [text[len(prompt) :]]
+    sample = chat.render(conv, row_number=0, sample_id="t")
+    assert sample.text == prompt + ("Sky.</think>" if thinks else "") + "Rayleigh.<|im_end|>"
+    assert [sample.text[a:b] for a, b in sample.spans] == [sample.text[len(prompt) :]]
 
 
 def test_turns_generated_under_either_switch_render_back_as_generated(kimi_tokenizer) -> None:
@@ -310,27 +319,98 @@ def test_turns_generated_under_either_switch_render_back_as_generated(kimi_token
     ]
     assert [plain.conversation.messages[t.index] for t in plain.turns] == [
         {"role": "assistant", "content": "Blue."}, {"role": "assistant", "content": "Red."}]  # fmt: skip
-    assert retokenization_mismatches(on, thought) == [] and retokenization_mismatches(off, plain) == []
+    assert retokenization_mismatches(thought, sample_of(on, thought)) == []
+    assert retokenization_mismatches(plain, sample_of(off, plain)) == []
     fmt = TurnFormat.of(on)
     assert thought.turns[0].prompt_ids[-1] == fmt.think_open
     assert plain.turns[0].prompt_ids == [*thought.turns[0].prompt_ids, fmt.think_close]
 
 
-def test_a_template_that_drops_earlier_reasoning_is_named_per_turn(kimi_tokenizer) -> None:
-    """Under ``all`` the later turn saw the earlier one without its reasoning (as the template renders it), so the
-    whole conversation agrees with the last turn's generation but not with the earlier turn's: its reasoning is
-    not in the ids a trainer tokenizes; a user turn after the last answer drops that one's reasoning too.
-    ChatTokenizer refuses such a row (not prefix-stable)."""
-    chat = ChatTokenizer(kimi_tokenizer, chat_template=DROPS_EARLIER_REASONING)
-    ending = {"id": "c2", "messages": CHAT["messages"][:-1]}  # ends with the assistant's answer
-    regen = simulated(chat, ending, THOUGHTS, "all")
-    assert [p.split(":")[0] for p in retokenization_mismatches(chat, regen)] == ["turn 3"]
-    with pytest.raises(RowError, match="not prefix-stable"):
-        chat.tokenize(0, "s", regen.conversation, max_length=None, overlong="truncate")
-    trailing = simulated(chat, CHAT, THOUGHTS, "all")
-    assert [p.split(":")[0] for p in retokenization_mismatches(chat, trailing)] == ["turn 3", "turn 5"]
-    # With `last` only the final turn is generated; its own prompt already renders the earlier turns as given.
-    assert retokenization_mismatches(chat, simulated(chat, ending, THOUGHTS, "last")) == []
+def test_a_multi_turn_thinking_row_is_its_last_trained_turn_as_generated_earlier_turns_context(kimi_tokenizer) -> None:
+    """Kimi-K2.5's template drops a turn's reasoning once a later answer follows, so the whole conversation holds
+    neither thinking turn as generated: the sample is the conversation as the target saw it writing the last one (its
+    prompt, then it as generated), the earlier one context (as the template shows it, outside the mask), the user turn
+    after it left out; the row says so. Given (not regenerated) rows follow the same rule; nothing is refused."""
+    chat = ChatTokenizer(kimi_tokenizer)
+    regen = simulated(chat, CHAT, THOUGHTS, "all")
+    sample = sample_of(chat, regen)
+    last = regen.turns[-1]
+    assert sample.input_ids.tolist() == last.prompt_ids + last.output_ids  # a whole turn: canonical ids here
+    assert masked_runs(kimi_tokenizer, sample.input_ids.tolist(), sample.loss_mask.tolist()) == [
+        "Warm one.</think>Red.<|im_end|>"]  # fmt: skip
+    prompt = kimi_tokenizer.decode(last.prompt_ids)
+    assert "<think></think>Blue.<|im_end|>" in prompt and "Primary." not in prompt  # turn 3 as the template shows it
+    assert (sample.context, sample.messages) == (((3, REASONING_DROPPED),), 6)
+    assert recorded(chat, regen)["regeneration"] == {
+        "regenerated": [3, 5], "kept": [{"turn": 1, "why": KEPT_UNANSWERING}],
+        "context": [{"turn": 3, "why": REASONING_DROPPED}], "messages_in_sample": 6}  # fmt: skip
+    assert retokenization_mismatches(regen, sample) == []
+    # The same row given: the same sample, every assistant turn trained that it holds as generated (the greeting too).
+    assert masked_text(chat, regen.conversation, None, []) == ["</think>Welcome!<|im_end|>",
+                                                               "Warm one.</think>Red.<|im_end|>"]  # fmt: skip
+    # With `last` only the final turn is generated; its prompt already renders the earlier turns as given.
+    ending = simulated(chat, {"id": "c2", "messages": CHAT["messages"][:-1]}, THOUGHTS, "last")
+    assert sample_of(chat, ending).context == () and retokenization_mismatches(ending, sample_of(chat, ending)) == []
+
+
+def test_a_single_thinking_turn_keeps_its_reasoning_in_the_sample(kimi_tokenizer) -> None:
+    """The template renders a lone answer with an empty ``<think></think>`` (it is the last answer), which the
+    generation prompt ``...<think>`` is a prefix of: the sample is the turn as generated, its reasoning put back into
+    that block, the mask over ``reasoning</think>content<|im_end|>`` (not a ``</think>`` right after ``<think>``)."""
+    chat = ChatTokenizer(kimi_tokenizer)
+    row = {"messages": [{"role": "user", "content": "Why?"},
+                        {"role": "assistant", "reasoning_content": "Sky.", "content": "Rayleigh."}]}  # fmt: skip
+    conv = parse_row(0, row)
+    assert kimi_tokenizer.apply_chat_template(conv.messages, tokenize=False).endswith(
+        "<think></think>Rayleigh.<|im_end|>"
+    )
+    assert masked_text(chat, conv, None, []) == ["Sky.</think>Rayleigh.<|im_end|>"]
+    regen = simulated(chat, {"messages": [*row["messages"][:1], {"role": "assistant", "content": "Given."}]},
+                      {1: "Sky.</think>Rayleigh."}, "all")  # fmt: skip
+    sample = sample_of(chat, regen)
+    assert sample.input_ids.tolist() == regen.turns[0].prompt_ids + regen.turns[0].output_ids
+    assert (sample.context, sample.messages) == ((), 2)
+
+
+def test_tool_calling_turns_after_the_last_answer_keep_their_reasoning(kimi_tokenizer) -> None:
+    """Turns after the last answer (a tool call in progress) render their reasoning: a sample ending with one holds it
+    as generated; the reasoning of a tool call answered later is in the answer's prompt (the target saw it)."""
+    chat = ChatTokenizer(kimi_tokenizer)
+    call = {"role": "assistant", "reasoning_content": "Look it up.", "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}  # fmt: skip
+    first = {"role": "assistant", "reasoning_content": "Easy.", "content": "Blue."}
+    row = Conversation([*CHAT["messages"][2:3], first, {"role": "user", "content": "Weather?"}, call,
+                        {"role": "tool", "tool_call_id": "c1", "content": "sun"}])  # fmt: skip
+    full = chat.render_messages(row, 5, generation_prompt=False, row_number=0, sample_id="t")
+    assert "<think></think>Blue." in full and "<think>Look it up.</think>" in full
+    calls = "<|tool_calls_section_begin|><|tool_call_begin|>c1<|tool_call_argument_begin|>{}<|tool_call_end|>" \
+            "<|tool_calls_section_end|><|im_end|>"  # fmt: skip
+    assert masked_text(chat, row, None, []) == [f"Look it up.</think>{calls}"]  # the first answer: context
+    sample = chat.tokenize(0, "s", row, max_length=None, overlong="truncate")
+    assert (sample.context, sample.messages) == (((1, REASONING_DROPPED),), 4)  # the tool result after it left out
+    answered = Conversation([*row.messages, {"role": "assistant", "content": "Sunny."}])
+    assert masked_text(chat, answered, [5], []) == ["</think>Sunny.<|im_end|>"]
+    text = kimi_tokenizer.decode(chat.tokenize(0, "s", answered, max_length=None, overlong="truncate",
+                                               turns=[5]).input_ids.tolist())  # fmt: skip
+    assert "<think>Look it up.</think>" in text and text == chat.render_messages(
+        answered, 5, generation_prompt=True, row_number=0, sample_id="t") + "</think>Sunny.<|im_end|>"  # fmt: skip
+
+
+@pytest.mark.parametrize("variables", [None, {"thinking": False}], ids=["llama", "kimi-plain"])
+def test_where_the_template_keeps_every_trained_turn_the_sample_is_its_whole_rendering(
+    llama_chat, kimi_tokenizer, variables
+) -> None:
+    """Llama's template, and Kimi-K2.5's with thinking off (no reasoning written, so none dropped): every shape's
+    sample is HF's template of the whole row, every turn trained."""
+    chat = llama_chat if variables is None else ChatTokenizer(kimi_tokenizer, template_kwargs=variables)
+    for n, row in enumerate(shape_rows()):
+        conv = parse_row(n, row)
+        messages = [m if variables is None else {k: v for k, v in m.items() if k != "reasoning_content"}
+                    for m in conv.messages]  # fmt: skip
+        conv = Conversation(messages, conv.tools)
+        sample = chat.tokenize(n, "s", conv, max_length=None, overlong="truncate")
+        hf = chat.tokenizer.apply_chat_template(messages, tools=conv.tools, tokenize=False, **(variables or {}))
+        assert sample.input_ids.tolist() == ids(chat, hf) and (sample.context, sample.messages) == ((), len(messages))
 
 
 def test_a_non_canonical_generation_is_named(llama_chat) -> None:
@@ -343,7 +423,7 @@ def test_a_non_canonical_generation_is_named(llama_chat) -> None:
     other = Regenerated(
         "s", regen.conversation, (GeneratedTurn(5, turn.prompt_ids, [*split, turn.output_ids[-1]], "stop", 0),)
     )
-    assert [p.split(":")[0] for p in retokenization_mismatches(llama_chat, other)] == ["turn 5"]
+    assert [p.split(":")[0] for p in retokenization_mismatches(other, sample_of(llama_chat, other))] == ["turn 5"]
 
 
 def test_generation_rids_are_never_captured() -> None:

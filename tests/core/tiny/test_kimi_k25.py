@@ -74,12 +74,17 @@ def test_mla_gpu_shape_has_kimis_head_sizes(tmp_path) -> None:
     assert SHAPES["kimi-k2-width"]["hidden_size"] == 7168 and folder.num_layers == 2
 
 
+# The assistant turns a row's sample holds only as context: Kimi-K2.5's template drops the reasoning of k-think's
+# first answer once the second follows, so the sample ends with the second as generated, the first as shown.
+CONTEXT = {"k-think": [1]}
+
+
 def _assistant_turns(row: dict) -> list[str]:
-    """What each assistant turn produced after its generation prompt (which opens the thinking block), written out
-    from the row's fields (Kimi's layout)."""
+    """What each trained assistant turn produced after its generation prompt (which opens the thinking block), written
+    out from the row's fields (Kimi's layout)."""
     turns = []
-    for m in row["messages"]:
-        if m["role"] != "assistant":
+    for k, m in enumerate(row["messages"]):
+        if m["role"] != "assistant" or k in CONTEXT.get(row["id"], ()):
             continue
         text = f"{m.get('reasoning_content') or ''}</think>{m['content']}"
         if m.get("tool_calls"):
