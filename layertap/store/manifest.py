@@ -151,8 +151,24 @@ def read_manifest(root: Path) -> Manifest:
 
 
 def check_compatible(existing: Manifest, new: Manifest) -> None:
-    """Refuse to resume into a store made with another model, template, layers or format."""
+    """Refuse to resume into a store made with another model, template, layers or format, or regenerated under other
+    settings or rules (a store of an older layertap whose regeneration rules changed: its samples are not what this
+    run makes, and its rules are named, not printed whole)."""
     a, b = existing.identity(), new.identity()
-    diffs = [f"{k}: store has {a[k]!r}, this run has {b[k]!r}" for k in a if a[k] != b[k]]
+    diffs = [f"{k}: store has {a[k]!r}, this run has {b[k]!r}" for k in a if a[k] != b[k] and k != "generation"]
+    gen_a, gen_b = a.get("generation"), b.get("generation")
+    if gen_a != gen_b:
+        if gen_a is None or gen_b is None:
+            diffs.append(f"generation: store has {gen_a!r}, this run has {gen_b!r}")
+        else:
+            diffs += [f"generation.{k}: store has {gen_a.get(k)!r}, this run has {gen_b.get(k)!r}"
+                      for k in sorted(gen_a.keys() | gen_b.keys()) if k != "rules" and gen_a.get(k) != gen_b.get(k)]  # fmt: skip
+            rules_a, rules_b = gen_a.get("rules") or {}, gen_b.get("rules") or {}
+            if changed := sorted(k for k in rules_a.keys() | rules_b.keys() if rules_a.get(k) != rules_b.get(k)):
+                diffs.append(
+                    f"generation.rules: the store was regenerated under other rules ({', '.join(changed)}: another "
+                    "layertap's, see the manifest's generation.rules), so its samples are not what this run makes; "
+                    "write to a new --out"
+                )
     if diffs:
         raise StoreError("output folder belongs to a different run; " + "; ".join(diffs))
