@@ -29,7 +29,7 @@ from layertap.state.keys import Keys
 from layertap.store.formats import get_format
 from layertap.store.formats.base import CheckLevel
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import StreamError, connect
+from layertap.stream.mooncake import StreamError, connect, disconnect
 from layertap.stream.sink import redis_client
 from sglang_patch.contract import SampleLayout
 
@@ -234,7 +234,7 @@ class StreamConsumer:
         return self.deliveries()
 
     def close(self) -> None:
-        self.transfer.store._store.close()  # hs-connectors' store has no close of its own
+        disconnect(self.transfer.store)
         self.redis.close()
 
 

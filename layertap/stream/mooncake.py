@@ -79,6 +79,17 @@ class PinnedPuts:
         return getattr(self._client, name)
 
 
+def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> list[bool]:
+    """Which of ``handles`` Mooncake Store holds, in order (hs-connectors' store asks its client; it has no call of
+    its own)."""
+    return [found == 1 for found in store._store.batch_is_exist(handles)]
+
+
+def disconnect(store: MooncakeHiddenStatesStore) -> None:
+    """Close the store's client, unmounting its segment (the objects in it go): hs-connectors' store has no close."""
+    store._store.close()
+
+
 def check_master(address: str) -> None:
     """Refuse a master that does not answer on ``host:port`` (Mooncake's own client retries for minutes)."""
     host, _, port = address.rpartition(":")

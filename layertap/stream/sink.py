@@ -30,7 +30,15 @@ from layertap.state.keys import Keys
 from layertap.state.model import StreamView
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
-from layertap.stream.mooncake import StreamError, connect, fingerprint, run_identity, sample_manifest
+from layertap.stream.mooncake import (
+    StreamError,
+    connect,
+    disconnect,
+    fingerprint,
+    objects_present,
+    run_identity,
+    sample_manifest,
+)
 from sglang_patch.contract import SPECULATORS
 
 log = logging.getLogger(__name__)
@@ -168,7 +176,7 @@ class MooncakeSink:
 
     def close(self) -> None:
         """Unmount the segment (its objects go with it) and drop the Redis client."""
-        self.store._store.close()  # hs-connectors' store has no close of its own
+        disconnect(self.store)
         self.redis.close()
 
     def view(self) -> StreamView:
@@ -222,11 +230,11 @@ class MooncakeSink:
         consumer can read them, so waiting would never end. A consumer records its ack before it removes the
         object, so the acks are collected again before one missing counts as lost."""
         ids = list(self.unacked)
-        exists = self.store._store.batch_is_exist([self.unacked[i] for i in ids])
-        if all(e == 1 for e in exists):
+        present = objects_present(self.store, [self.unacked[i] for i in ids])
+        if all(present):
             return
         self._collect_acks()
-        if lost := [i for i, e in zip(ids, exists, strict=True) if e != 1 and i in self.unacked]:
+        if lost := [i for i, found in zip(ids, present, strict=True) if not found and i in self.unacked]:
             self.broken = StreamError(
                 f"{len(lost)} samples put and not acked are gone from Mooncake Store (e.g. {lost[0]}): was the "
                 f"master at {self.master} restarted? {RERUN}"

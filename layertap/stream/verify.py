@@ -16,6 +16,7 @@ from typing import Any
 
 from layertap.store.formats.base import CheckLevel
 from layertap.stream.consumer import StreamConsumer, stream_record
+from layertap.stream.mooncake import objects_present
 from layertap.verify import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,11 @@ def _left(reader: StreamConsumer, idle_s: float) -> list[str]:
     }
     if not left:
         return out
-    exists = reader.transfer.store._store.batch_is_exist(list(left.values()))
+    present = objects_present(reader.transfer.store, list(left.values()))
     taken = reader.redis.hmget(keys.stream_taken(name), list(left))
-    for (sample_id, handle), found, entry in zip(left.items(), exists, taken, strict=True):
+    for (sample_id, handle), found, entry in zip(left.items(), present, taken, strict=True):
         pending = entry and reader.redis.xpending_range(reader.stream, reader.group, min=entry, max=entry, count=1)
-        if found != 1:
+        if not found:
             why = (f"its object {handle} is not in Mooncake Store (its producer died, or the master restarted: the "
                    f"run's resume puts it again)")  # fmt: skip
         elif pending:

@@ -29,7 +29,7 @@ from layertap.engines.sglang import free_port
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.stream.consumer import StreamDataset, delivery_problems
-from layertap.stream.mooncake import connect, fingerprint
+from layertap.stream.mooncake import connect, disconnect, fingerprint
 from sglang_patch.contract import SPECULATORS, SampleLayout
 from sglang_patch.sample_files import ids_sha256
 from tests.core.datasets import conversation_rows, write_jsonl
@@ -361,7 +361,7 @@ def test_puts_land_in_the_producers_own_segment_never_in_another_producers(moonc
             store.put_sample(manifest, tensors)
         endpoints = {store._store.get_replica_desc(f"own-{i}")[0].get_memory_descriptor().buffer_descriptor
                      .transport_endpoint for i in range(16)}  # fmt: skip
-        store._store.close()
+        disconnect(store)
     finally:
         other.kill()
         other.wait()

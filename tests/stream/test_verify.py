@@ -17,7 +17,7 @@ from harness.processes import LAYERTAP, Proc, wait_for
 from harness.services import RedisServer
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
-from layertap.stream.mooncake import connect, fingerprint, sample_manifest
+from layertap.stream.mooncake import connect, disconnect, fingerprint, sample_manifest
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.stream.test_stream import env, stream_args
 
@@ -101,7 +101,7 @@ def test_samples_wrong_in_any_way_are_each_a_problem_named_by_its_sample(
         assert producer.popen.wait(timeout=120) == 0, producer.log_tail()  # its own samples acked by the verifier
     finally:
         producer.kill(signal.SIGKILL)
-        store._store.close()
+        disconnect(store)
 
     said = [" ".join(line.split()) for line in verified.stderr.splitlines() if line.startswith("problem:")]
     assert said == [
