@@ -141,6 +141,7 @@ class MooncakeSink:
         self._collect_acks()
         if len(self.unacked) >= self.max_unacked and not self._hold():
             return
+        t0 = time.perf_counter()
         tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
         manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
         try:
@@ -155,6 +156,7 @@ class MooncakeSink:
             pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
             pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})
             pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
+            pipe.hincrbyfloat(self.keys.stream_run(self.name), "put_s", time.perf_counter() - t0)  # where time goes
             pipe.execute()
         self.unacked[record.sample_id] = manifest["handle"]
         self.put_count += 1

@@ -1,0 +1,303 @@
+"""Streaming to a trainer through Mooncake Store against the file path, on one H200: `layertap extract --stream
+mooncake` (its store on tmpfs or on local disk, a consumer process on the same node reading every sample with
+hs-connectors' reader onto the GPU and acking it) against the same run writing files only, to tmpfs and to local
+disk; samples/s and bytes/s as ratios within one run, and where the stream's time goes.
+
+    python3 -m benchmarks stream --layers-deep 4 --out "$OUT/stream-4" --kernel-cache-tgz .whl2/kernel-cache-h200.tgz
+    python3 -m benchmarks stream --layers-deep 12 --out "$OUT/stream-12" ...     # a second call: the deeper folder
+    python3 -m benchmarks stream --report PART.json [PART.json ...] --out benchmarks/results/gpu_stream.md   # here
+    python3 -m benchmarks stream --smoke --out /tmp/stream-smoke      # the CPU SGLang server, the tiny bf16 wrapper
+
+Every arm is `layertap extract --engine sglang --server-url` against one capture server (the INT4 Kimi-K2.5 folder at
+Kimi-K2's width, `--format speculators`, the server's dumps on tmpfs), in the order the arms are listed, repeated
+``--rounds`` times. A stream arm's store is written too (the run's record of what is done) and its clock includes the
+wait for the consumer's last acks (`MooncakeSink.drain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+from redis import Redis
+
+from benchmarks import report
+from benchmarks.common import GPU_COMMON, KIMI_K2_WIDTH, chat_rows, folder_bytes, log, sglang_python, write_jsonl
+from harness.mooncake import MooncakeMaster
+from harness.processes import REPO_ROOT, run_layertap
+from harness.services import RedisServer
+from harness.sglang import cpu_server_args, cpu_server_env
+from layertap.engines.sglang import ServerConfig, SGLangServer
+from layertap.engines.sglang.process import dump_layout
+from layertap.pipeline import plan_run
+from layertap.spec import ExtractionSpec
+from layertap.state.keys import Keys
+from layertap.tiny import build_tiny_model
+
+LAYERS = (1, 2, 3)
+FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
+ARMS = ("file-tmpfs", "stream-tmpfs", "file-disk", "stream-disk")
+GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
+    "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests", "64",
+    "--trust-remote-code"]  # fmt: skip
+IN_FLIGHT = 16
+UNACKED = 64  # the CLI's default bound
+SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
+
+
+# -- the consumer (a process of its own, as a trainer is) ----------------------------------------------------
+
+
+def consume(redis_url: str, name: str, master: str, result: Path) -> None:
+    """Read the stream ``name`` to its end as one trainer does: each sample received (hs-connectors' reader, quick
+    checks), its tensors moved onto the GPU (where a trainer's step wants them), then acked; the time in each part
+    and the bytes received written to ``result``."""
+    from layertap.stream.consumer import StreamConsumer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    consumer = StreamConsumer(redis_url, name, master=master, consumer="bench", block_ms=50)
+    torch.zeros(1, device=device)  # the device's context made before the first sample, not in its copy
+    spent = {"receive_s": 0.0, "to_device_s": 0.0, "ack_s": 0.0}
+    samples = nbytes = 0
+    first = last = None
+    while not consumer.finished():
+        t0 = time.perf_counter()
+        delivery = consumer.receive()
+        t1 = time.perf_counter()
+        if delivery is None:
+            continue
+        first = first if first is not None else t0
+        on_device = {k: t.to(device) for k, t in delivery.tensors.items()}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        consumer.ack(delivery)
+        last = time.perf_counter()
+        spent["receive_s"] += t1 - t0
+        spent["to_device_s"] += t2 - t1
+        spent["ack_s"] += last - t2
+        samples += 1
+        nbytes += sum(t.nbytes for t in on_device.values())
+    consumer.close()
+    span = (last - first) if first is not None and last is not None else 0.0
+    result.write_text(json.dumps({"samples": samples, "bytes": nbytes, "span_s": span, **spent}))
+
+
+# -- one part: a folder, its server, every arm ----------------------------------------------------------------
+
+
+class Part:
+    """One folder's run: its server, Redis and Mooncake master up once; each arm a `layertap extract` against them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.smoke = args, args.smoke
+        work, tmpfs = args.work, args.tmpfs
+        self.dirs = {"disk": work / "stores", "tmpfs": tmpfs / "stores"}
+        for folder in (work, tmpfs):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        self.logs = args.out.parent / f"{args.out.name}-logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        shape = {} if self.smoke else {**KIMI_K2_WIDTH, "num_hidden_layers": args.layers_deep}
+        t0 = time.perf_counter()
+        self.int4 = build_tiny_model("kimi-k2.5", work / "int4", quantize="int4", **shape)
+        self.build_s = time.perf_counter() - t0
+        # CPU SGLang has no INT4 MoE kernel: the smoke serves the bf16 wrapper of the same shape.
+        self.model = build_tiny_model("kimi-k2.5", work / "bf16", dtype=torch.bfloat16) if self.smoke else self.int4
+        self.data = write_jsonl(work / "chats.jsonl", chat_rows(args.chats, random.Random(20261205), max_words=400))
+        self.warm_data = write_jsonl(work / "warm.jsonl", chat_rows(IN_FLIGHT, random.Random(1), max_words=400))
+        self.cache = work / "kernel-cache"
+        if args.kernel_cache_tgz:
+            with tarfile.open(args.kernel_cache_tgz) as tgz:
+                tgz.extractall(self.cache, filter="data")
+        self.dumps = tmpfs / "dumps"
+        for service in ("redis", "mooncake"):
+            (work / service).mkdir()
+        self.redis = RedisServer.ephemeral(work / "redis")
+        self.master = MooncakeMaster.ephemeral(work / "mooncake")
+        self.server = SGLangServer(self.server_config())
+
+    def close(self) -> None:
+        self.server.stop()
+        self.master.stop()
+        self.redis.stop()
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        self.server.start()
+        self.start_s = time.perf_counter() - t0
+        log(f"server up in {self.start_s:.0f} s")
+
+    def server_config(self) -> ServerConfig:
+        spec = ExtractionSpec(model=self.model, data=self.data, layers=LAYERS, format=FORMAT, trust_remote_code=True)
+        capture = plan_run(spec).capture
+        return ServerConfig(
+            python=sglang_python(self.smoke), model=self.model, dump_root=self.dumps, layers=LAYERS,
+            final=capture.final_kind, layout=dump_layout(FORMAT, capture), log_path=self.logs / "server.log",
+            sglang_args=(*cpu_server_args("bfloat16", 256), "--trust-remote-code") if self.smoke else tuple(GPU_FLAGS),
+            env={"LAYERTAP_KERNEL_CACHE": str(self.cache), **(cpu_server_env() if self.smoke else {})},
+            start_attempts=1,
+        )  # fmt: skip
+
+    def extract(self, out: Path, data: Path, *stream: str) -> dict:
+        """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds."""
+        t0 = time.perf_counter()
+        proc = run_layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
+                            self.dumps, "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)),
+                            "--format", FORMAT, "--out", out, "--in-flight", IN_FLIGHT, "--trust-remote-code",
+                            *stream, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+        wall = time.perf_counter() - t0
+        (self.logs / f"extract-{out.name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
+        files = [p for p in out.rglob("*.safetensors")]
+        return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
+                "bytes": sum(p.stat().st_size for p in files)}  # fmt: skip
+
+    def arm(self, arm: str, rnd: int) -> dict:
+        kind, where = arm.split("-")
+        name = f"{arm}-{rnd}"
+        out = self.dirs[where] / name
+        if kind == "file":
+            row = self.extract(out, self.data)
+        else:
+            result = self.logs / f"consumer-{name}.json"
+            reader = subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
+                                       self.master.address, str(result)], cwd=REPO_ROOT,
+                                      stdout=(self.logs / f"consumer-{name}.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+            try:
+                row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
+                                   "--stream-redis-url", self.redis.url, "--stream-name", name,
+                                   "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED)  # fmt: skip
+                if reader.wait(timeout=120) != 0:
+                    raise RuntimeError(f"the consumer of {name} exited {reader.returncode}")
+            finally:
+                reader.kill()
+            got = json.loads(result.read_text())
+            run = stream_run_facts(self.redis.url, name)
+            row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0))}
+            assert got["samples"] == row["samples"], (got, row)
+        shutil.rmtree(out)
+        row |= {"arm": arm, "round": rnd, "samples_s": row["samples"] / row["seconds"],
+                "bytes_s": row["bytes"] / row["seconds"]}  # fmt: skip
+        log(f"{name}: {row['samples']} samples, {row['bytes'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
+            f"({row['bytes_s'] / 1e9:.2f} GB/s)")  # fmt: skip
+        return row
+
+    def run(self) -> dict:
+        """The warm-up run (the capture path's first-use kernels), then every arm ``rounds`` times."""
+        t0 = time.perf_counter()
+        warm = self.extract(self.dirs["tmpfs"] / "warm", self.warm_data)
+        log(f"warm-up: {warm['samples']} samples in {warm['seconds']:.1f} s")
+        rows = [self.arm(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
+        arms_s = time.perf_counter() - t0
+        return {"layers": self.args.layers_deep, "smoke": self.smoke, "folder_bytes": folder_bytes(self.int4),
+                "build_s": self.build_s, "start_s": self.start_s, "arms_s": arms_s, "rows": rows}  # fmt: skip
+
+
+def stream_run_facts(url: str, name: str) -> dict[str, str]:
+    """What the producer of stream ``name`` published about its run (``put``, ``held_s``...)."""
+    with Redis.from_url(url) as client:
+        return {k.decode(): v.decode() for k, v in client.hgetall(Keys().stream_run(name)).items()}
+
+
+# -- the report -----------------------------------------------------------------------------------------------
+
+
+def median_by_arm(rows: list[dict], key: str) -> dict[str, float]:
+    arms = dict.fromkeys(r["arm"] for r in rows)
+    return {arm: statistics.median(r[key] for r in rows if r["arm"] == arm) for arm in arms}
+
+
+def part_lines(part: dict) -> list[str]:
+    """One folder's tables: each arm's rate against the tmpfs file path, then where a stream arm's time went."""
+    rows = part["rows"]
+    samples_s, bytes_s = median_by_arm(rows, "samples_s"), median_by_arm(rows, "bytes_s")
+    base = bytes_s.get("file-tmpfs")
+    rounds = max(r["round"] for r in rows) + 1
+    table = [(arm, f"{samples_s[arm]:,.1f}", f"{bytes_s[arm] / 1e9:,.2f}",
+              f"{bytes_s[arm] / base:.2f}" if base else "",
+              ", ".join(f"{r['seconds']:.1f}" for r in rows if r["arm"] == arm)) for arm in samples_s]  # fmt: skip
+    where = []
+    for r in rows:
+        if "consumer" not in r:
+            continue
+        c = r["consumer"]
+        where.append((f"{r['arm']} #{r['round']}", f"{r['seconds']:.1f}", f"{r['put_s']:.2f}", f"{r['held_s']:.2f}",
+                      f"{c['receive_s']:.1f}",
+                      f"{c['bytes'] / c['receive_s'] / 1e9:.2f}" if c["receive_s"] else "", f"{c['to_device_s']:.1f}",
+                      f"{c['ack_s']:.1f}", f"{c['span_s']:.1f}"))  # fmt: skip
+    r0 = rows[0]
+    return [
+        f"### {part['layers']} layers (folder {part['folder_bytes'] / 1e9:,.1f} GB, built in {part['build_s']:.0f} s; "
+        f"server up in {part['start_s']:.0f} s; arms {part['arms_s']:.0f} s)", "",
+        f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['bytes'] / 1e9:,.2f} GB of states a run; medians "
+        f"of {rounds} rounds; ratio = bytes/s over the file path to tmpfs.", "",
+        *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run seconds, each round"), table), "",
+        "Where a stream run's time went (seconds; the producer's puts: each sample's file read back and put into "
+        f"Mooncake Store, its manifest XADDed; its wait at the bound of {UNACKED} unacked samples; the consumer's receive = hs-connectors' get over TCP, then the copy onto the "
+        "GPU, then the ack and the object's removal):", "",
+        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumer receive s", "receive GB/s",
+                             "to GPU s", "ack s", "first to last delivery s"), where), "",
+    ]  # fmt: skip
+
+
+def write_report(parts: list[Path], out: Path) -> None:
+    """The committed table: every part's (one call each on the device) under one header."""
+    got = [report.read(p) for p in parts]
+    header = [
+        "# Streaming to a trainer through Mooncake Store against the file path (one H200, SGLang 0.5.14)", "",
+        f"Written by `benchmarks/gpu/stream_bench.py` from {len(got)} device calls "
+        + ", ".join(f"at commit {g['commit']} on {g['node']} ({g['date']})" for g in got) + ". " + __doc__.split(
+            "\n\n")[2].replace("\n", " "), "",
+    ]  # fmt: skip
+    body = [line for g in got for line in part_lines(g["rows"][0])]
+    result = report.result("stream", "\n".join(header + body), parameters={"parts": [g["parameters"] for g in got]},
+                           rows=[g["rows"][0] for g in got])  # fmt: skip
+    report.write(out, result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["consume"]:
+        return consume(argv[1], argv[2], argv[3], Path(argv[4]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="the result (NAME.json and NAME.md)")
+    ap.add_argument("--report", type=Path, nargs="+", help="merge these parts' JSON into --out, run nothing")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-stream"), help="on local disk")
+    ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-stream"))
+    ap.add_argument("--layers-deep", type=int, default=4, help="decoder layers of the Kimi-K2-width INT4 folder")
+    ap.add_argument("--chats", type=int, default=240)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kernel-cache-tgz", type=Path, default=None, help="a node's kernel builds (section I)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if args.report:
+        return write_report(args.report, args.out)
+    if args.smoke:
+        args.chats, args.rounds = min(args.chats, 12), 1
+    part = Part(args)
+    try:
+        part.start()
+        facts = part.run()
+    finally:
+        part.close()
+    result = report.result("stream", "\n".join(part_lines(facts)), parameters=vars(args), rows=[facts])
+    report.write(args.out, result)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
