@@ -103,6 +103,7 @@ class ServerSession:
         server stayed up, ServerError when the server cannot serve again."""
         drops = 0
         while True:
+            restarts = self.server.restarts
             try:
                 return one_try()
             except ServerDown as exc:
@@ -110,13 +111,18 @@ class ServerSession:
             drops += 1
             if drops > SERVER_DOWN_TRIES and self.server.alive():
                 raise SampleError(f"the server kept dropping this request ({drops} times, up meanwhile): {reason}")
-            self._recover(reason)
+            self._recover(reason, restarts)
 
-    def _recover(self, reason: str) -> None:
-        """The server dropped a request (``reason``): return once it serves again, restarting it if it is down and
-        ours, within the restart budget, and checking it again; ServerError otherwise, naming how it ended and the
-        decisive line of its log (the exception that killed it)."""
+    def _recover(self, reason: str, restarts: int) -> None:
+        """The server dropped a request (``reason``) sent while it had been restarted ``restarts`` times: return once
+        it serves again, restarting it if it is down and ours, within the restart budget, and checking it again;
+        ServerError otherwise, naming how it ended and the decisive line of its log (the exception that killed it).
+        A request sent before a restart that another thread made meanwhile goes again at once: that server was started
+        and checked, whereas a ``/health`` probe (a generation SGLang queues behind the resent requests) for each such
+        request in turn under the lock held the last of them a second each; one dead again drops it again."""
         with self._recovering:
+            if self.server.owned and self.server.restarts != restarts:
+                return
             if not self.server.owned:
                 if not self.server.alive():
                     raise ServerError(
