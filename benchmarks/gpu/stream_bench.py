@@ -34,7 +34,7 @@ from redis import Redis
 from benchmarks import report
 from benchmarks.common import GPU_COMMON, KIMI_K2_WIDTH, chat_rows, folder_bytes, log, sglang_python, write_jsonl
 from harness.mooncake import MooncakeMaster
-from harness.processes import REPO_ROOT, run_layertap
+from harness.processes import REPO_ROOT, layertap
 from harness.services import RedisServer
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangServer
@@ -149,17 +149,25 @@ class Part:
             start_attempts=1,
         )  # fmt: skip
 
-    def extract(self, out: Path, data: Path, *stream: str) -> dict:
-        """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds."""
+    def extract(self, out: Path, data: Path, *stream: str, reader: subprocess.Popen | None = None) -> dict:
+        """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds. Stopped
+        when ``reader`` (its stream's consumer) fails: the run would wait for its acks for ever."""
         t0 = time.perf_counter()
-        proc = run_layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
+        log_path = self.logs / f"extract-{out.name}.log"
+        with log_path.open("w") as log_file:
+            proc = layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
                             self.dumps, "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)),
                             "--format", FORMAT, "--out", out, "--in-flight", IN_FLIGHT, "--trust-remote-code",
-                            *stream, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+                            *stream, env={**os.environ, "COLUMNS": "200"}, stdout=log_file,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+            while proc.poll() is None:
+                if reader is not None and reader.poll() not in (None, 0):
+                    proc.kill()
+                    raise RuntimeError(f"the consumer of {out.name} exited {reader.returncode}")
+                time.sleep(0.2)
         wall = time.perf_counter() - t0
-        (self.logs / f"extract-{out.name}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
-            raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
         files = [p for p in out.rglob("*.safetensors")]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
@@ -179,7 +187,8 @@ class Part:
             try:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
                                    "--stream-redis-url", self.redis.url, "--stream-name", name,
-                                   "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED)  # fmt: skip
+                                   "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED,
+                                   reader=reader)  # fmt: skip
                 if reader.wait(timeout=120) != 0:
                     raise RuntimeError(f"the consumer of {name} exited {reader.returncode}")
             finally:

