@@ -33,6 +33,7 @@ from layertap.verify import verify_store
 from tests.core.regenerate.test_sglang_regenerate import ROWS, hf_generate, hf_greedy, model_eos
 from tests.core.regenerate.test_turns import ANSWERS, SHAPES, masked_runs, shape_rows
 from tests.core.test_kimi_k25_run import LAYERS, check_states_equal_hf
+from tests.sglang_fixtures import DEFAULT_LAYERS
 
 pytestmark = pytest.mark.sglang
 
@@ -45,15 +46,16 @@ REFUSED = [
 
 @pytest.fixture(params=["llama", "kimi-k2.5"])
 def served(request, sglang_servers, tiny_llama, tiny_kimi25):
-    """(folder, running CPU capture server capturing LAYERS, extra CLI args) for each tiny model."""
+    """(folder, running CPU capture server, extra CLI args) for each tiny model. The Llama's is the session's shared
+    one (its default layers: which layers are captured is no concern of regeneration's), Kimi-K2.5's captures LAYERS."""
     if request.param == "llama":
-        return tiny_llama, sglang_servers(tiny_llama, layers=LAYERS), ()
+        return tiny_llama, sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"]), ()
     server = sglang_servers(tiny_kimi25, layers=LAYERS, extra_args=("--trust-remote-code",))
     return tiny_kimi25, server, ("--trust-remote-code",)
 
 
 def extract(cli, folder: Path, server, data: Path, out: Path, *args: object) -> subprocess.CompletedProcess:
-    return cli("extract", "--model", folder, "--data", data, "--layers", ",".join(map(str, LAYERS)), "--out", out,
+    return cli("extract", "--model", folder, "--data", data, "--layers", ",".join(map(str, server.layers)), "--out", out,
                "--store-dtype", "float32", "--engine", "sglang", "--server-url", server.url, "--dump-root",
                server.dump_root, "--in-flight", "4", *args, timeout=900)  # fmt: skip
 
@@ -251,7 +253,7 @@ def test_kimi_k25_regenerates_every_shape_under_its_thinking_switch(
 
 
 def test_truncated_turns_are_kept_and_counted_or_dropped(layertap_cli, sglang_servers, tiny_llama, tmp_path) -> None:
-    server = sglang_servers(tiny_llama, layers=LAYERS)
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
     data = write_rows(tmp_path / "rows.jsonl", ROWS)
     kept = extract(layertap_cli, tiny_llama, server, data, tmp_path / "kept", "--regenerate", "all",
                    "--max-new-tokens", "2")  # fmt: skip
@@ -300,12 +302,12 @@ def test_seeded_sampling_on_a_server_that_cannot_reproduce_it_is_refused(
 def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     layertap_cli, sglang_servers, tiny_llama, tmp_path
 ) -> None:
-    server = sglang_servers(tiny_llama, layers=LAYERS)
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Count to {i}."},
                                          {"role": "assistant", "content": "One."}]} for i in range(40)]  # fmt: skip
     data = write_rows(tmp_path / "rows.jsonl", rows)
     out = tmp_path / "out"
-    args = ["extract", "--model", tiny_llama, "--data", data, "--layers", "1,2,4", "--out", out, "--store-dtype",
+    args = ["extract", "--model", tiny_llama, "--data", data, "--layers", "1,3,5", "--out", out, "--store-dtype",
             "float32", "--engine", "sglang", "--server-url", server.url, "--dump-root", server.dump_root,
             "--in-flight", "2", "--regenerate", "all", "--temperature", "1.0",
             "--max-new-tokens", "48", "--generation-in-flight", "1"]  # fmt: skip
@@ -344,10 +346,10 @@ def test_a_round_is_regenerated_whole_before_any_of_its_captures(sglang_servers,
     """Rows go in rounds of `AHEAD_BATCHES` x the generation in flight (2 here: 32 rows, then 8): no sample of a
     round is committed before every row of it is regenerated. Captured as each row ended, every capture was a
     prefill between the decode steps of the rows still generating (0.76 of SGLang's own generation rate on an H200)."""
-    server = sglang_servers(tiny_llama, layers=LAYERS)
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Count to {i}."},
                                          {"role": "assistant", "content": "One."}]} for i in range(40)]  # fmt: skip
-    spec = ExtractionSpec(model=tiny_llama, data=write_rows(tmp_path / "rows.jsonl", rows), layers=LAYERS,
+    spec = ExtractionSpec(model=tiny_llama, data=write_rows(tmp_path / "rows.jsonl", rows), layers=server.layers,
                           store_dtype="float32", regenerate="all", max_new_tokens=6, temperature=0.0)  # fmt: skip
     settings = RunSettings(server_url=server.url, in_flight=4, generation_in_flight=2)
     make = sglang_engine_factory(spec, settings, job="rounds", dump_root=server.dump_root, log_path=tmp_path / "x.log")
