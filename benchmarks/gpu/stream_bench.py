@@ -254,6 +254,7 @@ def part_lines(part: dict) -> list[str]:
         f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['bytes'] / 1e9:,.2f} GB of states a run; medians "
         f"of {rounds} rounds; ratio = bytes/s over the file path to tmpfs.", "",
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run seconds, each round"), table), "",
+        *headline(part), "",
         "Where a stream run's time went (seconds; the producer's puts: each sample's file read back and put into "
         f"Mooncake Store, its manifest XADDed; its wait at the bound of {UNACKED} unacked samples; the consumer's receive = hs-connectors' get over TCP, then the copy onto the "
         "GPU, then the ack and the object's removal):", "",
@@ -262,7 +263,31 @@ def part_lines(part: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def write_report(parts: list[Path], out: Path) -> None:
+def headline(part: dict) -> list[str]:
+    """What bounds the stream on this folder, read from the medians: what the stream run took beyond the file run to
+    tmpfs, and how much of it the producer spent putting, waiting at its bound, and the consumer receiving."""
+    rows = part["rows"]
+    seconds = median_by_arm(rows, "seconds")
+    streams = [r for r in rows if "consumer" in r]
+    if "file-tmpfs" not in seconds or not streams:
+        return []
+    extra = statistics.median(r["seconds"] for r in streams) - seconds["file-tmpfs"]
+    put = statistics.median(r["put_s"] for r in streams)
+    held = statistics.median(r["held_s"] for r in streams)
+    receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
+    bound = ("the producer's puts, made one after another in the thread that also takes each capture from the server "
+             "(the consumer never held it)"
+             if held < 0.1 * extra and put > 0.5 * extra else
+             "the consumer: the producer waited at its bound" if held >= 0.5 * extra else "not one part alone")  # fmt: skip
+    return [
+        f"Reading it: a stream run took {extra:.1f} s more than the file run to tmpfs (medians); of that, the "
+        f"producer's puts took {put:.1f} s (each sample's file read back from the store and copied into the "
+        f"producer's Mooncake segment) and its waits at the bound {held:.1f} s, while the consumer received at "
+        f"{receive / 1e9:.2f} GB/s. What bounds the stream here: {bound}."
+    ]  # fmt: skip
+
+
+def write_report(parts: list[Path], out: Path, note: str = "") -> None:
     """The committed table: every part's (one call each on the device) under one header."""
     got = [report.read(p) for p in parts]
     header = [
@@ -271,7 +296,7 @@ def write_report(parts: list[Path], out: Path) -> None:
         + ", ".join(f"at commit {g['commit']} on {g['node']} ({g['date']})" for g in got) + ". " + __doc__.split(
             "\n\n")[2].replace("\n", " "), "",
     ]  # fmt: skip
-    body = [line for g in got for line in part_lines(g["rows"][0])]
+    body = [line for g in got for line in part_lines(g["rows"][0])] + ([note, ""] if note else [])
     result = report.result("stream", "\n".join(header + body), parameters={"parts": [g["parameters"] for g in got]},
                            rows=[g["rows"][0] for g in got])  # fmt: skip
     report.write(out, result)
@@ -284,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="the result (NAME.json and NAME.md)")
     ap.add_argument("--report", type=Path, nargs="+", help="merge these parts' JSON into --out, run nothing")
+    ap.add_argument("--note", default="", help="with --report: a closing paragraph (what was not run, and why)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-stream"), help="on local disk")
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-stream"))
     ap.add_argument("--layers-deep", type=int, default=4, help="decoder layers of the Kimi-K2-width INT4 folder")
@@ -294,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.report:
-        return write_report(args.report, args.out)
+        return write_report(args.report, args.out, args.note)
     if args.smoke:
         args.chats, args.rounds = min(args.chats, 12), 1
     part = Part(args)
