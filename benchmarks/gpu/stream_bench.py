@@ -169,9 +169,8 @@ class Part:
         if proc.returncode != 0:
             raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
-        files = [p for p in out.rglob("*.safetensors")]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
-                "bytes": sum(p.stat().st_size for p in files)}  # fmt: skip
+                "bytes": sum(p.stat().st_size for p in out.rglob("*.safetensors"))}  # fmt: skip
 
     def arm(self, arm: str, rnd: int) -> dict:
         kind, where = arm.split("-")

