@@ -32,8 +32,12 @@ def cpu_server_env(cuda_stub_dir: Path = INSTALLED_CUDA_STUB, tp_size: int = 1) 
     At ``--tp-size`` > 1 the ranks talk over gloo: each rank gets its own share of this process's
     cores (SGLang otherwise wants one NUMA node per rank), and NCCL is pointed at nothing (the
     venv's CUDA torch ships it, and SGLang would try to open a GPU communicator with it).
+
+    ``torch.compile`` is off: on the CPU its inductor builds C++ for SGLang's compiled helpers (embedding mask,
+    MoE top-k, sampler) on a server's first passes, ~10 s of a tiny Kimi server's ~25 s start and a fifth of its
+    first 40 samples (measured, 2-core box); eager runs them as HF does.
     """
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(cuda_stub_dir)}
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": str(cuda_stub_dir), "TORCH_COMPILE_DISABLE": "1"}
     if tp_size > 1:
         cores = sorted(os.sched_getaffinity(0))
         shares = [cores[r::tp_size] or [cores[r % len(cores)]] for r in range(tp_size)]

@@ -150,7 +150,7 @@ def test_server_killed_while_writers_hold_dumps_loses_nothing_committed(
     rng = random.Random(5)
     rows = [
         {"id": s.sample_id, "input_ids": s.input_ids.tolist(), "loss_mask": [rng.randint(0, 1) for _ in s.input_ids]}
-        for s in _samples(tiny_llama, 120, seed=5)
+        for s in _samples(tiny_llama, 64, seed=5)
     ]
     data = _dataset(tmp_path / "d.jsonl", rows)
     out = tmp_path / "out"

@@ -310,7 +310,7 @@ def test_resume_after_sigkill_mid_generation_keeps_committed_text(
     args = ["extract", "--model", tiny_llama, "--data", data, "--layers", "1,3,5", "--out", out, "--store-dtype",
             "float32", "--engine", "sglang", "--server-url", server.url, "--dump-root", server.dump_root,
             "--in-flight", "2", "--regenerate", "all", "--temperature", "1.0",
-            "--max-new-tokens", "48", "--generation-in-flight", "1"]  # fmt: skip
+            "--max-new-tokens", "16", "--generation-in-flight", "1"]  # fmt: skip
     first_round = AHEAD_BATCHES  # rows of the first round (one in flight); the next generates once it is captured
     proc = subprocess.Popen([*layertap_cli.argv, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
