@@ -5,7 +5,7 @@ A server is SGLang 0.5.10.post1 from its own venv (``LAYERTAP_SGLANG_PYTHON``, d
 ``python -m sglang_patch.launch`` with the plugin's own folder on PYTHONPATH, the libcuda stub on
 LD_LIBRARY_PATH and ``SGLANG_USE_CPU_ENGINE=1``, in float32 with small chunked-prefill passes so
 that prompts span passes and passes hold several requests. Server warmup stays on: its one request takes about
-a second of a 40-90 s start (measured), and it is the product's path. Tests that need one are skipped when the
+a second of a 20-50 s start (measured, torch.compile off: harness.sglang.cpu_server_env), and it is the product's path. Tests that need one are skipped when the
 SGLang venv is missing (they fail under scripts/test.sh and CI, which install it).
 
 Fixtures:
@@ -161,7 +161,7 @@ def pytest_testnodedown(node: Any, error: object) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """Every server the factory started, by key: how many starts (more than one is a restart after eviction, or the
     same server in another xdist worker), their seconds, and the tests that caused them. Starts are the suite's main
-    cost: a CPU server takes 25-60 s."""
+    cost: a CPU server takes 20-50 s."""
     starts = config.stash.get(SERVER_STARTS, [])
     if not starts:
         return
