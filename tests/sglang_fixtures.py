@@ -5,8 +5,9 @@ A server is SGLang 0.5.10.post1 from its own venv (``LAYERTAP_SGLANG_PYTHON``, d
 ``python -m sglang_patch.launch`` with the plugin's own folder on PYTHONPATH, the libcuda stub on
 LD_LIBRARY_PATH and ``SGLANG_USE_CPU_ENGINE=1``, in float32 with small chunked-prefill passes so
 that prompts span passes and passes hold several requests. Server warmup stays on: its one request takes about
-a second of a 20-50 s start (measured, torch.compile off: harness.sglang.cpu_server_env), and it is the product's path. Tests that need one are skipped when the
-SGLang venv is missing (they fail under scripts/test.sh and CI, which install it).
+a second of a 20-50 s start (measured, torch.compile off: `harness.sglang.cpu_server_env`), and it is the product's
+path. Tests that need one are skipped when the SGLang venv is missing (they fail under scripts/test.sh and CI, which
+install it).
 
 Fixtures:
 - ``sglang_servers``: session-scoped factory ``start(model_dir, layers=..., final=..., extra_args=..., tp_size=1,
