@@ -332,11 +332,10 @@ def block(text: str, lang: str) -> str:
 
 
 def specforge(run: Run, args: list[str], cwd: Path, log_name: str) -> str:
-    """`specforge ARGS` in the trainers' environment (on a CPU through the interop tests' Triton shim)."""
+    """`specforge ARGS` in the trainers' environment (on a CPU through the interop tests' shim: its Triton stand-in,
+    torch.compile off)."""
     entry = [str(SPECFORGE_CPU)] if run.smoke else ["-m", "specforge.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
-    if run.smoke:  # the draft model's torch.compile'd functions run eagerly: inductor's CPU build of them took 37 s
-        env["TORCH_COMPILE_DISABLE"] = "1"  # of the smoke's first 8-step training; the GPU run compiles as shipped
     done = subprocess.run([str(run.trainers_python), *entry, *args], cwd=cwd, env=env, capture_output=True, text=True)
     output = done.stdout + done.stderr
     (cwd / log_name).write_text(output)

@@ -6,7 +6,9 @@ Triton GPU kernel, and its module (``specforge.core.loss``) imports ``triton``, 
 That module alone is imported with a stand-in ``triton`` (its decorators return what they decorate; no
 kernel is ever launched) and with ``torch.compile`` as the identity, and ``LogSoftmaxLoss.apply`` becomes
 the same module's reference implementation ``_compute_loss``, run eagerly (SpecForge's own loss benchmark
-compares the two as equals).
+compares the two as equals). The draft model's other ``torch.compile``'d functions run eagerly too
+(``TORCH_COMPILE_DISABLE``, set before torch is imported): inductor's CPU build of them is no part of what a CPU
+run checks, and cold it took 37 s of an 8-step training.
 
 ``run_specforge.py --stream REDIS_URL NAME MASTER STEPS TARGET train ...``: fed from layertap's stream instead of
 ``data.hidden_states_path``'s files. SpecForge's offline trainer takes a fixed list of sample refs, so its
@@ -18,9 +20,12 @@ prints ``stream-check {json}``: each sample against the file of the same tokens 
 """
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
+
+os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when torch's compiler config is first imported
 
 import torch
 
