@@ -2,9 +2,13 @@
 
 The path a user takes, with nothing edited by hand: `layertap extract --engine sglang` (the CLI, launching its
 server) -> the store's TRAIN.md, followed as written (its draft config, its `run.yaml`, `specforge train`,
-`specforge export --to sglang`) -> SGLang serving the target with that drafter (EAGLE3, 3 steps, top-k 1, 4 draft
-tokens, greedy) over held-out prompts -> acceptance length from SGLang's own counters (per request,
-`meta_info.spec_accept_length` = completion_tokens / spec_verify_ct) and decode tokens/s with and without it.
+`specforge export --to sglang`) -> SGLang serving the target with that drafter (EAGLE3, greedy) over held-out
+prompts -> acceptance length from SGLang's own counters (per request, `meta_info.spec_accept_length` =
+completion_tokens / spec_verify_ct) and decode tokens/s with and without it.
+
+Serving configs (STEPS/TOPK/TOKENS: draft steps, top-k, draft tokens verified): the correct arm at each of
+`--configs` (CONFIGS: 3/1/4 as the Kimi-K2.5 drafter is served, deeper chains, a small tree), the other arms at each
+of `--arm-configs` (`best`: the correct arm's fastest at 1 in flight, served once that is measured).
 
 Arms, each the same recipe with one mistake:
 - correct: TRAIN.md as written;
@@ -29,15 +33,16 @@ sglang_patch.launch`), the `layertap extract --server-url` runs side by side aga
 
 Speed: decode tokens/s (SGLang's completion-token counts over the wall time of a fixed set of requests, greedy,
 `ignore_eos`, a fixed output length) with and without each drafter at each of CONCURRENCY requests in flight; the
-speed-up is the ratio of two runs of the same prompts in this one run.
+speed-up is the ratio of two runs of the same prompts in this one run. A serve call starts its servers side by side
+(a start is minutes, mostly CUDA graph captures) and measures them one at a time, the others idle.
 
 Stages (each reads the previous ones' files from --work and is reproducible from --seed; `all` runs them in order):
 corpus, tokenizer, target, data, source, extract, controls, train, serve, report. `--smoke` runs every stage on this
 machine with tiny sizes (SGLang 0.5.10 CPU server, SpecForge from /opt/trainers-venv) and writes the report in
 the work folder, never into benchmarks/results/.
 
-On the device: docs/performance.md ("Benchmarks on the device") has its recipe. A serve call that runs out of time is continued by the next (measured
-arms are kept).
+On the device: docs/performance.md ("Benchmarks on the device") has its recipe. A train or serve call that runs out
+of time is continued by the next (trained arms and measured servers are kept).
 """
 
 from __future__ import annotations
@@ -83,13 +88,53 @@ from harness.processes import LAYERTAP, REPO_ROOT, run_layertap
 from harness.sglang import CPU_SERVER_ARGS, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.engines.sglang.launch import server_model_args
+from layertap.errors import ServerError
 from layertap.models.folder import ModelFolder
 from layertap.store.store import OutputStore
 from layertap.trainers import GUIDE
 
 STAGES = ("corpus", "tokenizer", "target", "data", "source", "extract", "controls", "train", "serve", "report")
-SPEC_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "4")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Eagle:
+    """An EAGLE-3 serving config, written STEPS/TOPK/TOKENS: draft steps, candidates kept per step (1: a chain,
+    more: a tree) and draft tokens verified per step."""
+
+    steps: int
+    topk: int
+    tokens: int
+
+    @classmethod
+    def parse(cls, text: str) -> Eagle:
+        try:
+            config = cls(*(int(part) for part in text.split("/")))
+        except (TypeError, ValueError):
+            raise SystemExit(f"EAGLE config {text!r}: expected STEPS/TOPK/TOKENS, e.g. 3/1/4") from None
+        if config.steps < 1 or config.topk < 1 or not 2 <= config.tokens <= 1 + config.steps * config.topk:
+            raise SystemExit(f"EAGLE config {text!r}: needs steps, top-k >= 1 and 2 <= tokens <= 1 + steps * top-k")
+        if config.topk == 1 and config.tokens != config.steps + 1:
+            raise SystemExit(f"EAGLE config {text!r}: a chain (top-k 1) verifies steps + 1 tokens")
+        return config
+
+    def __str__(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.tokens}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.steps}-{self.topk}-{self.tokens}"
+
+    def flags(self) -> tuple[str, ...]:
+        return ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.steps),
+                "--speculative-eagle-topk", str(self.topk), "--speculative-num-draft-tokens", str(self.tokens))  # fmt: skip
+
+
+# How the published Kimi-K2.5 drafter is served (3 steps, top-k 1, 4 draft tokens); deeper chains and a small tree
+# are what users try next, each verify step longer.
+KIMI = Eagle(3, 1, 4)
+SPEC_FLAGS = KIMI.flags()
+CONFIGS = (KIMI, Eagle(5, 1, 6), Eagle(7, 1, 8), Eagle(5, 4, 8))
+BEST = "best"  # in --arm-configs: the correct arm's config with the highest decode rate at 1 in flight
 GPU_EXTRACT_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--mem-fraction-static", "0.5")
 # Serving: decode CUDA graphs on (SGLang's default; decode tok/s of a small model is launch-bound without them),
 # captured up to the most requests measured in flight (a shorter start than SGLang's default list); prefill's
@@ -98,6 +143,10 @@ CONCURRENCY, SMOKE_CONCURRENCY = (1, 8, 32), (1, 2)
 GPU_SERVE_ARGS = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                   "--attention-backend", "triton", "--dtype", "bfloat16", "--cuda-graph-max-bs",
                   str(max(CONCURRENCY)), "--disable-piecewise-cuda-graph")  # fmt: skip
+# Servers of one serve call start side by side, then are measured one at a time (the others idle, asleep): each
+# takes a fixed KV pool (32 requests of a ~300-token prompt and 128 new tokens need ~14K) and a static share that
+# passes SGLang's memory check whatever its neighbours have loaded (it charges their memory to the KV budget).
+SERVE_MEMORY = ("--mem-fraction-static", "0.88", "--max-total-tokens", "20480", "--sleep-on-idle")
 CPU_ARGS = (*CPU_SERVER_ARGS, "--chunked-prefill-size", "128")
 TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 # SpecForge's EAGLE-3 loss is a Triton kernel: on a CPU it runs through the interop tests' shim (its docstring says
@@ -161,6 +210,8 @@ class Run:
     trainers_python: Path
     in_flight: int
     concurrency: tuple[int, ...]
+    configs: tuple[Eagle, ...]  # the correct arm's serving configs
+    arm_configs: tuple[str, ...]  # the other arms': STEPS/TOPK/TOKENS or BEST
     out: Path
 
     def path(self, *parts: str) -> Path:
@@ -361,8 +412,12 @@ def stage_train(run: Run) -> None:
 
 def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
     """TRAIN.md's draft config and run.yaml with only the arm's store swapped in and the hyper-parameters TRAIN.md
-    leaves to the user added; `specforge train`, then `specforge export --to sglang` as TRAIN.md says."""
+    leaves to the user added; `specforge train`, then `specforge export --to sglang` as TRAIN.md says. An arm
+    exported before in this work folder (its ``facts.json``) is kept: a call that ran out of time is continued."""
     folder = run.path("arms", arm.name)
+    if (done := folder / "facts.json").exists():
+        log(f"train {arm.name}: trained before in {run.work}, kept")
+        return json.loads(done.read_text())
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     (folder / "draft.json").write_text(block(guide, "json"))
@@ -388,9 +443,11 @@ def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
         raise SystemExit(f"specforge train logged no step; log {folder / 'train.log'}")
     log(f"train {arm.name}: {len(steps)} logged steps in {seconds:.0f} s, loss {steps[0]['loss']:.2f} -> "
         f"{steps[-1]['loss']:.2f}")  # fmt: skip
-    return {"seconds": seconds, "steps": len(steps), "run_yaml": (folder / "run.yaml").read_text(),
-            **{f"{k}_{when}": step[k] for when, step in (("first", steps[0]), ("last", steps[-1]))
-               for k in ("loss", "acc_0")}}  # fmt: skip
+    facts = {"seconds": seconds, "steps": len(steps), "run_yaml": (folder / "run.yaml").read_text(),
+             **{f"{k}_{when}": step[k] for when, step in (("first", steps[0]), ("last", steps[-1]))
+                for k in ("loss", "acc_0")}}  # fmt: skip
+    (folder / "facts.json").write_text(json.dumps(facts, indent=1))
+    return facts
 
 
 def _served_copy(run: Run, arm: Arm) -> None:
@@ -419,14 +476,31 @@ class PlainServer(ServerConfig):
                 "--host", self.host, "--port", str(port), *self.sglang_args]  # fmt: skip
 
 
-def launch_server(run: Run, name: str, memory_share: float) -> SGLangServer:
-    """Launch (without waiting) SGLang on the target, with `name`'s drafter unless NO_DRAFTER, taking
-    `memory_share` of the GPU. Called from the main thread: a server dies with the thread that launched it."""
-    args = CPU_ARGS if run.smoke else (*GPU_SERVE_ARGS, "--mem-fraction-static", f"{memory_share:.2f}")
-    if name != NO_DRAFTER:
-        args = (*args, *SPEC_FLAGS, "--speculative-draft-model-path", str(run.path("arms", name, "drafter")))
+@dataclass(frozen=True)
+class Unit:
+    """One server of the serve stage: the target with `arm`'s drafter served at `config`, or (NO_DRAFTER, None)."""
+
+    arm: str
+    config: Eagle | None = None
+
+    @property
+    def key(self) -> str:
+        """The unit's file name in ``serve/`` (``correct@3-1-4``, ``no-drafter``)."""
+        return self.arm.replace(" ", "-") + (f"@{self.config.slug}" if self.config else "")
+
+    def __str__(self) -> str:
+        return self.arm + (f" @ {self.config}" if self.config else "")
+
+
+def launch_server(run: Run, unit: Unit) -> SGLangServer:
+    """Launch (without waiting) SGLang on the target, with the unit's drafter and EAGLE config unless it has none.
+    Called from the main thread: a server dies with the thread that launched it."""
+    args = CPU_ARGS if run.smoke else (*GPU_SERVE_ARGS, *SERVE_MEMORY)
+    if unit.config is not None:
+        args = (*args, *unit.config.flags(), "--speculative-draft-model-path",
+                str(run.path("arms", unit.arm, "drafter")))  # fmt: skip
     config = PlainServer(python=run.sglang_python, model=run.path("target"), dump_root=run.path("serve"), layers=(),
-                         final="post", log_path=run.path("serve", f"{name.replace(' ', '-')}.log"), sglang_args=args,
+                         final="post", log_path=run.path("serve", f"{unit.key}.log"), sglang_args=args,
                          env=cpu_server_env() if run.smoke else {})  # fmt: skip
     server = SGLangServer(config)
     server.launch()
@@ -476,15 +550,79 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def served_results(run: Run) -> dict[str, dict[str, Any]]:
+    """Every unit measured in this work folder, by key."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(run.path("serve").glob("*.json"))}
+
+
+def best_config(served: dict[str, dict[str, Any]]) -> Eagle | None:
+    """The correct arm's config with the highest decode rate at 1 in flight, of those measured."""
+    rates = {r["config"]: r["runs"][0]["tok_s"] for r in served.values() if r["arm"] == "correct" and "runs" in r}
+    return Eagle.parse(max(rates, key=rates.__getitem__)) if rates else None
+
+
+def serve_units(run: Run, served: dict[str, dict[str, Any]]) -> tuple[list[Unit], list[Unit]]:
+    """The units this call asks for, in two waves: the second holds those at BEST (resolved once the first is
+    measured). A smoke run serves only the target without a drafter (CPU_NO_SPECULATIVE)."""
+    first, later = [Unit(NO_DRAFTER)], []
+    for arm in () if run.smoke else run.arms:
+        if arm == "correct":
+            first += [Unit(arm, c) for c in run.configs]
+            continue
+        for text in run.arm_configs:
+            (later if text == BEST else first).append(Unit(arm, None if text == BEST else Eagle.parse(text)))
+    if later and not any(u.arm == "correct" for u in first) and best_config(served) is None:
+        raise SystemExit("--arm-configs best needs the correct arm measured: serve it first (--arms correct)")
+    return first, later
+
+
+def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
+    """Start every unit's server side by side (their starts overlap; SERVE_MEMORY), wait until all serve, then
+    measure one at a time, the others idle: warmed by one request (first-use kernel builds), measured at each
+    concurrency (one at a time on the first `prompts_c1` prompts, else on all). The acceptance figures of a unit are
+    those of its run over all the prompts at the most in flight. A unit whose server failed is recorded with the
+    failure and not retried by a later call (delete its ``serve/KEY.json`` to retry)."""
+    servers = {unit: launch_server(run, unit) for unit in units}
+    t0, started = time.monotonic(), {}
+
+    def ready(unit: Unit) -> str | None:
+        try:
+            servers[unit].wait_ready()
+        except ServerError as exc:
+            return str(exc)
+        started[unit] = time.monotonic() - t0
+        return None
+
+    try:
+        with ThreadPoolExecutor(len(units)) as pool:
+            failures = dict(zip(units, pool.map(ready, units), strict=True))
+        log(f"serve: {len(started)} of {len(units)} servers up in {time.monotonic() - t0:.0f} s")
+        for unit in units:
+            server, path = servers[unit], run.path("serve", f"{unit.key}.json")
+            result: dict[str, Any] = {"arm": unit.arm, "config": str(unit.config) if unit.config else None,
+                                      "flags": shlex.join(server.config.sglang_args if server.config else ()),
+                                      "side_by_side": len(units)}  # fmt: skip
+            if failures[unit] is None:
+                measure(unit.arm, server, prompts[:1], 1, run.sizes.max_new_tokens)  # first-use kernel builds
+                runs = [measure(unit.arm, server, prompts[: run.sizes.prompts_c1] if c == 1 else prompts, c,
+                                run.sizes.max_new_tokens) for c in run.concurrency]  # fmt: skip
+                result |= {"start_s": started[unit], "runs": runs, **runs[-1]}
+                log(f"serve {unit}: " + json.dumps([{k: v for k, v in r.items() if k != "accept_lengths"}
+                                                   for r in runs]))  # fmt: skip
+            else:
+                result["failed"] = failures[unit]
+                log(f"serve {unit}: FAILED {failures[unit]}")
+            server.stop()
+            path.write_text(json.dumps(result, indent=1))
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def stage_serve(run: Run) -> None:
-    """One server at a time: started with most of the GPU, warmed by one request (first-use kernel builds),
-    measured at each concurrency (one at a time on the first `prompts_c1` prompts, else on all), stopped. The
-    acceptance figures of an arm are those of its run over all the prompts at the most in flight. A server
-    already measured in this work folder (its ``serve/NAME.json``) is not served again, so a call that ran out of
-    time is continued by the next. Not side by side: SGLang 0.5.14 sizes its KV cache from the memory it sees free
-    while it starts, so a server starting beside others loading their weights is refused (seen on the H200 with
-    `--probe`: "Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.13"). A smoke
-    run serves no drafter (CPU_NO_SPECULATIVE)."""
+    """The asked-for units not measured yet in this work folder (its ``serve/KEY.json``; a call that ran out of
+    time is continued by the next), a wave of side-by-side servers at a time: units at fixed configs, then those at
+    the correct arm's best config."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.path("target"))
@@ -492,41 +630,39 @@ def stage_serve(run: Run) -> None:
     prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
                                              return_dict=False) for r in rows]  # fmt: skip
     run.path("serve").mkdir(exist_ok=True)
-    names = [NO_DRAFTER, *([] if run.smoke else run.arms)]
-    for name in names:
-        result_path = run.path("serve", f"{name.replace(' ', '-')}.json")
-        if result_path.exists():
-            log(f"serve {name}: measured before in {run.work}, kept")
-            continue
-        server = launch_server(run, name, 0.8)
-        try:
-            t0 = time.monotonic()
-            server.wait_ready()
-            started = time.monotonic() - t0
-            measure(name, server, prompts[:1], 1, run.sizes.max_new_tokens)  # first-use kernel builds
-            runs = [measure(name, server, prompts[: run.sizes.prompts_c1] if c == 1 else prompts, c,
-                            run.sizes.max_new_tokens) for c in run.concurrency]  # fmt: skip
-        finally:
-            server.stop()
-        flags = shlex.join(server.config.sglang_args if server.config else ())
-        result = {"arm": name, "flags": flags, "start_s": started, "runs": runs, **runs[-1]}
-        result_path.write_text(json.dumps(result, indent=1))
-        log(f"serve {name}: " + json.dumps([{k: v for k, v in r.items() if k != "accept_lengths"} for r in runs]))
-    run.done("serve", {"arms": names})
+    first, later = serve_units(run, served_results(run))
+    serve_missing(run, first, prompts)
+    if later:
+        if (best := best_config(served_results(run))) is None:
+            raise SystemExit("--arm-configs best: no config of the correct arm was served (see serve/correct@*.json)")
+        serve_missing(run, [Unit(u.arm, best) for u in later], prompts)
+    run.done("serve", {"units": sorted(served_results(run))})
+
+
+def serve_missing(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
+    """`units` not measured before in this work folder, in one wave (`serve_wave`)."""
+    measured = served_results(run)
+    todo = [u for u in units if u.key not in measured]
+    log(f"serve: {len(units) - len(todo)} of {len(units)} units measured before in {run.work}, kept")
+    if todo:
+        serve_wave(run, todo, prompts)
 
 
 def stage_report(run: Run) -> None:
-    """The results: the target and the source model, decode speed with and without each drafter, acceptance per
-    arm, the paired comparisons (controls, regeneration), the drafters' training and the commands."""
+    """The results: the target and the source model, decode speed with and without each drafter at each serving
+    config, the best config, acceptance per arm, the paired comparisons (controls, regeneration), the drafters'
+    training and the commands."""
     corpus, target, data, extract, trained = (run.facts(s) for s in ("corpus", "target", "data", "extract", "train"))
     source = run.facts("source") if run.path("source.json").exists() else None
     timings = json.loads(run.path("timings.json").read_text()) if run.path("timings.json").exists() else {}
-    served = {p.stem: json.loads(p.read_text()) for p in sorted(run.path("serve").glob("*.json"))}
-    base = served.get(NO_DRAFTER.replace(" ", "-"))
+    gpus = json.loads(run.path("gpus.json").read_text()) if run.path("gpus.json").exists() else ["GPU not recorded"]
+    served = served_results(run)
+    base = served.get(Unit(NO_DRAFTER).key)
+    units = sorted(served, key=lambda key: _unit_order(served[key]))
     title = (
         "CPU smoke test: tiny sizes, SGLang 0.5.10 on the CPU"
         if run.smoke
-        else "one H200, SGLang 0.5.14"
+        else f"one {' / '.join(gpus)}, SGLang 0.5.14"
         + (
             ", PROBE sizes (a tenth of the work: the path runs, not the benchmark's result)"
             if run.sizes == PROBE
@@ -536,8 +672,9 @@ def stage_report(run: Run) -> None:
     stage_times = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in timings.items())
     lines = [f"# Acceptance and decode speed of drafters trained on layertap stores ({title})", "",
              f"Written by `benchmarks/gpu/acceptance_bench.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"commit {git_commit()}, seed {run.seed}). Stage wall times: {stage_times or 'not recorded'} (total "
-             f"{sum(timings.values()):.0f} s; the device's start and the wheel installs come on top).", "",
+             f"commit {git_commit()}, seed {run.seed}). Stage wall times, summed over the calls that ran them: "
+             f"{stage_times or 'not recorded'} (total {sum(timings.values()):.0f} s; the device's start and the wheel "
+             "installs come on top).", "",
              "## Target", "", "- " + _model_line("Llama", target),
              f"- Tokenizer: byte-level BPE, {target['config']['vocab_size']} ids, layertap's chat template.",
              f"- Corpus: {corpus['train_files']} training / {corpus['held_out_files']} held-out files (.py .md .rst "
@@ -561,50 +698,53 @@ def stage_report(run: Run) -> None:
               ""]  # fmt: skip
     lines += [f"  - {name}: {facts['tokens']:,} tokens, {facts['seconds']:.0f} s: `{facts['command']}` "
               f"({facts['summary']})" for name, facts in extract.items() if name != "train_md"]  # fmt: skip
-    lines += ["", f"## Decode speed (EAGLE3: 3 steps, top-k 1, 4 draft tokens; tok/s at 1, "
-              f"{', '.join(map(str, run.concurrency[1:]))} in flight)", "",
+    conc = ", ".join(map(str, run.concurrency[1:]))
+    lines += ["", f"## Decode speed (tok/s at 1, {conc} in flight; EAGLE-3 configs STEPS/TOPK/TOKENS)", "",
               f"Tokens/s: SGLang's completion tokens over the wall time of the batch ({run.sizes.prompts_c1} prompts "
               f"one at a time, all {data['prompts']} prompts at the other concurrencies); speed-up: over the target "
-              "without a drafter, same prompts, same run.", ""]  # fmt: skip
+              "without a drafter, same prompts, same run. The servers of a call start side by side and are measured "
+              "one at a time while the others idle (`--sleep-on-idle`).", ""]  # fmt: skip
     head = ["arm", "acceptance length", *(f"{what} at {c}" for c in run.concurrency for what in ("tok/s", "speed-up"))]
     rows = []
-    for name, r in [(NO_DRAFTER, base), *((a.name, served.get(a.name)) for a in ARMS)]:
-        if r is None:
-            if name in run.arms:
-                rows.append([name, CPU_NO_SPECULATIVE if run.smoke else "not run", *[""] * (len(head) - 2)])
+    for key in units:
+        r = served[key]
+        if "failed" in r:
+            rows.append([_unit_name(r), "failed to start: " + r["failed"].splitlines()[0], *[""] * (len(head) - 2)])
             continue
-        cells = [name, f"{r['mean']:.3f}" if "mean" in r else "-"]
+        cells = [_unit_name(r), f"{r['mean']:.3f}" if "mean" in r else "-"]
         for got, ref in zip(r["runs"], base["runs"] if base else [None] * len(r["runs"]), strict=True):
             cells += [f"{got['tok_s']:,.0f}", f"{got['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"]
         rows.append(cells)
+    for arm in (a for a in run.arms if not any(served[k]["arm"] == a for k in units)):
+        rows.append([arm, CPU_NO_SPECULATIVE if run.smoke else "not run", *[""] * (len(head) - 2)])
     lines += report.table_lines(head, rows)
+    lines += config_lines(served, units, base, run.concurrency)
     lines += ["", "## Acceptance", "",
               "Acceptance length: SGLang's `spec_accept_length` of each request (completion tokens / verify steps) in "
               f"the run at {run.concurrency[-1]} in flight; mean, population standard deviation and 10th / 90th "
               "percentiles over the prompts.", ""]  # fmt: skip
     rows = []
     for arm in ARMS:
-        r = served.get(arm.name)
-        if r is None:
-            if arm.name in run.arms:
-                rows.append([arm.name, arm.what, CPU_NO_SPECULATIVE if run.smoke else "not run", "", "", ""])
-            continue
-        rows.append([arm.name, arm.what, f"{r['mean']:.3f}", f"{r['stdev']:.3f}", f"{r['p10']:.2f}", f"{r['p90']:.2f}"])
-    lines += report.table_lines(["arm", "what", "mean", "stdev", "p10", "p90"], rows)
-    correct = served.get("correct")
-    controls = {a.name: served[a.name]["mean"] for a in ARMS if a.control and a.name != "correct" and a.name in served}
-    if correct and controls:
-        losers = [name for name, mean in controls.items() if mean >= correct["mean"]]
+        measured = [served[k] for k in units if served[k]["arm"] == arm.name and "mean" in served[k]]
+        if not measured and arm.name in run.arms:
+            rows.append([arm.name, arm.what, CPU_NO_SPECULATIVE if run.smoke else "not run", "", "", "", ""])
+        rows += [[arm.name, arm.what, r["config"], f"{r['mean']:.3f}", f"{r['stdev']:.3f}", f"{r['p10']:.2f}",
+                  f"{r['p90']:.2f}"] for r in measured]  # fmt: skip
+    lines += report.table_lines(["arm", "what", "config", "mean", "stdev", "p10", "p90"], rows)
+    if not_run := [a.name for a in ARMS if a.name not in run.arms]:
+        lines += ["", f"Not run in this run: {', '.join(not_run)}."]
+    controls = [a.name for a in ARMS if a.control and a.name != "correct"]
+    pairs = _pairs(served, "correct", controls)
+    if pairs:
+        losers = [b for a, b in pairs if served[b]["mean"] >= served[a]["mean"]]
         lines += [
             "",
-            f"Correct arm beats every control served: {'yes' if not losers else 'NO, not ' + ', '.join(losers)}.",
+            "Correct arm beats every control served at the same config: "
+            + ("yes" if not losers else "NO, not " + ", ".join(_unit_name(served[k]) for k in losers))
+            + ".",
         ]
-    lines += paired_lines(served, "correct", [a.name for a in ARMS if a.control and a.name != "correct"],
-                          "Controls, paired over the same prompts (correct minus control, per prompt)")  # fmt: skip
-    lines += paired_lines(served, "d-regenerated", ["f-source-given", "correct"],
-                          "Regeneration, paired over the same prompts (regenerated minus given, per prompt; f: the "
-                          "source model's responses, correct: the corpus's own, the text the target was trained "
-                          "on)")  # fmt: skip
+    lines += paired_lines(served, pairs, "Controls, paired over the same prompts (correct minus control, per prompt)")
+    lines += regeneration_lines(run, served, extract, source)
     lines += ["", "## Drafters (SpecForge 0.2.0, offline EAGLE-3, as TRAIN.md says)", ""]
     for name, t in trained.items():  # a control's store holds the correct store's tokens (a: cut to the shorter)
         tokens = extract.get(str(ARM_BY_NAME[name].store), extract["correct"])["tokens"]
@@ -612,19 +752,136 @@ def stage_report(run: Run) -> None:
                      f"{t['loss_first']:.3f} -> {t['loss_last']:.3f}, first-position accuracy {t['acc_0_first']:.3f} "
                      f"-> {t['acc_0_last']:.3f}")  # fmt: skip
     lines += ["", "## Commands", "", "Servers (`python -m sglang.launch_server --model-path TARGET` plus):", "", "```"]
-    lines += [f"{arm}: {r['flags']} (up in {r['start_s']:.0f} s)" for arm, r in served.items()]
+    lines += [f"{_unit_name(served[k])}: {served[k]['flags']} ("
+              + (f"up in {served[k]['start_s']:.0f} s, {served[k]['side_by_side']} starting side by side)"
+                 if "start_s" in served[k] else "failed to start)") for k in units]  # fmt: skip
     if "correct" in trained:
         lines += ["```", "", "run.yaml of the correct arm (`specforge train --config run.yaml`, then `specforge export "
                   "--to sglang --checkpoint specforge-run --draft-config draft.json --output-dir drafter`):", "",
                   "```yaml", trained["correct"]["run_yaml"].rstrip()]  # fmt: skip
     lines += ["```", "", "TRAIN.md the drafters were trained from:", "", "````markdown", extract["train_md"], "````"]
     parameters = {"seed": run.seed, "smoke": run.smoke, "sizes": asdict(run.sizes), "arms": run.arms,
-                  "in_flight": run.in_flight, "concurrency": run.concurrency, "timings": timings}  # fmt: skip
-    arms = [{"arm": arm, **facts} for arm, facts in served.items()]
+                  "in_flight": run.in_flight, "concurrency": run.concurrency, "configs": [str(c) for c in run.configs],
+                  "arm_configs": run.arm_configs, "timings": timings, "gpus": gpus}  # fmt: skip
     result = report.result("acceptance", portable("\n".join(lines) + "\n", run, corpus["root"]), parameters=parameters,
-                           rows=arms)  # fmt: skip
+                           rows=[{"unit": key, **served[key]} for key in units])  # fmt: skip
     report.write(run.out, result)
     log(f"report: {run.out}")
+
+
+def _unit_name(result: dict[str, Any]) -> str:
+    return result["arm"] + (f" @ {result['config']}" if result["config"] else "")
+
+
+def _unit_order(result: dict[str, Any]) -> tuple[int, int, str]:
+    """No drafter first, then the arms in ARMS order, each arm's configs in CONFIGS order (others after)."""
+    arms = [NO_DRAFTER, *ARM_BY_NAME]
+    configs = [str(c) for c in CONFIGS]
+    config = result["config"] or ""
+    return arms.index(result["arm"]), configs.index(config) if config in configs else len(configs), config
+
+
+def step_ms(result: dict[str, Any]) -> float:
+    """The time of one decode step (no drafter) or one EAGLE iteration (draft steps and the verify step) of a
+    concurrency's run: in flight x tokens a step / tok/s."""
+    return 1000 * result["in_flight"] * result.get("tokens_per_verify", 1.0) / result["tok_s"]
+
+
+def config_lines(served: dict[str, dict[str, Any]], units: list[str], base: dict[str, Any] | None,
+                 concurrency: tuple[int, ...]) -> list[str]:  # fmt: skip
+    """The correct arm's configs: tokens per verify step and step time at each concurrency, the best config at 1 in
+    flight and why (speed-up = tokens per step x plain step / verify step), and the bars the issue sets."""
+    configs = [served[k] for k in units if served[k]["arm"] == "correct" and "runs" in served[k]]
+    if not configs or base is None:
+        return []
+    head = ["", *(f"{what} at {c}" for c in concurrency for what in ("tokens per step", "step ms", "speed-up"))]
+    rows = [["no drafter", *(cell for r in base["runs"] for cell in ("1", f"{step_ms(r):.2f}", "1.00x"))]]
+    rows += [[f"correct @ {r['config']}", *(cell for got, ref in zip(r["runs"], base["runs"], strict=True)
+              for cell in (f"{got['tokens_per_verify']:.2f}", f"{step_ms(got):.2f}",
+                           f"{got['tok_s'] / ref['tok_s']:.2f}x"))] for r in configs]  # fmt: skip
+    lines = ["", "### The correct arm's serving configs", "",
+             "Tokens per step: completion tokens / verify steps of the run (at 1 in flight: its prompts only); step "
+             "ms: in flight x tokens per step / tok/s (the plain decode step, or one EAGLE iteration: the draft steps "
+             "and the verify step). Speed-up = tokens per step x plain step ms / verify step ms.", "",
+             *report.table_lines(head, rows), ""]  # fmt: skip
+    for i, c in enumerate(concurrency):
+        plain = step_ms(base["runs"][i])
+        ranked = sorted(configs, key=lambda r: -r["runs"][i]["tok_s"])
+        why = "; ".join(f"{r['config']} {r['runs'][i]['tok_s'] / base['runs'][i]['tok_s']:.2f}x = "
+                        f"{r['runs'][i]['tokens_per_verify']:.2f} x {plain:.2f} / {step_ms(r['runs'][i]):.2f}"
+                        for r in ranked)  # fmt: skip
+        best = ranked[0]["runs"][i]
+        speedup, bar = best["tok_s"] / base["runs"][i]["tok_s"], 1.8 if i == 0 else 1.0
+        need = bar * step_ms(best) / plain
+        lines.append(f"- {c} in flight: best {ranked[0]['config']} ({why}). Speed-up {speedup:.2f}x "
+                     f"{'>=' if speedup >= bar else '<'} {bar}x: {'reached' if speedup >= bar else 'NOT reached'}; "
+                     f"at its verify step {bar}x needs {need:.2f} tokens per step, it made "
+                     f"{best['tokens_per_verify']:.2f}.")  # fmt: skip
+    return lines
+
+
+def _pairs(served: dict[str, dict[str, Any]], arm: str, others: list[str]) -> list[tuple[str, str]]:
+    """(arm's unit, other's unit) keys of every config both were measured at (acceptance lengths recorded)."""
+    ok = {k: r for k, r in served.items() if "accept_lengths" in r}
+    return [(Unit(arm, Eagle.parse(a["config"])).key, k) for other in others for k, a in ok.items()
+            if a["arm"] == other and Unit(arm, Eagle.parse(a["config"])).key in ok]  # fmt: skip
+
+
+def paired(first: dict[str, Any], other: dict[str, Any]) -> tuple[float, float, int, int, int]:
+    """`first` minus `other` per prompt: mean, standard error, prompts `first` wins, ties, prompts it loses. The
+    spread over prompts is mostly the prompts' own (some continue predictably); the paired difference removes it."""
+    diffs = [a - b for a, b in zip(first["accept_lengths"], other["accept_lengths"], strict=True)]
+    wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    return (
+        statistics.fmean(diffs),
+        statistics.stdev(diffs) / len(diffs) ** 0.5,
+        wins,
+        len(diffs) - wins - losses,
+        losses,
+    )
+
+
+def paired_lines(served: dict[str, dict[str, Any]], pairs: list[tuple[str, str]], title: str) -> list[str]:
+    """A table of `paired` for each (unit, other unit) of `pairs`: the mean difference over its standard error."""
+    rows = []
+    for a, b in pairs:
+        mean, se, wins, ties, losses = paired(served[a], served[b])
+        rows.append([f"{_unit_name(served[a])} - {_unit_name(served[b])}", f"{mean:+.3f}", f"{se:.3f}",
+                     f"{mean / se:+.1f}" if se else "-", wins, ties, losses])  # fmt: skip
+    if not rows:
+        return []
+    head = ["pair", "mean difference", "standard error", "mean / s.e.", "prompts the first wins", "ties", "other wins"]
+    return ["", f"{title}:", "", *report.table_lines(head, rows)]
+
+
+def regeneration_lines(run: Run, served: dict[str, dict[str, Any]], extract: dict[str, Any],
+                       source: dict[str, Any] | None) -> list[str]:  # fmt: skip
+    """Arm d (regenerated by the target) against f (the source model's responses as given) and against the correct
+    arm (the corpus's own text, the target's training distribution): data sizes, cut turns, paired acceptance."""
+    if "regenerated" not in extract or source is None:
+        return []
+    cut = re.search(r"([\d,]+) turns cut at", extract["regenerated"]["summary"])
+    r = source["responses"]
+    lines = ["", "## Regeneration", "",
+             f"- f-source-given: {extract['source-given']['tokens']:,} tokens ({r['rows']} conversations; the source "
+             f"model's {r['reply_tokens']:,} reply tokens, {r['cut_at_limit']} replies cut at {run.sizes.regen_tokens} "
+             "tokens).",
+             f"- d-regenerated: {extract['regenerated']['tokens']:,} tokens (the same conversations, each response "
+             f"regenerated by the target, greedy, at most {run.sizes.regen_tokens} new tokens a turn; "
+             f"{cut.group(1) if cut else 'unknown'} turns cut at that limit).",
+             f"- correct: {extract['correct']['tokens']:,} tokens (the corpus's own responses, given).",
+             "", "Held-out prompts are the same for every arm; paired per prompt."]  # fmt: skip
+    pairs = _pairs(served, "d-regenerated", ["f-source-given", "correct"])
+    lines += paired_lines(served, pairs, "Regeneration, paired over the same prompts (regenerated minus given, per "
+                          "prompt; f: the source model's responses, correct: the corpus's own, the text the target "
+                          "was trained on)")  # fmt: skip
+    lines += [""] if pairs else []
+    for a, b in pairs:
+        if served[b]["arm"] == "f-source-given":
+            mean, se, *_ = paired(served[a], served[b])
+            lines.append(f"- At {served[a]['config']}: regenerated {'above' if mean > 2 * se else 'NOT above'} given "
+                         f"by more than 2 standard errors ({mean:+.3f}, s.e. {se:.3f}).")  # fmt: skip
+    return lines
 
 
 def _model_line(kind: str, facts: dict[str, Any]) -> str:
@@ -643,27 +900,6 @@ def portable(text: str, run: Run, corpus_root: str) -> str:
     return re.sub(r"[^\s`'\"]*/bin/python3?\b", "python3", text)
 
 
-def paired_lines(served: dict[str, dict[str, Any]], arm: str, others: list[str], title: str) -> list[str]:
-    """`arm` against each of `others` on the same prompts: the per-prompt difference of acceptance lengths (mean,
-    standard error, the mean over its standard error) and how many prompts each side wins. The spread over
-    prompts is mostly the prompts' own (some continue predictably); the paired difference removes it."""
-    first = served.get(arm)
-    rows = []
-    for name in others:
-        other = served.get(name)
-        if not first or not other or "accept_lengths" not in other or "accept_lengths" not in first:
-            continue
-        diffs = [a - b for a, b in zip(first["accept_lengths"], other["accept_lengths"], strict=True)]
-        mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-        wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-        rows.append([f"{arm} - {name}", f"{mean:+.3f}", f"{se:.3f}", f"{mean / se:+.1f}" if se else "-", wins,
-                     len(diffs) - wins - losses, losses])  # fmt: skip
-    if not rows:
-        return []
-    head = ["pair", "mean difference", "standard error", "mean / s.e.", f"prompts {arm} wins", "ties", "other wins"]
-    return ["", f"{title}:", "", *report.table_lines(head, rows)]
-
-
 def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)}, or all (the default)")
@@ -676,6 +912,13 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
     ap.add_argument("--sglang-python", type=Path, default=None, help="default: /opt/sglang-venv (smoke), python3")
     ap.add_argument("--trainers-python", type=Path, default=None, help="default: /opt/trainers-venv (smoke), python3")
     ap.add_argument("--in-flight", type=int, default=None, help="requests in flight (default 16, smoke 2)")
+    ap.add_argument(
+        "--configs",
+        default=",".join(map(str, CONFIGS)),
+        help="EAGLE-3 configs STEPS/TOPK/TOKENS the correct arm is served at, comma-separated",
+    )
+    ap.add_argument("--arm-configs", default=f"{BEST},{KIMI}", help="the other arms' configs: STEPS/TOPK/TOKENS "
+                    f"or {BEST} (the correct arm's fastest at 1 in flight, served after it)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="report (default: benchmarks/results/gpu_acceptance.md; "
                     "smoke: WORK/acceptance.md)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -691,13 +934,16 @@ def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
     arms = tuple(a for a in args.arms.split(",") if a)
     if unknown := [a for a in arms if a not in ARM_BY_NAME]:
         raise SystemExit(f"unknown arms {unknown}; known: {list(ARM_BY_NAME)}")
+    configs = tuple(dict.fromkeys(Eagle.parse(c) for c in args.configs.split(",") if c))
+    arm_configs = tuple(c if c == BEST else str(Eagle.parse(c)) for c in args.arm_configs.split(",") if c)
     run = Run(work=work, seed=args.seed, smoke=smoke, sizes=SMOKE if smoke else PROBE if args.probe else GPU,
               device="cpu" if smoke or not torch.cuda.is_available() else "cuda", arms=arms,
               corpus_root=args.corpus_root or Path(sysconfig.get_paths()["purelib"]),
               sglang_python=args.sglang_python or sglang_python(smoke),
               trainers_python=args.trainers_python or (TRAINERS_PYTHON if smoke else Path(sys.executable)),
               in_flight=args.in_flight or (2 if smoke else 16),
-              concurrency=SMOKE_CONCURRENCY if smoke else CONCURRENCY, out=out)  # fmt: skip
+              concurrency=SMOKE_CONCURRENCY if smoke else CONCURRENCY, configs=configs, arm_configs=arm_configs,
+              out=out)  # fmt: skip
     stages = list(STAGES) if not args.stages or "all" in args.stages else [s for s in STAGES if s in args.stages]
     return run, stages
 
@@ -708,11 +954,25 @@ def main(argv: list[str] | None = None) -> None:
     steps = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "data": stage_data,
              "source": stage_source, "extract": stage_extract, "controls": stage_controls, "train": stage_train,
              "serve": stage_serve, "report": stage_report}  # fmt: skip
-    timings_path = run.path("timings.json")
+    timings_path, gpus_path = run.path("timings.json"), run.path("gpus.json")
+    if not run.smoke:  # which GPU ran each call (the report names them)
+        gpus = json.loads(gpus_path.read_text()) if gpus_path.exists() else []
+        gpus_path.write_text(json.dumps(list(dict.fromkeys([*gpus, gpu_name()]))))
     for stage in stages:
         log(f"{stage}: start")
         t0 = time.monotonic()
         steps[stage](run)
-        if stage != "report":  # each stage's wall time, for the report (the H200 time the run took)
+        if stage != "report":  # each stage's wall time summed over the calls that ran it (the GPU time the run took)
             timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-            timings_path.write_text(json.dumps(timings | {stage: time.monotonic() - t0}, indent=1))
+            timings[stage] = timings.get(stage, 0.0) + time.monotonic() - t0
+            timings_path.write_text(json.dumps(timings, indent=1))
+
+
+def gpu_name() -> str:
+    """The GPU of this machine as nvidia-smi names it (no CUDA context), or "no GPU"."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "no GPU"
+    return ", ".join(sorted(set(done.stdout.split("\n")) - {""}))
