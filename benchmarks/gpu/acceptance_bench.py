@@ -580,8 +580,8 @@ def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
     """Start every unit's server side by side (their starts overlap; SERVE_MEMORY), wait until all serve, then
     measure one at a time, the others idle: warmed by one request (first-use kernel builds), measured at each
     concurrency (one at a time on the first `prompts_c1` prompts, else on all). The acceptance figures of a unit are
-    those of its run over all the prompts at the most in flight. A unit whose server failed is recorded with the
-    failure and not retried by a later call (delete its ``serve/KEY.json`` to retry)."""
+    those of its run over all the prompts at the most in flight. A unit whose server failed to start or to answer is
+    recorded with the failure and not retried by a later call (delete its ``serve/KEY.json`` to retry)."""
     servers = {unit: launch_server(run, unit) for unit in units}
     t0, started = time.monotonic(), {}
 
@@ -602,16 +602,18 @@ def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
             result: dict[str, Any] = {"arm": unit.arm, "config": str(unit.config) if unit.config else None,
                                       "flags": shlex.join(server.config.sglang_args if server.config else ()),
                                       "side_by_side": len(units)}  # fmt: skip
-            if failures[unit] is None:
+            try:
+                if failures[unit] is not None:
+                    raise ServerError(failures[unit])
                 measure(unit.arm, server, prompts[:1], 1, run.sizes.max_new_tokens)  # first-use kernel builds
                 runs = [measure(unit.arm, server, prompts[: run.sizes.prompts_c1] if c == 1 else prompts, c,
                                 run.sizes.max_new_tokens) for c in run.concurrency]  # fmt: skip
                 result |= {"start_s": started[unit], "runs": runs, **runs[-1]}
                 log(f"serve {unit}: " + json.dumps([{k: v for k, v in r.items() if k != "accept_lengths"}
                                                    for r in runs]))  # fmt: skip
-            else:
-                result["failed"] = failures[unit]
-                log(f"serve {unit}: FAILED {failures[unit]}")
+            except (ServerError, SystemExit, httpx.HTTPError) as exc:  # recorded; the wave goes on
+                result["failed"] = str(exc) or type(exc).__name__
+                log(f"serve {unit}: FAILED {result['failed']}")
             server.stop()
             path.write_text(json.dumps(result, indent=1))
     finally:
