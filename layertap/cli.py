@@ -19,7 +19,6 @@ from layertap.spec import ExtractionSpec
 from layertap.trainers import GUIDE
 
 if TYPE_CHECKING:
-    from layertap.stream.sink import MooncakeSink
     from layertap.verify import VerifyReport
 
 STREAM_ADDRESSES = ("mooncake_master", "stream_redis_url")  # the run settings a stream's consumer takes too
@@ -55,38 +54,33 @@ def extract(out: Path, **options: Any) -> None:
     """Run (or resume) an extraction into OUT; exit 1 when it stored nothing or more rows were bad than
     --max-bad-rows allows (2 when it could not run)."""
     _quiet_libraries()
-    from layertap.pipeline import run_extraction
+    import time
+
+    from layertap.pipeline import ProgressEvents, Run
     from layertap.progress import RichProgress
 
+    started = time.monotonic()
     with failing_on_errors():
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
-        sink = None if settings.stream is None else _stream_sink(settings, out)
-    progress = RichProgress(console, stream=None if sink is None else sink.view)
+        if settings.engine == "hf":
+            if spec.regenerate is not None:
+                fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
+            factory = hf_engine_factory(settings)
+        else:
+            dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
+            factory = sglang_engine_factory(
+                spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
+            )
+        run = Run.create(spec, out, factory, settings, _stream_sink(settings, out))
+    stream = run.target.view() is not None
+    progress = RichProgress(console, stream=run.target.view if stream else None)
     try:
         with failing_on_errors():
-            if settings.engine == "hf":
-                if spec.regenerate is not None:
-                    fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
-                factory = hf_engine_factory(settings)
-            else:
-                dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
-                factory = sglang_engine_factory(
-                    spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
-                )
-            report = run_extraction(
-                spec,
-                out,
-                factory,
-                progress=progress,
-                check_level=settings.resume_check,
-                commit_threads=settings.commit_threads,
-                sink=sink,
-            )
+            report = run.finish(run.rows(events=ProgressEvents(progress)), started=started)
     finally:
         progress.stop()
-        if sink is not None:
-            sink.close()
+        run.close()
     console.print(
         f"[green]done[/]: {len(report.computed)} samples computed, {report.already_done} already done"
         f" ({len(report.redone)} redone after failing checks, {len(report.changed)} recomputed because their rows"
@@ -94,8 +88,9 @@ def extract(out: Path, **options: Any) -> None:
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
-    if sink is not None:
-        console.print(f"streamed: {sink.put_count} samples put to stream {sink.name}, every one acked")
+    if (view := run.target.view()) is not None:
+        console.print(f"streamed: {view.put} samples put to stream {view.name}, every one acked"
+                      + (" (no sample files written: --stream-only)" if settings.stream_only else ""))  # fmt: skip
     if spec.regenerate is not None:
         console.print(
             f"regenerated: {report.generated_tokens:,} tokens generated in {report.generation_seconds:.1f}s"
@@ -110,9 +105,11 @@ def extract(out: Path, **options: Any) -> None:
     click.echo((out / GUIDE).read_text())
 
 
-def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink:
-    """The run's Mooncake sink (`layertap.stream`), connected before any work: a master or Redis it cannot reach is
-    refused first."""
+def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink | None:
+    """The run's Mooncake sink (`layertap.stream`), connected before its server starts: a master or Redis it cannot
+    reach is refused first. None when the run does not stream."""
+    if settings.stream is None:
+        return None
     from layertap.stream.sink import open_sink
 
     return open_sink(settings, out)

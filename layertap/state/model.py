@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from layertap.settings import JOB_STREAM, EngineOptions, StreamOptions
-from layertap.spec import ExtractionSpec, Flag
+from layertap.settings import JOB_STREAM, EngineOptions, StreamOptions, stream_format_problem, target_of
+from layertap.spec import ExtractionSpec
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
 ShardState = Literal["pending", "queued", "running", "done", "failed"]
@@ -29,9 +29,6 @@ class JobSpec(StreamOptions, ExtractionSpec):
     out: Path | None = Field(default=None, description="Output folder, relative to the output root.")
     shard_size: int = Field(default=100, gt=0, le=100_000, description="Dataset rows per shard (one task each).")
     engine: EngineOptions = EngineOptions()
-    sample_attempts: Annotated[int, Flag(name="--attempts")] = Field(
-        default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
-    )
     audit_samples: int = Field(
         default=0,
         ge=0,
@@ -42,8 +39,9 @@ class JobSpec(StreamOptions, ExtractionSpec):
 
     @model_validator(mode="after")
     def _stream_layout(self) -> JobSpec:
-        if self.stream is not None and self.format != "speculators":
-            raise ValueError(f"stream {self.stream} puts speculators' sample: the job's format must be speculators")
+        if problem := stream_format_problem(self.stream, self.format):
+            raise ValueError(problem)
+        target_of(self.stream, self.stream_only)
         return self
 
     def extraction(self) -> ExtractionSpec:
