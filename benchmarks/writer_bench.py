@@ -304,7 +304,9 @@ def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
         spec = ExtractionSpec(model=model, data=data, layers=LAYERS)
         engine = DumpEngine(args.tmpfs / "dumps", {f"s{i}": rid for i, rid in enumerate(rids)})
         t0 = time.perf_counter()
-        run = Run.create(spec, root, lambda cap, folder, e=engine: e, RunSettings(commit_threads=n, resume_check="quick"))
+        run = Run.create(
+            spec, root, lambda cap, folder, e=engine: e, RunSettings(commit_threads=n, resume_check="quick")
+        )
         report = run.rows()
         dt = time.perf_counter() - t0
         assert len(report.computed) == len(rids) and report.failed == 0, report

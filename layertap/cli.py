@@ -19,6 +19,7 @@ from layertap.spec import ExtractionSpec
 from layertap.trainers import GUIDE
 
 if TYPE_CHECKING:
+    from layertap.stream.sink import MooncakeSink
     from layertap.verify import VerifyReport
 
 STREAM_ADDRESSES = ("mooncake_master", "stream_redis_url")  # the run settings a stream's consumer takes too
