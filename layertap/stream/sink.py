@@ -28,6 +28,7 @@ from layertap.errors import SpecError
 from layertap.settings import RunSettings
 from layertap.state.keys import Keys
 from layertap.state.model import StreamView
+from layertap.state.views import settled_samples
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from layertap.stream.mooncake import (
@@ -99,6 +100,7 @@ class MooncakeSink:
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
         self.put_count = 0
+        self.dead = 0  # samples put that a consumer dead-lettered
         self.held_since: float | None = None  # time.time() when the wait at the bound began; None while it puts
         self.held_s = 0.0  # this run's waits at the bound, ended ones summed
         self.ended = False
@@ -185,9 +187,9 @@ class MooncakeSink:
         """This run's puts against its consumers, from what the producer knows (no round trip: the CLI's bar draws it
         several times a second); the acks as last collected."""
         held_now = 0.0 if self.held_since is None else time.time() - self.held_since
-        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked),
+        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked) - self.dead,
                           bound=self.max_unacked, held=int(self.held_since is not None), held_s=self.held_s + held_now,
-                          ended=self.ended)  # fmt: skip
+                          ended=self.ended, dead=self.dead)  # fmt: skip
 
     def _hold(self) -> bool:
         """Wait at the bound until a consumer acks, the wait told for the views (`layertap.state.views.stream_views`):
@@ -246,7 +248,7 @@ class MooncakeSink:
     def _collect_acks(self) -> None:
         if not self.unacked:
             return
-        ids = list(self.unacked)
-        for sample_id, by in zip(ids, self.redis.hmget(self.keys.stream_acked(self.name), ids), strict=True):
-            if by is not None:
-                del self.unacked[sample_id]
+        acked, dead = settled_samples(self.redis, self.keys, self.name, list(self.unacked))
+        for sample_id in acked + dead:  # a dead-lettered sample is settled, counted dead, not delivered
+            del self.unacked[sample_id]
+        self.dead += len(dead)
