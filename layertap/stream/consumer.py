@@ -57,6 +57,11 @@ class Delivery:
     tensors: dict[str, torch.Tensor]
     problems: tuple[str, ...] = ()
 
+    def sample(self) -> dict[str, torch.Tensor]:
+        """The trainer's sample (`StreamDataset`'s item): the tensors with ``token_ids`` named ``input_ids``."""
+        tensors = dict(self.tensors)
+        return {"input_ids": tensors.pop("token_ids"), **tensors}
+
 
 def stream_record(manifest: dict[str, Any]) -> SampleRecord:
     """The store's index record of a streamed sample, as its manifest carries it (`mooncake.sample_manifest`):
@@ -311,7 +316,6 @@ class StreamDataset(IterableDataset):
         consumer = StreamConsumer(**self.args)  # in the DataLoader worker: clients are per process
         try:
             for delivery in consumer.deliveries(self.limit):
-                tensors = dict(delivery.tensors)
-                yield {"input_ids": tensors.pop("token_ids"), **tensors}
+                yield delivery.sample()
         finally:
             consumer.close()
