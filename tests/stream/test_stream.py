@@ -252,7 +252,7 @@ def test_a_consumer_that_falls_behind_holds_the_producer_at_its_bound_as_every_v
         (held,) = api.get("/streams").json()["streams"]
         assert {k: v for k, v in held.items() if k != "held_s"} == {"name": name, "state": "held", "put": 2 + UNACKED,
                                                                    "acked": 2, "in_flight": UNACKED, "bound": UNACKED,
-                                                                   "held": 1}  # fmt: skip
+                                                                   "held": 1, "dead": 0}  # fmt: skip
         assert held["held_s"] > 0
         metrics = scraped(f"{coordinator.url}/metrics")
         for status, count in (("put", 2 + UNACKED), ("acked", 2), ("in_flight", UNACKED)):
