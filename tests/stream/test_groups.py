@@ -21,7 +21,7 @@ from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.stream.mooncake import connect, disconnect
 from tests.monitoring.test_live import scraped
-from tests.stream.test_stream import CONSUME, UNACKED, env
+from tests.stream.test_stream import CONSUME, UNACKED, env, exit_code
 from tests.stream.test_verify import streamed_run
 
 
@@ -63,7 +63,7 @@ def test_two_groups_each_get_every_sample_and_an_object_goes_once_both_acked(
         assert redis_client.hlen(keys.stream_group_acked(name, "trainers")) == 2
         assert scraped(mooncake_master.metrics_url)[("master_key_count", ())] == UNACKED  # the verifier's acks kept
         trainer.send_signal(signal.SIGUSR1)
-        assert producer.popen.wait(timeout=300) == 0, producer.log_tail()
+        assert exit_code(producer, redis_client, name) == 0, producer.log_tail()
         assert trainer.popen.wait(timeout=60) == 0, trainer.log_tail()
         assert checker.popen.wait(timeout=60) == 0, checker.log_tail()
     finally:
@@ -115,7 +115,7 @@ def test_a_sample_altered_after_its_put_is_dead_lettered_shown_and_settles_its_p
         store, bad = corrupt_first_sample(redis_client, mooncake_master, name)
         procs += [consumer(redis_server, mooncake_master, name, tmp_path), verifier(redis_server, mooncake_master,
                                                                                      name, tmp_path)]  # fmt: skip
-        assert producer.popen.wait(timeout=300) == 0, producer.log_tail()  # settled: it does not wait forever
+        assert exit_code(producer, redis_client, name) == 0, producer.log_tail()  # settled: it does not wait forever
         assert procs[1].popen.wait(timeout=60) == 0, procs[1].log_tail()
         assert procs[2].popen.wait(timeout=60) == 1, procs[2].log_tail()
     finally:
