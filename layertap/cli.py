@@ -147,7 +147,12 @@ def verify(out: Path, quick: bool, rewrite_token_freq: bool, data: Path | None, 
 @click.argument("name")
 @model_options(RunSettings, exclude=tuple(f for f in RunSettings.model_fields if f not in STREAM_ADDRESSES))
 @key_prefix_option
-@click.option("--group", default="trainers", show_default=True, help="The consumer group it reads in.")
+@click.option(
+    "--group",
+    default="stream-verify",
+    show_default=True,
+    help="The consumer group it reads in: its own gets every sample beside the trainers' group.",
+)
 @click.option("--consumer", default=None, help="Its name in the group (default: host-pid).")
 @click.option("--quick", is_flag=True, help="Skip the finiteness checks.")
 @click.option(
@@ -163,12 +168,14 @@ def stream_verify(
 ) -> None:  # fmt: skip
     """Consume stream NAME as a trainer does, checking each sample as verify checks a file (the run's fingerprint:
     model, tokenizer, dataset, layers, dtype, server; keys, shapes, dtypes, input_ids hash, loss mask, finiteness;
-    each sample once, each dataset row under one sample id), until its run has ended and every sample is acked.
-    Exit 1 on any problem, each named by its sample.
+    each sample once, each dataset row under one sample id), until its run has ended and every sample is settled.
+    Exit 1 on any problem, each named by its sample; the samples dead-lettered (by it or another consumer) are
+    problems.
 
-    Each sample is acked once checked, problems or not (an unacked sample holds its producer), so it can stand in
-    for a trainer in a smoke run. Beside trainers in --group it checks only the share it gets, and a consumer of any
-    group removes what it acks: there is no reading a stream without consuming it."""
+    Each sample is acked once checked, or dead-lettered when its checks fail (an unacked sample holds its producer),
+    so it can stand in for a trainer in a smoke run. In a group of its own (the default) it gets every sample beside
+    the trainers' group, whose samples stay theirs: an object is removed once every group registered when it was put
+    has acked it. A paused stream (its job cancelled) is waited on; with --idle-timeout it is reported."""
     from layertap.stream.verify import verify_stream
 
     with failing_on_errors():

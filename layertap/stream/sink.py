@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from layertap.settings import RunSettings
 from layertap.state.keys import Keys
 from layertap.state.model import StreamView
+from layertap.state.views import settled_samples
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from layertap.stream.mooncake import (
@@ -103,6 +104,7 @@ class MooncakeSink:
         self.unacked: dict[str, tuple[str, SampleRecord]] = {}  # sample id -> (handle, record), put and not acked
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="stream-put")  # every Redis and Mooncake call
         self.put_count = 0
+        self.dead = 0  # samples put that a consumer dead-lettered
         self.held_since: float | None = None  # time.time() when the wait at the bound began; None while it puts
         self.held_s = 0.0  # this run's waits at the bound, ended ones summed
         self.ended = False
@@ -190,9 +192,9 @@ class MooncakeSink:
         """This run's puts against its consumers, from what the producer knows (no round trip: the CLI's bar draws it
         several times a second); the acks as last collected."""
         held_now = 0.0 if self.held_since is None else time.time() - self.held_since
-        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked),
+        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked) - self.dead,
                           bound=self.max_unacked, held=int(self.held_since is not None), held_s=self.held_s + held_now,
-                          ended=self.ended)  # fmt: skip
+                          ended=self.ended, dead=self.dead)  # fmt: skip
 
     def _hold(self) -> bool:
         """Wait at the bound until a consumer acks, the wait told for the views (`layertap.state.views.stream_views`):
@@ -251,7 +253,9 @@ class MooncakeSink:
     def _collect_acks(self) -> None:
         if not self.unacked:
             return
-        ids = list(self.unacked)
-        for sample_id, by in zip(ids, self.redis.hmget(self.keys.stream_acked(self.name), ids), strict=True):
-            if by is not None:
-                self.on_acked(self.unacked.pop(sample_id)[1])
+        acked, dead = settled_samples(self.redis, self.keys, self.name, list(self.unacked))
+        for sample_id in acked:
+            self.on_acked(self.unacked.pop(sample_id)[1])
+        for sample_id in dead:  # a dead-lettered sample is settled, counted dead, not delivered
+            del self.unacked[sample_id]
+        self.dead += len(dead)
