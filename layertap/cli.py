@@ -90,7 +90,9 @@ def extract(out: Path, **options: Any) -> None:
         f" {report.failed} failed captures. Output: {out}"
     )
     if (view := run.target.view()) is not None:
-        console.print(f"streamed: {view.put} samples put to stream {view.name}, every one acked"
+        dead = run.target.undelivered()
+        settled = f"{dead} dead-lettered by a consumer, the rest acked" if dead else "every one acked"
+        console.print(f"streamed: {view.put} samples put to stream {view.name}, {settled}"
                       + (" (no sample files written: --stream-only)" if settings.stream_only else ""))  # fmt: skip
     if spec.regenerate is not None:
         console.print(

@@ -166,6 +166,10 @@ class Run:
         ``started`` (`time.monotonic`)."""
         self.engine.close()
         report.stopped = report.stopped or not self.target.delivered(last=True)
+        for _ in range(self.target.undelivered()):  # counted against the run, as a failed capture is
+            report.failed += 1
+            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
+                           "stream-verify names each, with why)")  # fmt: skip
         self.store.finalize(complete=True, target=self.plan.folder)
         report.seconds = time.monotonic() - started
         report.save()

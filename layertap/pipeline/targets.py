@@ -51,6 +51,10 @@ class Target(Protocol):
         no more samples come on this target's stream (a whole run's end; a job's shard is one producer of many)."""
         ...
 
+    def undelivered(self) -> int:
+        """Samples committed that no consumer could use (a stream's dead letters, settled but not delivered)."""
+        ...
+
     def view(self) -> object | None:
         """The stream's puts against its acks for a progress bar (`layertap.state.model.StreamView`); None without
         a stream."""
@@ -64,6 +68,7 @@ class StreamSink(Protocol):
     does not import the stream package)."""
 
     name: str
+    dead: int
     on_acked: Callable[[SampleRecord], None]
 
     def open(self, store: OutputStore, server: str | None) -> None: ...
@@ -107,6 +112,9 @@ class FilesTarget:
 
     def delivered(self, *, last: bool) -> bool:
         return True
+
+    def undelivered(self) -> int:
+        return 0
 
     def view(self) -> object | None:
         return None
@@ -170,6 +178,9 @@ class StreamTarget:
             self.sink.drain()
             return True
         return self.sink.wait_acked()
+
+    def undelivered(self) -> int:
+        return self.sink.dead
 
     def view(self) -> object | None:
         return self.sink.view()

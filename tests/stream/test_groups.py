@@ -115,7 +115,8 @@ def test_a_sample_altered_after_its_put_is_dead_lettered_shown_and_settles_its_p
         store, bad = corrupt_first_sample(redis_client, mooncake_master, name)
         procs += [consumer(redis_server, mooncake_master, name, tmp_path), verifier(redis_server, mooncake_master,
                                                                                      name, tmp_path)]  # fmt: skip
-        assert exit_code(producer, redis_client, name) == 0, producer.log_tail()  # settled: it does not wait forever
+        # Settled, so it does not wait for ever; the dead letter counts against the run (1 bad row of 8 > 1%).
+        assert exit_code(producer, redis_client, name) == 1, producer.log_tail()
         assert procs[1].popen.wait(timeout=60) == 0, procs[1].log_tail()
         assert procs[2].popen.wait(timeout=60) == 1, procs[2].log_tail()
     finally:
@@ -132,6 +133,9 @@ def test_a_sample_altered_after_its_put_is_dead_lettered_shown_and_settles_its_p
     line = (f"stream {name}: {rows} put, {rows - 1} acked, 1 dead-lettered, 0 in flight (bound {UNACKED}), every one "
             "settled, not all delivered")  # fmt: skip
     assert line in said(tmp_path / "extract.log")
+    assert "failed: 1 bad rows of 8" in said(tmp_path / "extract.log") and "dead_letter 1" in said(
+        tmp_path / "extract.log"
+    )
     problems = said(tmp_path / "verify.log").split("problem: ")[1:]  # its own, or the trainer's dead letter
     assert len(problems) == 1 and f"sample {bad}" in problems[0], problems
     assert "input_ids differ from the index record" in problems[0] and "1 problems" in problems[0]
