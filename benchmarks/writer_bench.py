@@ -6,7 +6,7 @@ Five tables, every figure measured in this run on this machine:
    checks, torch.save with and without its zip CRC-32, safetensors built in memory vs streamed.
 2. The plugin's `DumpWriter` (specforge dumps: serialise, write, fsync, rename) by
    writer threads, on tmpfs and on the local disk: the server side of capture.
-3. The worker's commit of those dumps (`OutputStore.commit` through `run_shard`: read the dump,
+3. The worker's commit of those dumps (`OutputStore.commit` through `Run.rows`: read the dump,
    check ids, shapes, dtypes, loss mask, finiteness, rename into the store, hash the file, append
    the index record) by commit threads, on tmpfs: the client side.
 4. One writer beside a busy Python loop, as the writers run beside SGLang's scheduler loop: the
@@ -288,7 +288,7 @@ def speculators_table(args: argparse.Namespace, states: dict[str, torch.Tensor],
 
 
 def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
-    """Table 3: the worker's `run_shard` + `OutputStore.commit` of the writers' dumps, by commit threads."""
+    """Table 3: the worker's `Run.rows` + `OutputStore.commit` of the writers' dumps, by commit threads."""
     rows = ["| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]
     data = args.tmpfs / "data.jsonl"
     data.write_text(

@@ -2,7 +2,7 @@
 
 ``WorkerContext`` is built once per process: the Redis client (retrying through a short Redis
 restart), the engine cache, the heartbeat thread. ``run_shard`` claims a shard attempt, runs the
-shared pipeline over its rows into the job's store, and completes it; the attempt that completes
+shared `Run` over its rows into the job's target, and completes it; the attempt that completes
 the last shard finalizes the store, then sends the job's audit (``worker.audit``) when it asks for one.
 
 Each attempt is a `layertap.pipeline.Run` over the shard's rows: the job's stored plan bound to this worker's engine,

@@ -1,5 +1,5 @@
 """A sample that makes the engine fail is retried alone and recorded after N attempts; its batch-mates
-and the rest of the shard are committed (``run_shard``, the function every worker runs)."""
+and the rest of the shard are committed (`Run.rows`, what every worker runs)."""
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
