@@ -6,7 +6,7 @@ Five tables, every figure measured in this run on this machine:
    checks, torch.save with and without its zip CRC-32, safetensors built in memory vs streamed.
 2. The plugin's `DumpWriter` (specforge dumps: serialise, write, fsync, rename) by
    writer threads, on tmpfs and on the local disk: the server side of capture.
-3. The worker's commit of those dumps (`OutputStore.commit` through `run_shard`: read the dump,
+3. The worker's commit of those dumps (`OutputStore.commit` through `Run.rows`: read the dump,
    check ids, shapes, dtypes, loss mask, finiteness, rename into the store, hash the file, append
    the index record) by commit threads, on tmpfs: the client side.
 4. One writer beside a busy Python loop, as the writers run beside SGLang's scheduler loop: the
@@ -43,11 +43,10 @@ from torch.utils.serialization import config as serialization_config
 from benchmarks import report
 from layertap.engines.base import Engine
 from layertap.engines.sglang import captured_from_dump
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Run
 from layertap.sample import CapturedSample, TokenizedSample
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec, resolve_capture
-from layertap.store.manifest import Manifest
-from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import (
     AUX,
@@ -236,6 +235,18 @@ class DumpEngine(Engine):
         return {"name": "plugin dumps"}
 
 
+def bench_model(folder: Path, hidden: int) -> Path:
+    """A model folder whose config says ``hidden`` wide, with no weights: only its config and tokenizer are read (the
+    dumps are made here, the rows pretokenized)."""
+    if not (folder / "config.json").exists():
+        build_tiny_model("llama", folder)
+        for weights in folder.glob("*.safetensors"):
+            weights.unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": hidden, "num_hidden_layers": 5}))
+    return folder
+
+
 def writer_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str], nbytes: int) -> list[str]:
     """Table 2: `DumpWriter` by writer threads, on tmpfs and on the disk."""
     rows = ["| volume | writer threads | GB/s | vs 1 thread |", "|---|---|---|---|"]
@@ -277,41 +288,33 @@ def speculators_table(args: argparse.Namespace, states: dict[str, torch.Tensor],
 
 
 def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
-    """Table 3: the worker's `run_shard` + `OutputStore.commit` of the writers' dumps, by commit threads."""
+    """Table 3: the worker's `Run.rows` + `OutputStore.commit` of the writers' dumps, by commit threads."""
     rows = ["| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]
     data = args.tmpfs / "data.jsonl"
     data.write_text(
         "".join(json.dumps({"id": f"s{i}", "input_ids": [5] * args.tokens}) + "\n" for i in range(len(rids)))
     )
-    model = args.disk / "model"  # only its tokenizer is used (rows are pretokenized)
-    if not (model / "config.json").exists():
-        build_tiny_model("llama", model)
+    model = bench_model(args.disk / "model", args.hidden)
     assert mask_runs(torch.ones(args.tokens, dtype=torch.uint8)) == ((0, args.tokens),)
     base = None
     for n in args.threads:
         write_dumps(args.tmpfs / "dumps", states, rids, 4)
         root = args.tmpfs / "store"
         shutil.rmtree(root, ignore_errors=True)
-        engine = DumpEngine(args.tmpfs / "dumps", {f"s{i}": rid for i, rid in enumerate(rids)})
         spec = ExtractionSpec(model=model, data=data, layers=LAYERS)
-        manifest = Manifest(
-            format="specforge", model_path="bench", model_config_sha256="-", model_revision=None,
-            tokenizer_sha256="-", chat_template_sha256=None, compute_dtype="bfloat16", store_dtype="bfloat16",
-            hidden_size=args.hidden, num_layers=5, layer_ids_given=list(LAYERS), layer_convention="capture",
-            capture_indices=list(LAYERS), final_post_norm=True, final_pre_norm=False, max_length=None,
-            overlong="truncate", dataset_path=str(data), dataset_rows=len(rids), engine={"name": "bench"},
-        )  # fmt: skip
-        store = OutputStore.create_or_resume(root, manifest)
+        engine = DumpEngine(args.tmpfs / "dumps", {f"s{i}": rid for i, rid in enumerate(rids)})
         t0 = time.perf_counter()
-        plan = plan_run(spec, stored=manifest).on(engine)
-        report = run_shard(plan, store, engine, commit_threads=n, check_level="quick")
+        run = Run.create(
+            spec, root, lambda cap, folder, e=engine: e, RunSettings(commit_threads=n, resume_check="quick")
+        )
+        report = run.rows()
         dt = time.perf_counter() - t0
         assert len(report.computed) == len(rids) and report.failed == 0, report
-        written = sum(r.nbytes for r in store.records().values())
+        written = sum(r.nbytes for r in run.store.records().values())
         base = base or written / dt
         rows.append(f"| {n} | {written / dt / 1e9:.2f} | {report.tokens / dt:,.0f} | {written / dt / base:.2f}x |")
         print(rows[-1], flush=True)
-        store.close()
+        run.store.close()
         shutil.rmtree(root)
     return rows
 

@@ -193,8 +193,9 @@ class StateCollector(Collector):
     def _streams(self) -> list[Metric]:
         """Each stream's producer, CLI run or job (`layertap.state.views.stream_views`)."""
         g = GaugeMetricFamily
-        samples = g("layertap_stream_samples", "A stream's samples by status: put (distinct), acked by a consumer, "
-                    "in_flight (put, not acked yet: at most the bound).", labels=["stream", "status"])  # fmt: skip
+        samples = g("layertap_stream_samples", "A stream's samples by status: put (distinct), acked by every group, "
+                    "dead (dead-lettered: a consumer could not use them), in_flight (put, neither yet: at most the "
+                    "bound).", labels=["stream", "status"])  # fmt: skip
         bound = g("layertap_stream_unacked_bound", "A producer's bound: it stops putting at this many in flight.",
                   labels=["stream"])  # fmt: skip
         held = g("layertap_stream_held", "Producers waiting at their bound now: the consumers are behind.",
@@ -202,7 +203,8 @@ class StateCollector(Collector):
         held_s = CounterMetricFamily("layertap_stream_held_seconds", "Seconds producers waited at their bound.",
                                      labels=["stream"])  # fmt: skip
         for view in stream_views(self.redis, self.keys):
-            for status, value in (("put", view.put), ("acked", view.acked), ("in_flight", view.in_flight)):
+            for status, value in (("put", view.put), ("acked", view.acked), ("dead", view.dead),
+                                  ("in_flight", view.in_flight)):  # fmt: skip
                 samples.add_metric([view.name, status], value)
             bound.add_metric([view.name], view.bound)
             held.add_metric([view.name], view.held)

@@ -219,10 +219,11 @@ class WorkersPublic(BaseModel):
 
 
 class StreamPublic(BaseModel):
-    """A stream's producers against its consumers: samples ``put`` and ``acked``, ``in_flight`` (put, not acked yet:
-    each producer holds its own at ``bound``; a job's shard attempts are producers each), ``held`` producers waiting
-    at their bound now (the consumers are behind), ``held_s`` the seconds they waited there in all; ``state`` putting,
-    held, draining (its last sample put, the producer waits for the rest's acks) or done."""
+    """A stream's producers against its consumers: samples ``put``, ``acked`` (by every consumer group they wait
+    for) and ``dead`` (dead-lettered: a consumer could not use them), ``in_flight`` (put, neither yet: each producer
+    holds its own at ``bound``; a job's shard attempts are producers each), ``held`` producers waiting at their bound
+    now (the consumers are behind), ``held_s`` the seconds they waited there in all; ``state`` putting, held, paused
+    (its job cancelled), draining (its last sample put, the producer waits for the rest's acks) or done."""
 
     name: str
     state: StreamState
@@ -232,11 +233,12 @@ class StreamPublic(BaseModel):
     bound: int
     held: int
     held_s: float
+    dead: int
 
     @classmethod
     def of(cls, view: StreamView) -> StreamPublic:
         return cls(name=view.name, state=view.state, put=view.put, acked=view.acked, in_flight=view.in_flight,
-                   bound=view.bound, held=view.held, held_s=view.held_s)  # fmt: skip
+                   bound=view.bound, held=view.held, held_s=view.held_s, dead=view.dead)  # fmt: skip
 
 
 class StreamsPublic(BaseModel):

@@ -30,13 +30,24 @@ class PortTaken(ProcessExited):
 def wait_for(check: Callable[[], T], *, timeout: float, what: str, every: float = 0.05) -> T:
     """Poll ``check`` until it returns something truthy (returned); ``TimeoutError`` naming ``what`` after
     ``timeout`` s."""
-    deadline = time.monotonic() + timeout
+    return wait_moving(check, moved=lambda: None, stall=timeout, what=what, every=every)
+
+
+def wait_moving(
+    check: Callable[[], T], *, moved: Callable[[], object], stall: float, what: str, every: float = 0.05
+) -> T:
+    """Poll ``check`` until it returns something truthy (returned), for as long as the work moves: ``TimeoutError``
+    naming ``what`` once ``moved()`` (its progress: samples done, acks...) stayed the same for ``stall`` s. A slow
+    machine is waited on; a stuck run fails as soon as on a fast one."""
+    last, since = moved(), time.monotonic()
     while True:
         value = check()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        if (now := moved()) != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > stall:
+            raise TimeoutError(f"nothing moved for {stall:.0f}s (at {now!r}) waiting for {what}")
         time.sleep(every)
 
 

@@ -55,38 +55,33 @@ def extract(out: Path, **options: Any) -> None:
     """Run (or resume) an extraction into OUT; exit 1 when it stored nothing or more rows were bad than
     --max-bad-rows allows (2 when it could not run)."""
     _quiet_libraries()
-    from layertap.pipeline import run_extraction
+    import time
+
+    from layertap.pipeline import ProgressEvents, Run
     from layertap.progress import RichProgress
 
+    started = time.monotonic()
     with failing_on_errors():
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
-        sink = None if settings.stream is None else _stream_sink(settings, out)
-    progress = RichProgress(console, stream=None if sink is None else sink.view)
+        if settings.engine == "hf":
+            if spec.regenerate is not None:
+                fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
+            factory = hf_engine_factory(settings)
+        else:
+            dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
+            factory = sglang_engine_factory(
+                spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
+            )
+        run = Run.create(spec, out, factory, settings, _stream_sink(settings, out))
+    stream = run.target.view() is not None
+    progress = RichProgress(console, stream=run.target.view if stream else None)
     try:
         with failing_on_errors():
-            if settings.engine == "hf":
-                if spec.regenerate is not None:
-                    fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
-                factory = hf_engine_factory(settings)
-            else:
-                dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
-                factory = sglang_engine_factory(
-                    spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
-                )
-            report = run_extraction(
-                spec,
-                out,
-                factory,
-                progress=progress,
-                check_level=settings.resume_check,
-                commit_threads=settings.commit_threads,
-                sink=sink,
-            )
+            report = run.finish(run.rows(events=ProgressEvents(progress)), started=started)
     finally:
         progress.stop()
-        if sink is not None:
-            sink.close()
+        run.close()
     console.print(
         f"[green]done[/]: {len(report.computed)} samples computed, {report.already_done} already done"
         f" ({len(report.redone)} redone after failing checks, {len(report.changed)} recomputed because their rows"
@@ -94,8 +89,11 @@ def extract(out: Path, **options: Any) -> None:
         f" {report.row_errors} bad rows, {report.skipped_overlong} skipped as too long, {report.truncated} truncated,"
         f" {report.failed} failed captures. Output: {out}"
     )
-    if sink is not None:
-        console.print(f"streamed: {sink.put_count} samples put to stream {sink.name}, every one acked")
+    if (view := run.target.view()) is not None:
+        dead = run.target.undelivered()
+        settled = f"{dead} dead-lettered by a consumer, the rest acked" if dead else "every one acked"
+        console.print(f"streamed: {view.put} samples put to stream {view.name}, {settled}"
+                      + (" (no sample files written: --stream-only)" if settings.stream_only else ""))  # fmt: skip
     if spec.regenerate is not None:
         console.print(
             f"regenerated: {report.generated_tokens:,} tokens generated in {report.generation_seconds:.1f}s"
@@ -110,9 +108,11 @@ def extract(out: Path, **options: Any) -> None:
     click.echo((out / GUIDE).read_text())
 
 
-def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink:
-    """The run's Mooncake sink (`layertap.stream`), connected before any work: a master or Redis it cannot reach is
-    refused first."""
+def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink | None:
+    """The run's Mooncake sink (`layertap.stream`), connected before its server starts: a master or Redis it cannot
+    reach is refused first. None when the run does not stream."""
+    if settings.stream is None:
+        return None
     from layertap.stream.sink import open_sink
 
     return open_sink(settings, out)
@@ -149,7 +149,12 @@ def verify(out: Path, quick: bool, rewrite_token_freq: bool, data: Path | None, 
 @click.argument("name")
 @model_options(RunSettings, exclude=tuple(f for f in RunSettings.model_fields if f not in STREAM_ADDRESSES))
 @key_prefix_option
-@click.option("--group", default="trainers", show_default=True, help="The consumer group it reads in.")
+@click.option(
+    "--group",
+    default="stream-verify",
+    show_default=True,
+    help="The consumer group it reads in: its own gets every sample beside the trainers' group.",
+)
 @click.option("--consumer", default=None, help="Its name in the group (default: host-pid).")
 @click.option("--quick", is_flag=True, help="Skip the finiteness checks.")
 @click.option(
@@ -165,12 +170,14 @@ def stream_verify(
 ) -> None:  # fmt: skip
     """Consume stream NAME as a trainer does, checking each sample as verify checks a file (the run's fingerprint:
     model, tokenizer, dataset, layers, dtype, server; keys, shapes, dtypes, input_ids hash, loss mask, finiteness;
-    each sample once, each dataset row under one sample id), until its run has ended and every sample is acked.
-    Exit 1 on any problem, each named by its sample.
+    each sample once, each dataset row under one sample id), until its run has ended and every sample is settled.
+    Exit 1 on any problem, each named by its sample; the samples dead-lettered (by it or another consumer) are
+    problems.
 
-    Each sample is acked once checked, problems or not (an unacked sample holds its producer), so it can stand in
-    for a trainer in a smoke run. Beside trainers in --group it checks only the share it gets, and a consumer of any
-    group removes what it acks: there is no reading a stream without consuming it."""
+    Each sample is acked once checked, or dead-lettered when its checks fail (an unacked sample holds its producer),
+    so it can stand in for a trainer in a smoke run. In a group of its own (the default) it gets every sample beside
+    the trainers' group, whose samples stay theirs: an object is removed once every group registered when it was put
+    has acked it. A paused stream (its job cancelled) is waited on; with --idle-timeout it is reported."""
     from layertap.stream.verify import verify_stream
 
     with failing_on_errors():

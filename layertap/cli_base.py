@@ -136,10 +136,10 @@ def _click_type(annotation: Any, flag: Flag) -> Any:
 def _option(name: str, info: FieldInfo) -> Callable[[Command], Command]:
     flag = _flag(info)
     decl = flag.name or f"--{name.replace('_', '-')}"
-    if info.annotation is bool:
-        if info.default is not False:
+    if info.annotation in (bool, bool | None):  # a flag; an optional one (a job's override) is None when not given
+        if info.default not in (False, None):
             raise TypeError(f"{name}: a flag is off by default")
-        return click.option(decl, name, is_flag=True, help=info.description)
+        return click.option(decl, name, is_flag=True, default=info.default, help=info.description)
     if info.is_required():  # no default at all: click 8.3+ takes an explicit None as given and never reports it missing
         return click.option(decl, name, type=_click_type(info.annotation, flag), required=True, help=info.description)
     return click.option(

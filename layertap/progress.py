@@ -31,15 +31,17 @@ class _GeneratedPerSecond(ProgressColumn):
                     style="magenta")  # fmt: skip
 
 
-STREAM_STATES = {"putting": "putting", "held": "held at the bound", "draining": "waiting for the last acks",
-                 "done": "every one acked"}  # fmt: skip
+STREAM_STATES = {"putting": "putting", "held": "held at the bound", "paused": "paused (its job cancelled)",
+                 "draining": "waiting for the last acks", "done": "every one acked"}  # fmt: skip
 
 
 def stream_line(view: StreamView) -> str:
-    """One stream's producer as the CLI tells it: put, acked, in flight against its bound, what it does, and how long
-    it waited at the bound (its consumers behind)."""
-    return (f"stream {view.name}: {view.put:,} put, {view.acked:,} acked, {view.in_flight:,} in flight (bound "
-            f"{view.bound:,}), {STREAM_STATES[view.state]}, held {view.held_s:,.1f}s")  # fmt: skip
+    """One stream's producer as the CLI tells it: put, acked, dead-lettered (when any), in flight against its bound,
+    what it does, and how long it waited at the bound (its consumers behind)."""
+    dead = f"{view.dead:,} dead-lettered, " if view.dead else ""
+    state = "every one settled, not all delivered" if view.state == "done" and view.dead else STREAM_STATES[view.state]
+    return (f"stream {view.name}: {view.put:,} put, {view.acked:,} acked, {dead}{view.in_flight:,} in flight (bound "
+            f"{view.bound:,}), {state}, held {view.held_s:,.1f}s")  # fmt: skip
 
 
 class _Progress(Progress):

@@ -27,7 +27,9 @@ GENERATION_IN_FLIGHT = 64
 # What a job may tune per run; the rest of a worker's settings are its host's (paths, server, device).
 JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight", "generation_in_flight")
 # Where a job streams its samples (docs/streaming.md); the memory a worker lends Mooncake Store is its host's.
-JOB_STREAM = ("stream", "mooncake_master", "stream_redis_url", "stream_name", "stream_unacked")
+JOB_STREAM = ("stream", "stream_only", "mooncake_master", "stream_redis_url", "stream_name", "stream_unacked")
+# Where a run's committed samples go (`layertap.pipeline.targets`): sample files, a stream, or both.
+Target = Literal["files", "stream", "both"]
 
 
 class RunSettings(BaseModel):
@@ -92,6 +94,11 @@ class RunSettings(BaseModel):
         "speculators' hs-connectors layout (--format speculators) and its manifest on a Redis stream "
         "(docs/streaming.md); the run ends once every sample is acked.",
     )
+    stream_only: bool = Field(
+        default=False,
+        description="With --stream: write no sample files; each sample goes from the capture straight into the "
+        "stream and is done once a consumer acks it (the output folder keeps only the run's record and its acks).",
+    )
     mooncake_master: str = Field(
         default="127.0.0.1:50051", description="The Mooncake master (host:port) of the stream (--stream mooncake)."
     )
@@ -124,6 +131,16 @@ class RunSettings(BaseModel):
             raise ValueError(str(exc)) from None
         return value
 
+    @property
+    def target(self) -> Target:
+        """Where this run's samples go: files (no stream), stream (--stream-only) or both."""
+        return target_of(self.stream, self.stream_only)
+
+    @model_validator(mode="after")
+    def _stream_only_streams(self) -> RunSettings:
+        target_of(self.stream, self.stream_only)
+        return self
+
     @model_validator(mode="after")
     def _dtype_is_hf(self) -> RunSettings:
         if self.dtype is not None and self.engine != "hf":
@@ -133,6 +150,27 @@ class RunSettings(BaseModel):
     def tuned(self, options: BaseModel) -> RunSettings:
         """These settings with a job's engine options in place of their own where the job set one."""
         return self.model_copy(update=options.model_dump(exclude_none=True))
+
+
+def target_of(stream: str | None, stream_only: bool | None) -> Target:
+    """The target of a run that streams to ``stream`` (None: it does not) with ``stream_only`` set or not; ValueError
+    for --stream-only without a stream."""
+    if stream is None:
+        if stream_only:
+            raise ValueError("--stream-only needs a stream to put the samples in: add --stream mooncake")
+        return "files"
+    return "stream" if stream_only else "both"
+
+
+def stream_format_problem(stream: str | None, fmt: str) -> str | None:
+    """Why a run that streams to ``stream`` cannot store ``fmt`` (None: it can): a stream carries speculators' sample.
+    Checked before any work: `extract` before its server starts, a job at submit."""
+    if stream is None or fmt == "speculators":
+        return None
+    return (
+        f"--stream {stream} puts hs-connectors' layout, speculators' sample (token_ids, hidden_states [T, k+1, H] with "
+        f"the pre-norm final last): run with --format speculators, not {fmt}"
+    )
 
 
 def _job_overrides(model: str, names: tuple[str, ...], doc: str) -> type[BaseModel]:

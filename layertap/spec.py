@@ -224,6 +224,9 @@ class ExtractionSpec(BaseModel):
         description="Skip the check that the format's stock trainer takes this many aux layers (for a modified "
         "trainer).",
     )
+    sample_attempts: Annotated[int, Flag(name="--attempts")] = Field(
+        default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
+    )
     max_bad_rows: str = Field(
         default="1%",
         max_length=32,

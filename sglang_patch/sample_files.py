@@ -89,7 +89,18 @@ def dequantize_fp8(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def stack_aux_final(aux: torch.Tensor, final_pre: torch.Tensor) -> torch.Tensor:
-    """speculators' ``hidden_states`` [T, k+1, H]: ``aux`` [T, k, H], then ``final_pre`` [T, H]."""
+    """speculators' ``hidden_states`` [T, k+1, H]: ``aux`` [T, k, H], then ``final_pre`` [T, H]. Where both are views
+    of one such tensor already (a speculators dump as read), that tensor, not a copy."""
+    t, k, h = aux.shape
+    row = (k + 1) * h
+    if (
+        aux.dtype == final_pre.dtype
+        and aux.untyped_storage().data_ptr() == final_pre.untyped_storage().data_ptr()
+        and aux.stride() == (row, h, 1)
+        and final_pre.stride() == (row, 1)
+        and final_pre.storage_offset() == aux.storage_offset() + k * h
+    ):
+        return aux.as_strided((t, k + 1, h), (row, h, 1))
     return torch.cat([aux, final_pre.unsqueeze(1)], dim=1)
 
 

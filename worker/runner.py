@@ -2,13 +2,15 @@
 
 ``WorkerContext`` is built once per process: the Redis client (retrying through a short Redis
 restart), the engine cache, the heartbeat thread. ``run_shard`` claims a shard attempt, runs the
-shared pipeline over its rows into the job's store, and completes it; the attempt that completes
+shared `Run` over its rows into the job's target, and completes it; the attempt that completes
 the last shard finalizes the store, then sends the job's audit (``worker.audit``) when it asks for one.
 
-A job that streams (``JobSpec.streaming``, the worker's ``LAYERTAP_STREAM*`` where it names none) makes each shard
-attempt a producer of its own (`layertap.stream.sink.MooncakeSink`, its segment in this process): it first puts
-again what the shard's rows hold that no consumer acked, and the shard completes only once every sample it put is
-acked, so a shard done never has samples left in a segment that could die; the finalizer ends the stream.
+Each attempt is a `layertap.pipeline.Run` over the shard's rows: the job's stored plan bound to this worker's engine,
+the job's store, and its target. A job that streams (``JobSpec.streaming``, the worker's ``LAYERTAP_STREAM*`` where it
+names none) makes each shard attempt a producer of its own (`layertap.stream.sink.MooncakeSink`, its segment in this
+process): with files too it first puts again what the shard's rows hold that no consumer acked (stream-only: what no
+consumer acked is recomputed), and the shard completes only once every sample it put is acked, so a shard done never
+has samples left in a segment that could die; the finalizer ends the stream.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from redis.retry import Retry
 
 from layertap.engines.base import Engine
 from layertap.errors import ServerConfigError, ServerError
-from layertap.pipeline import FailureTally, RunPlan, plan_run, run_shard, run_verdict
-from layertap.sample import TokenizedSample
+from layertap.pipeline import Committed, FailureTally, Run, RunPlan, plan_run, run_verdict, target_for
 from layertap.state.jobs import Send
 from layertap.state.keys import AUDIT_TASK, Keys
 from layertap.state.model import JobSpec, SampleFailure
@@ -42,7 +43,7 @@ from worker.config import WorkerSettings
 from worker.engines import EngineCache
 from worker.guard import DiskGuard, WorkerStatus
 from worker.heartbeat import Heartbeat, RateMeter
-from worker.instrument import MeteredStore, queue_wait_s
+from worker.instrument import queue_wait_s
 from worker.metrics import WorkerMetrics, serve
 
 if TYPE_CHECKING:
@@ -91,11 +92,15 @@ class RedisEvents:
         if not self.attempt.start(already_done, already_tokens):
             self.job_state = "lost"
 
-    def committed(self, sample: TokenizedSample) -> None:
-        self.meter.add(sample.num_tokens)
+    def committed(self, done: Committed) -> None:
+        tokens = done.sample.num_tokens
+        self.metrics.stages["commit"].observe(done.seconds)
+        if done.record.sha256:  # a file written (a stream-only sample's bytes went to Mooncake, not the volume)
+            self.metrics.written_bytes.inc(done.record.nbytes)
+        self.meter.add(tokens)
         self.metrics.committed.inc()
-        self.metrics.tokens.inc(sample.num_tokens)
-        self.job_state = self.attempt.sample_done(sample.num_tokens)
+        self.metrics.tokens.inc(tokens)
+        self.job_state = self.attempt.sample_done(tokens)
 
     def generated(self, *, row: int, tokens: int, cut_turns: int) -> None:
         self.generation.add(tokens)
@@ -174,27 +179,19 @@ class WorkerContext:
             self.metrics.stages["queue_wait"].observe(waited)
         events = RedisEvents(attempt, self.meter, self.generation, self.metrics, self.guard, spec.out)
         with self.heartbeat.holding(job_id, shard, token), self.status.working():
-            store = MeteredStore.open_metered(spec.out, self.metrics)
+            store = OutputStore.open_existing(spec.out)
             store.writer_id = f"{self.name}-s{shard}-t{token}"
             sink = None
             try:
                 plan = plan or self.plan(spec)  # the attempt's one plan: its engine's, its rows'
                 engine = self.engine_for(spec, plan)
-                sink = self.stream_sink(spec, store, attempt, claim.start, claim.stop)
-                report = run_shard(
-                    plan.on(engine),
-                    store,
-                    engine,
-                    start=claim.start,
-                    stop=claim.stop,
-                    events=events,
-                    attempts=spec.sample_attempts,
-                    check_level=self.settings.resume_check,
-                    commit_threads=self.settings.commit_threads,
-                    sink=sink,
-                )
-                if sink is not None and not report.stopped:  # done only once delivered: see the module's docstring
-                    report.stopped = not sink.wait_acked()
+                sink = self.stream_sink(spec, attempt)
+                run = Run(plan.on(engine), engine, store, target_for(store, sink), self.settings.resume_check,
+                          self.settings.commit_threads)  # fmt: skip
+                run.target.open(None, claim.start, claim.stop)
+                report = run.rows(claim.start, claim.stop, events)
+                if not report.stopped:  # done only once delivered: see the module's docstring
+                    report.stopped = not run.target.delivered(last=False)
             except ServerError:
                 self.engines.close()  # the next task starts a fresh engine (and server)
                 raise
@@ -226,26 +223,17 @@ class WorkerContext:
             return self.finalize(job_id, token)
         return outcome
 
-    def stream_sink(
-        self, spec: JobSpec, store: OutputStore, attempt: ShardAttempt, start: int, stop: int
-    ) -> MooncakeSink | None:
-        """The attempt's producer on the job's stream (None when the job does not stream), opened on its rows
-        ``[start, stop)``; its waits for acks stop once the shard is no longer the attempt's or the job stops.
-        The stream's identity names no server: a job's samples come from every worker's (the store's server notes
-        refuse one that computes otherwise)."""
+    def stream_sink(self, spec: JobSpec, attempt: ShardAttempt) -> MooncakeSink | None:
+        """The attempt's producer on the job's stream (None when the job does not stream); its waits for acks stop
+        once the shard is no longer the attempt's or the job stops. The stream's identity names no server: a job's
+        samples come from every worker's (the store's server notes refuse one that computes otherwise)."""
         settings = self.settings.tuned(spec.streaming())
         if settings.stream is None:
             return None
         from layertap.stream.sink import open_sink
 
         assert spec.out is not None
-        sink = open_sink(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
-        try:
-            sink.open(store, None, start=start, stop=stop)
-        except BaseException:
-            sink.close()
-            raise
-        return sink
+        return open_sink(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
 
     def end_stream(self, spec: JobSpec) -> None:
         """Tell the job's stream's consumers it has put its last sample (every shard done, each one's acked)."""

@@ -22,9 +22,9 @@ import torch
 from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Committed, ProgressEvents, Run
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
-from layertap.store.store import OutputStore
 from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import FORMAT_FINAL
 
@@ -71,16 +71,15 @@ class CaptureRun:
     store: Path | None = None  # the store, when the caller keeps it
 
 
-class TimedStore(OutputStore):
-    """An OutputStore that adds up its commits' seconds (commit threads append; list.append is atomic)."""
+class CommitTimes(ProgressEvents):
+    """The run's events, adding up its commits' seconds (told in the run's thread)."""
 
-    commit_s: list[float]
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
 
-    def commit(self, captured: Any) -> Any:
-        t0 = time.perf_counter()
-        record = super().commit(captured)
-        self.commit_s.append(time.perf_counter() - t0)
-        return record
+    def committed(self, done: Committed) -> None:
+        self.seconds += done.seconds
 
 
 def volume_rate(folder: Path, file_bytes: int, threads: int, total_bytes: int) -> float:
@@ -135,21 +134,18 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
                           store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
-    plan = plan_run(spec)
-    folder, cap = plan.folder, plan.capture
     writer: list[dict[str, float]] = []
-    engine = SGLangEngine(bench.server, cap, folder=folder, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
-                          on_writer=writer.append)  # fmt: skip
-    plan = plan.on(engine)
     store_root = root / f"store-{tag}"
-    store = TimedStore.create_or_resume(store_root, plan.manifest())
-    store.commit_s = []
+    run = Run.create(spec, store_root, lambda cap, folder: SGLangEngine(
+        bench.server, cap, folder=folder, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
+        on_writer=writer.append), RunSettings(resume_check="quick", commit_threads=commit_threads))  # fmt: skip
+    times = CommitTimes()
     t0 = time.perf_counter()
-    report = run_shard(plan, store, engine, check_level="quick", commit_threads=commit_threads)
+    report = run.rows(events=times)
     dt = time.perf_counter() - t0
     assert len(report.computed) == len(batch) and report.failed == 0, report
-    nbytes = sum(r.nbytes for r in store.records().values())
-    store.close()
+    nbytes = sum(r.nbytes for r in run.store.records().values())
+    run.store.close()
     if not keep:
         shutil.rmtree(store_root)
     data.unlink()
@@ -164,7 +160,7 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
 
     return CaptureRun(tok_s=report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
                       writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
-                      commit_busy=sum(store.commit_s) / (dt * commit_threads),
+                      commit_busy=times.seconds / (dt * commit_threads),
                       pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
                       pinned_alloc_s=spread("pinned_alloc_s"), store=store_root if keep else None)  # fmt: skip
 

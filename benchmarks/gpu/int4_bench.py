@@ -37,9 +37,9 @@ from benchmarks.report import git_commit, table_lines
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Run
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
-from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 
@@ -60,18 +60,15 @@ def start(server: SGLangServer) -> float:
 def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Path) -> tuple[float, int, list]:
     """Every row of ``data`` captured through ``server`` into a specforge store at ``out``: (seconds, tokens, ids)."""
     spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
-    plan = plan_run(spec)
-    folder, cap = plan.folder, plan.capture
-    engine = SGLangEngine(server, cap, folder=folder, dump_root=dumps, job="int4", in_flight=IN_FLIGHT)
-    plan = plan.on(engine)
-    store = OutputStore.create_or_resume(out, plan.manifest())
+    run = Run.create(spec, out, lambda cap, folder: SGLangEngine(server, cap, folder=folder, dump_root=dumps, job="int4",
+                                                                  in_flight=IN_FLIGHT), RunSettings(resume_check="quick"))  # fmt: skip
     t0 = time.perf_counter()
-    report = run_shard(plan, store, engine, check_level="quick")
+    report = run.rows()
     seconds = time.perf_counter() - t0
     assert report.failed == 0 and report.row_errors == 0, report
-    store.finalize(complete=True, target=folder)
-    ids = [store.format.load(out / r.file)["input_ids"].tolist() for r in store.records().values()]
-    store.close()
+    run.store.finalize(complete=True, target=run.plan.folder)
+    ids = [run.store.format.load(out / r.file)["input_ids"].tolist() for r in run.store.records().values()]
+    run.store.close()
     return seconds, report.tokens, ids
 
 

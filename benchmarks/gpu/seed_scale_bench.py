@@ -27,7 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import torch
@@ -37,9 +36,9 @@ from benchmarks.common import GPU_COMMON, log, prompts, sglang_python
 from benchmarks.gpu.capture import repoint, volume_rate
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Committed, ProgressEvents, Run
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
-from layertap.store.store import OutputStore
 from layertap.tiny import build_tiny_model
 
 LAYERS = (3, 31, 59)
@@ -72,15 +71,15 @@ class Row:
     when: str
 
 
-class FinishTimes(OutputStore):
-    """An OutputStore that notes when each commit ends and its tokens (commit threads append; atomic)."""
+class FinishTimes(ProgressEvents):
+    """The run's events, noting when each commit ended and its tokens."""
 
-    finishes: list[tuple[float, int]]
+    def __init__(self) -> None:
+        super().__init__()
+        self.finishes: list[tuple[float, int]] = []
 
-    def commit(self, captured: Any) -> Any:
-        record = super().commit(captured)
-        self.finishes.append((time.perf_counter(), record.num_tokens))
-        return record
+    def committed(self, done: Committed) -> None:
+        self.finishes.append((done.ended, done.sample.num_tokens))
 
 
 def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: float) -> tuple[float, float]:
@@ -123,21 +122,19 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     data = root / f"data-{tag}.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
-    plan = plan_run(spec)
-    folder, cap = plan.folder, plan.capture
-    engine = SGLangEngine(server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight,
-                          allow_dummy_weights=True)  # fmt: skip
-    plan = plan.on(engine)
-    store = FinishTimes.create_or_resume(root / f"store-{tag}", plan.manifest())
-    finishes = store.finishes = []
+    run = Run.create(spec, root / f"store-{tag}", lambda cap, folder: SGLangEngine(
+        server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight, allow_dummy_weights=True),
+        RunSettings(resume_check="quick"))  # fmt: skip
+    times = FinishTimes()
     t0 = time.perf_counter()
-    report = run_shard(plan, store, engine, check_level="quick", commit_threads=8)
+    report = run.rows(events=times)
     assert len(report.computed) == len(batch) and report.failed == 0, report
-    store.finalize(complete=True, target=folder)
-    store.close()
+    run.store.finalize(complete=True, target=run.plan.folder)
+    run.store.close()
     if not keep:
         shutil.rmtree(root / f"store-{tag}")
     data.unlink()
+    finishes = times.finishes
     queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
     return steady_rate(finishes, t0, queued_until)
 

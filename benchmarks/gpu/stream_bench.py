@@ -39,7 +39,7 @@ from harness.services import RedisServer
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.engines.sglang.process import dump_layout
-from layertap.pipeline import plan_run
+from layertap.models.folder import ModelFolder
 from layertap.spec import ExtractionSpec
 from layertap.state.keys import Keys
 from layertap.tiny import build_tiny_model
@@ -140,7 +140,7 @@ class Part:
 
     def server_config(self) -> ServerConfig:
         spec = ExtractionSpec(model=self.model, data=self.data, layers=LAYERS, format=FORMAT, trust_remote_code=True)
-        capture = plan_run(spec).capture
+        capture = spec.resolve(ModelFolder.read(self.model).num_layers)
         return ServerConfig(
             python=sglang_python(self.smoke), model=self.model, dump_root=self.dumps, layers=LAYERS,
             final=capture.final_kind, layout=dump_layout(FORMAT, capture), log_path=self.logs / "server.log",

@@ -143,12 +143,14 @@ function workerRow(w) {
   return row;
 }
 
-// A stream's producer (a CLI run or a job): held means it waits at its bound of unacked samples, its consumers behind.
+// A stream's producer (a CLI run or a job): held means it waits at its bound of unacked samples, its consumers behind;
+// paused, its job cancelled; dead, the samples a consumer could not use (dead-lettered: settled, not delivered).
 function streamRow(s) {
   return el("tr", { "data-stream": s.name, "data-state": s.state, "data-in-flight": s.in_flight },
     el("td", {}, s.name), el("td", {}, el("span", { class: `badge ${s.state}` }, s.state)),
     el("td", {}, fmt.int(s.put)), el("td", {}, fmt.int(s.acked)),
-    el("td", {}, `${fmt.int(s.in_flight)} / ${fmt.int(s.bound)}`), el("td", {}, fmt.duration(s.held_s)));
+    el("td", {}, `${fmt.int(s.in_flight)} / ${fmt.int(s.bound)}`), el("td", {}, fmt.duration(s.held_s)),
+    el("td", {}, fmt.int(s.dead)));
 }
 
 async function refresh() {
@@ -165,7 +167,7 @@ async function refresh() {
     body.replaceChildren(...(workers.count ? workers.workers.map(workerRow)
                                            : [el("tr", {}, el("td", { colspan: "8", class: "muted" }, "No live workers."))]));
     document.querySelector("#streams tbody").replaceChildren(...(streams.count ? streams.streams.map(streamRow)
-                                           : [el("tr", {}, el("td", { colspan: "6", class: "muted" }, "No streams."))]));
+                                           : [el("tr", {}, el("td", { colspan: "7", class: "muted" }, "No streams."))]));
     problem.hidden = true;
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (err) {

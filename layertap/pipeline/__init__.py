@@ -1,19 +1,21 @@
 """One extraction run, as a chain of small steps (read -> identify -> parse -> [regenerate] -> tokenize -> capture
--> commit): the plan (`plan`), the steps (`steps`, `rows`, `generate`, `capture`), the ledger (`ledger`) and the
-chain (`run`)."""
+-> commit): the plan (`plan`), the steps (`steps`, `rows`, `generate`, `capture`), where samples go (`targets`), the
+ledger (`ledger`) and the run that assembles them (`run`)."""
 
-from layertap.pipeline.ledger import FailureTally, ProgressEvents, RunReport, ShardEvents, run_verdict
+from layertap.pipeline.ledger import Committed, FailureTally, ProgressEvents, RunReport, ShardEvents, run_verdict
 from layertap.pipeline.plan import RunPlan, plan_run
-from layertap.pipeline.run import run_extraction, run_shard
+from layertap.pipeline.run import Run, run_extraction, target_for
 
 __all__ = [
+    "Committed",
     "FailureTally",
     "ProgressEvents",
+    "Run",
     "RunPlan",
     "RunReport",
     "ShardEvents",
     "plan_run",
     "run_extraction",
-    "run_shard",
     "run_verdict",
+    "target_for",
 ]

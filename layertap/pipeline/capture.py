@@ -1,5 +1,5 @@
-"""The admit, capture and commit steps: samples -> the engine -> validated files in the store, several commits in
-flight.
+"""The admit, capture and commit steps: samples -> the engine -> the run's target (files, a stream, or both:
+`targets`), several commits in flight.
 
 `admit` lets through the samples the engine takes (a job's max_length may be above its server's limit). The engine
 captures a stream of samples (several requests in flight); each capture is committed by a thread of
@@ -10,16 +10,17 @@ fails is retried alone, a bounded number of times, so one poison sample never fa
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from layertap.engines.base import Engine
 from layertap.errors import LayertapError, RowError, SampleError
-from layertap.pipeline.ledger import Ledger
+from layertap.pipeline.ledger import Committed, Ledger
 from layertap.pipeline.plan import RunPlan
 from layertap.pipeline.steps import Item
-from layertap.regenerate import retokenization_mismatches
+from layertap.pipeline.targets import Target
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,12 @@ def admit(items: Iterator[Item], plan: RunPlan, ledger: Ledger) -> Iterator[Item
                 row=sample.index, sample_id=sample.sample_id, kind="input_limit",
             ))  # fmt: skip
             continue
-        report = ledger.report
-        report.truncated += sample.truncated
-        if (out := item.regenerated) is not None:
-            report.generated_tokens += out.generated_tokens
-            report.turns_cut += out.cut_turns
-            report.retokenization_mismatches += len(retokenization_mismatches(out, sample))
+        ledger.admitted(sample, item.regenerated)
         yield item
 
 
 class Capture:
-    """Engine -> store for one stream of samples, with poison samples isolated and retried alone.
+    """Engine -> target for one stream of samples, with poison samples isolated and retried alone.
 
     When the engine raises (anything but a ``LayertapError`` other than ``SampleError``), every
     sample it was holding becomes a suspect and is captured again on its own, so one bad sample
@@ -60,8 +56,8 @@ class Capture:
     ``attempts`` it is recorded as failed and the run goes on.
     """
 
-    def __init__(self, engine: Engine, ledger: Ledger, *, attempts: int, commit_threads: int) -> None:
-        self.engine, self.ledger, self.store = engine, ledger, ledger.store
+    def __init__(self, engine: Engine, target: Target, ledger: Ledger, *, attempts: int, commit_threads: int) -> None:
+        self.engine, self.target, self.ledger = engine, target, ledger
         self.attempts = attempts
         self.tries: Counter[str] = Counter()
         self.alone: list[TokenizedSample] = []
@@ -120,24 +116,30 @@ class Capture:
                 if isinstance(cap, FailedCapture):
                     self._attempt_failed(cap.sample, cap.reason)
                     continue
-                pending.append((self.commits.submit(self.store.commit, cap), cap))
+                pending.append((self.commits.submit(self._commit, cap), cap))
                 while len(pending) > self.max_pending or (pending and pending[0][0].done()):
                     self._settle(*pending.popleft())
         finally:
             while pending:
                 self._settle(*pending.popleft())
 
+    def _commit(self, captured: CapturedSample) -> Committed:
+        """One capture into the target, timed (in a commit thread)."""
+        t0 = time.perf_counter()
+        record = self.target.commit(captured)
+        ended = time.perf_counter()
+        return Committed(captured.sample, record, ended - t0, ended)
+
     def _settle(self, commit: Future, captured: CapturedSample) -> None:
         """Account for one finished commit (in the calling thread, so the ledger needs no lock)."""
-        sample = captured.sample
         try:
-            record = commit.result()
+            done = commit.result()
         except SampleError as err:
-            self._attempt_failed(sample, str(err))
+            self._attempt_failed(captured.sample, str(err))
             return
         finally:
             self.engine.release(captured)
-        self.ledger.committed(sample, record)
+        self.ledger.committed(done)
 
     def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:
         self.tries[sample.sample_id] += 1

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from layertap.errors import RowError
+from layertap.regenerate import Regenerated, retokenization_mismatches
 from layertap.sample import TokenizedSample
 from layertap.spec import allowed_bad_rows
 from layertap.store.index import SampleRecord
@@ -34,12 +35,24 @@ class ProgressSink(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """One sample committed to its target: its ``record``, the ``seconds`` its commit took (checks, write or rename,
+    fsync, a stream's put) in its commit thread, and when that ended (``time.perf_counter``)."""
+
+    sample: TokenizedSample
+    record: SampleRecord
+    seconds: float
+    ended: float
+
+
 class ShardEvents(Protocol):
-    """What ``run_shard`` reports as it goes; called after the store has recorded each outcome."""
+    """What `Run.rows` reports as it goes; called after the store has recorded each outcome. Timings come here too
+    (`committed`): a worker's metrics and a benchmark's clock read them, nothing wraps the store."""
 
     def start(self, total: int, already_done: int, already_tokens: int) -> None: ...
 
-    def committed(self, sample: TokenizedSample) -> None: ...
+    def committed(self, done: Committed) -> None: ...
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None: ...
 
@@ -58,23 +71,6 @@ class ShardEvents(Protocol):
         ...
 
 
-class SampleSink(Protocol):
-    """Where a run also sends each committed sample (`layertap.stream.sink.MooncakeSink`: to trainers through
-    Mooncake Store); the file store stays the record of what is done."""
-
-    def open(self, store: OutputStore, server: str | None) -> None:
-        """Before the first sample: the run's store and its capture server's URL (None in process)."""
-        ...
-
-    def put(self, record: SampleRecord) -> None:
-        """A sample just committed (its file in place); may block to hold the run back."""
-        ...
-
-    def drain(self) -> None:
-        """After the run's last sample: until what was sent is taken."""
-        ...
-
-
 class ProgressEvents:
     """``ShardEvents`` for a progress bar (or nothing): every outcome advances it, nothing stops it."""
 
@@ -85,9 +81,9 @@ class ProgressEvents:
         if self.progress is not None:
             self.progress.start(total, already_done)
 
-    def committed(self, sample: TokenizedSample) -> None:
+    def committed(self, done: Committed) -> None:
         if self.progress is not None:
-            self.progress.advance(1, sample.num_tokens)
+            self.progress.advance(1, done.sample.num_tokens)
 
     def failed(self, *, row: int, sample_id: str | None, reason: str, kind: str) -> None:
         if self.progress is not None:
@@ -190,13 +186,10 @@ class RunReport:
 
 class Ledger:
     """Where a run's steps tell what became of each row: the store's logs (errors, retired samples), the run's report
-    and its events, told in that order (events come after the store has recorded the outcome); a committed sample
-    then goes to the run's sink, if it has one."""
+    and its events, told in that order (events come after the store has recorded the outcome)."""
 
-    def __init__(
-        self, store: OutputStore, report: RunReport, events: ShardEvents, sink: SampleSink | None = None
-    ) -> None:
-        self.store, self.report, self.events, self.sink = store, report, events, sink
+    def __init__(self, store: OutputStore, report: RunReport, events: ShardEvents) -> None:
+        self.store, self.report, self.events = store, report, events
         self.why_changed: list[str] = []  # why each retired sample's row no longer gives it
 
     def keep_going(self) -> bool:
@@ -212,6 +205,15 @@ class Ledger:
         self.store.record_error(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=err.kind)
         self.events.failed(row=err.row, sample_id=err.sample_id, reason=err.reason, kind=err.kind)
 
+    def admitted(self, sample: TokenizedSample, regenerated: Regenerated | None) -> None:
+        """``sample`` goes on to the capture: counted truncated or not, and for a regenerated row its new tokens, cut
+        turns and turns re-tokenized otherwise than generated."""
+        self.report.truncated += sample.truncated
+        if regenerated is not None:
+            self.report.generated_tokens += regenerated.generated_tokens
+            self.report.turns_cut += regenerated.cut_turns
+            self.report.retokenization_mismatches += len(retokenization_mismatches(regenerated, sample))
+
     def sample_failed(self, sample: TokenizedSample, reason: str) -> None:
         """``sample`` failed every capture attempt (``reason`` says how many)."""
         self.report.failed += 1
@@ -219,13 +221,11 @@ class Ledger:
         self.store.record_error(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
         self.events.failed(row=sample.index, sample_id=sample.sample_id, reason=reason, kind="capture")
 
-    def committed(self, sample: TokenizedSample, record: SampleRecord) -> None:
-        """``sample`` is in the store as ``record``: counted, told to the events, then sent to the run's sink."""
-        self.report.computed.append(sample.sample_id)
-        self.report.tokens += sample.num_tokens
-        self.events.committed(sample)
-        if self.sink is not None:
-            self.sink.put(record)
+    def committed(self, done: Committed) -> None:
+        """A sample is in its target: counted, told to the events."""
+        self.report.computed.append(done.sample.sample_id)
+        self.report.tokens += done.sample.num_tokens
+        self.events.committed(done)
 
     def retired(self, record: SampleRecord, why: str) -> None:
         """A committed sample its row no longer gives (``why``): retired from the store, no longer counted done."""

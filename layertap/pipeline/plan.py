@@ -24,6 +24,7 @@ from layertap.engines.base import Engine
 from layertap.errors import ServerError, SpecError
 from layertap.models.folder import ModelFolder
 from layertap.regenerate import RULES
+from layertap.settings import Target
 from layertap.spec import CaptureSpec, ExtractionSpec
 from layertap.store.manifest import Manifest, model_facts
 
@@ -51,7 +52,8 @@ class EngineFacts:
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     """One run's facts: the user's ``spec``, its layers resolved against ``folder`` (``capture``), the dataset's row
-    count and hash, the engine's facts and the ``input_limit`` rows are tokenized within. ``scan`` is the dataset's
+    count and hash, the engine's facts, the ``input_limit`` rows are tokenized within and where its samples go
+    (``target``: files, stream or both). ``scan`` is the dataset's
     scan when this plan made one (its repeated ids are saved beside the store); ``stored``: the plan was read back
     from a store's manifest (a job's shard), whose max_length stands whatever the engine's limit."""
 
@@ -62,6 +64,7 @@ class RunPlan:
     dataset_sha256: str | None
     engine: EngineFacts
     input_limit: int | None
+    target: Target = "files"
     stored: bool = False
     scan: DatasetScan | None = field(default=None, compare=False)
 
@@ -113,6 +116,7 @@ class RunPlan:
             dataset_path=os.path.realpath(spec.data),
             dataset_rows=self.dataset_rows,
             dataset_sha256=self.dataset_sha256,
+            target=self.target,
         )  # fmt: skip
 
 
@@ -152,6 +156,7 @@ def input_limit_of(spec: ExtractionSpec, limit: int | None) -> int | None:
 def plan_run(
     spec: ExtractionSpec,
     *,
+    target: Target = "files",
     stored: Manifest | None = None,
     engine: dict[str, Any] | None = None,
 ) -> RunPlan:
@@ -159,7 +164,7 @@ def plan_run(
     (`ModelFolder.preflight`) and its layer ids resolved; the dataset scanned (`scan_dataset`) unless ``stored``, the
     store's manifest (a job's shard), gives its rows and hash. Until bound to an engine (`RunPlan.on`) it computes in
     the folder's dtype (``stored``: the manifest's) under ``engine``'s describe (a job's: its workers' engines are in
-    their reports) and keeps rows within max_length."""
+    their reports) and keeps rows within max_length. Its samples go to ``target`` (``stored``: the manifest's)."""
     try:
         folder = ModelFolder.read(spec.model)
     except (OSError, ValueError) as exc:  # a name the filesystem refuses (too long, NUL, not UTF-8), a file
@@ -169,8 +174,8 @@ def plan_run(
     if stored is not None:
         facts = EngineFacts(stored.engine, stored.compute_dtype)
         return RunPlan(spec, capture, folder, stored.dataset_rows, stored.dataset_sha256, facts, spec.max_length,
-                       stored=True)  # fmt: skip
+                       stored.target, stored=True)  # fmt: skip
     scan = scan_dataset(spec.data)
     log.info("dataset %s: %d rows, sha256 %s", spec.data, scan.num_rows, scan.sha256)
     facts = EngineFacts(engine or {}, folder.dtype)
-    return RunPlan(spec, capture, folder, scan.num_rows, scan.sha256, facts, spec.max_length, scan=scan)
+    return RunPlan(spec, capture, folder, scan.num_rows, scan.sha256, facts, spec.max_length, target, scan=scan)

@@ -1,120 +1,203 @@
-"""One extraction run: the steps chained, from the dataset's rows to committed files.
+"""One extraction run: the `Run` that the CLI, a Celery worker and every benchmark drive.
 
-The same function serves the CLI (one process, the whole dataset: `run_extraction`) and a Celery worker (one shard,
-``rows[start:stop]``: `run_shard`). A run's facts are resolved once, before its first row (`plan.plan_run`); then
-`run_shard` chains the steps (`steps`):
+A run's parts are assembled once: its plan (`plan.plan_run`: the facts resolved before the first row), the engine it
+is bound to (`RunPlan.on`), its store (the run folder: manifest, errors, the ledger of what is done) and its target
+(`targets`: where committed samples go: files, a stream, or both). `Run.create` assembles a whole run (the CLI's,
+a benchmark's); a worker builds one per shard attempt from its job's stored plan and store. Then `Run.rows` chains
+the steps over rows ``[start, stop)`` (`Run.steps`, in the order they run):
 
-    read -> identify -> parse -> [regenerate] -> tokenize -> capture -> commit
+    read -> identify -> parse -> tokenize (`rows.RowPlanner`) -> todo -> [regenerate] -> admit -> capture -> commit
 
-the row planner (`rows.RowPlanner`: read, identify, parse, tokenize; what the store verifiably holds and its rows
-still give is skipped, what they no longer give retired), the regenerate step under ``regenerate``
-(`generate.regenerate`), and the admit, capture and commit steps (`capture.admit`: a sample held to the engine's
-limit; `capture.Capture`: several requests in flight, failing samples retried alone a bounded number of times). Each
-outcome goes to one `ledger.Ledger` (the store's logs, the report, and a ``ShardEvents``: a progress bar, or Redis
-counters).
+each outcome told to one `ledger.Ledger` (the store's logs, the report, and ``ShardEvents``: a progress bar, Redis
+counters, a benchmark's clock), and `Run.finish` ends a whole run: the target delivered, the store finalized.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial, reduce
 from pathlib import Path
 
 from layertap.data.scan import load_duplicates, save_duplicates
 from layertap.engines.base import Engine
 from layertap.engines.factory import EngineFactory
-from layertap.errors import ServerError
+from layertap.errors import ServerError, SpecError
 from layertap.pipeline.capture import Capture, admit
 from layertap.pipeline.generate import regenerate, regenerator_for
-from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, SampleSink, ShardEvents
+from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, ShardEvents
 from layertap.pipeline.plan import RunPlan, plan_run
 from layertap.pipeline.rows import RowPlanner
 from layertap.pipeline.steps import Item, Tokenize
-from layertap.settings import COMMIT_THREADS
+from layertap.pipeline.targets import FilesTarget, StreamSink, StreamTarget, Target
+from layertap.settings import RunSettings, stream_format_problem
 from layertap.spec import ExtractionSpec
-from layertap.store.index import SampleRecord
-from layertap.store.store import CheckLevel, OutputStore
+from layertap.store.store import OutputStore
 
 log = logging.getLogger(__name__)
 
-
-def verified_done(
-    store: OutputStore, level: CheckLevel, report: RunReport, *, start: int = 0, stop: int | None = None
-) -> dict[str, SampleRecord]:
-    """Sample id -> record for rows ``[start, stop)`` whose committed files pass ``store.check``; the rest are redone."""
-    done = {}
-    for rec in store.records().values():
-        if rec.index < start or (stop is not None and rec.index >= stop):
-            continue
-        if store.check(rec, level):
-            report.redone.append(rec.sample_id)
-        else:
-            done[rec.sample_id] = rec
-    return done
+Step = Callable[[Iterator[Item]], Iterator[Item]]  # rows in, items out
 
 
-def run_shard(
-    plan: RunPlan,
-    store: OutputStore,
-    engine: Engine,
+def target_for(store: OutputStore, sink: StreamSink | None) -> Target:
+    """Where ``store``'s run puts its samples: its files, or through ``sink`` too (the both target), or only through
+    it (a stream-only store: manifest ``target`` stream)."""
+    if sink is None:
+        return FilesTarget(store)
+    return StreamTarget(store, sink, files=store.manifest.target != "stream")
+
+
+@dataclass
+class Run:
+    """One run (or a job's shard of it): ``plan`` bound to ``engine``, its ``store`` and ``target``; ``attempts``
+    per sample (the spec's), committed samples re-checked at ``check_level`` on resume, ``commit_threads`` commits
+    at once. ``duplicates``: the rows whose id an earlier row has (the plan's scan, else the store's record of it)."""
+
+    plan: RunPlan
+    engine: Engine
+    store: OutputStore
+    target: Target
+    check_level: str = "full"
+    commit_threads: int = 8
+    duplicates: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        spec: ExtractionSpec,
+        out: Path,
+        engine_factory: EngineFactory,
+        settings: RunSettings | None = None,
+        sink: StreamSink | None = None,
+    ) -> Run:
+        """A whole run of ``spec`` into ``out`` (created, or resumed): planned once, the engine made by
+        ``engine_factory`` and bound to the plan (a max_length the server refuses: before the store), the store
+        opened and swept of a killed run's temp files, its target ``settings.target`` (a stream's: through ``sink``,
+        opened by the caller before this, so that a master or Redis it cannot reach is refused before a server
+        takes minutes to start). Close it with `close` (which closes the engine and the sink too)."""
+        settings = settings or RunSettings()
+        if problem := stream_format_problem(settings.stream, spec.format):
+            raise SpecError(problem)
+        if (sink is None) != (settings.stream is None):
+            raise SpecError("a run streams exactly when it is given the stream's sink (`layertap.stream.open_sink`)")
+        plan = plan_run(spec, target=settings.target)
+        engine = None
+        try:
+            engine = engine_factory(plan.capture, plan.folder)
+            plan = plan.on(engine)
+            store = OutputStore.create_or_resume(out, plan.manifest())
+            assert plan.scan is not None  # a plan of its own, not a store's
+            save_duplicates(out, plan.scan)
+            store.sweep_temp_files()
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            if sink is not None:
+                sink.close()
+            raise
+        run = cls(plan, engine, store, target_for(store, sink), settings.resume_check, settings.commit_threads,
+                  plan.scan.duplicates)  # fmt: skip
+        try:
+            run.target.open(None if engine.provenance is None else engine.provenance.url, 0, None)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def rows(self, start: int = 0, stop: int | None = None, events: ShardEvents | None = None) -> RunReport:
+        """Capture rows ``[start, stop)`` of the plan's dataset into the target, as the row planner plans them (one
+        stream of the dataset).
+
+        Samples the target already holds (files that re-check clean, acked samples) whose rows still give them are
+        skipped; those their rows no longer give are retired (their rows done again); bad rows and samples that
+        failed their attempts are recorded in the store's error log (and told to ``events``). Stops early when
+        ``events.keep_going()`` turns False (``report.stopped``). Does not finalize."""
+        plan, store, engine = self.plan, self.store, self.engine
+        events = events or ProgressEvents()
+        end = plan.dataset_rows if stop is None else min(stop, plan.dataset_rows)
+        shard = None if (start, stop) == (0, None) else (start, stop)
+        report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
+        if (server := engine.provenance) is not None and (differ := store.note_server(server, (start, end))):
+            raise ServerError(f"refusing the SGLang server at {server.url}: " + "; ".join(differ))
+        done = self.target.done(report, self.check_level, start, stop)  # type: ignore[arg-type]
+        report.already_done = len(done)  # less what the planner finds changed, as it goes
+        log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), self.check_level)
+        events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
+        ledger = Ledger(store, report, events)
+        tokenize = Tokenize(plan.folder, plan.spec, plan.input_limit)
+        regenerator = regenerator_for(plan.spec, engine, tokenize, job=store.writer_id, attempts=self.attempts)
+        try:
+            items = reduce(lambda items, step: step(items), self.steps(ledger, tokenize, done, regenerator, start, stop),
+                           iter(()))  # fmt: skip
+            Capture(engine, self.target, ledger, attempts=self.attempts, commit_threads=self.commit_threads).run(items)
+        finally:
+            if regenerator is not None:
+                report.generation_seconds = regenerator.seconds
+                regenerator.close()
+        report.stopped = not events.keep_going()
+        _warn_changes(report, ledger)
+        return report
+
+    def steps(self, ledger: Ledger, tokenize: Tokenize, done: dict, regenerator: object, start: int,
+              stop: int | None) -> list[Step]:  # fmt: skip
+        """The steps before the capture, in the order they run: the row planner's (read, identify, parse,
+        tokenize: each row ``done``, ``changed``, ``todo`` or ``error``), what is left to do, the regeneration
+        (under ``regenerate``) and the admission to the engine."""
+        spec = self.plan.spec
+        regenerated = self.store.regenerated_rows(done) if spec.regenerate is not None else None
+        planner = RowPlanner(spec, tokenize, duplicates=self.duplicates or load_duplicates(self.store.root),
+                             regenerated=regenerated, rid=self.plan.engine.rid)  # fmt: skip
+        return [
+            lambda _: planner.plan(done, start=start, stop=stop),
+            partial(_todo, ledger=ledger),
+            *([] if regenerator is None else [lambda items: regenerate(items, regenerator, tokenize, spec, ledger)]),
+            lambda items: admit(items, self.plan, ledger),
+        ]
+
+    @property
+    def attempts(self) -> int:
+        return self.plan.spec.sample_attempts
+
+    def finish(self, report: RunReport, *, started: float) -> RunReport:
+        """End a whole run after its rows: the engine closed (waiting on trainers needs no server), the target's
+        samples delivered (a stream's acked), the store finalized; the report saved with the run's seconds since
+        ``started`` (`time.monotonic`)."""
+        self.engine.close()
+        report.stopped = report.stopped or not self.target.delivered(last=True)
+        for _ in range(self.target.undelivered()):  # counted against the run, as a failed capture is
+            report.failed += 1
+            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
+                           "stream-verify names each, with why)")  # fmt: skip
+        self.store.finalize(complete=True, target=self.plan.folder)
+        report.seconds = time.monotonic() - started
+        report.save()
+        return report
+
+    def close(self) -> None:
+        """Release what the run holds: the store's logs, the target's stream and the engine."""
+        self.store.close()
+        self.target.close()
+        self.engine.close()
+
+
+def run_extraction(
+    spec: ExtractionSpec,
+    out: Path,
+    engine_factory: EngineFactory,
     *,
-    start: int = 0,
-    stop: int | None = None,
-    events: ShardEvents | None = None,
-    attempts: int = 1,
-    check_level: CheckLevel = "full",
-    commit_threads: int = COMMIT_THREADS,
-    sink: SampleSink | None = None,
+    settings: RunSettings | None = None,
+    sink: StreamSink | None = None,
+    progress: ProgressSink | None = None,
 ) -> RunReport:
-    """Capture rows ``[start, stop)`` of the plan's dataset into ``store`` with ``engine`` (the plan bound to it:
-    `RunPlan.on`), as the row planner plans them (`RowPlanner.plan`, one stream of the dataset).
-
-    Committed samples whose files re-check clean at ``check_level`` and whose rows still give them are skipped;
-    those their rows no longer give are retired (their rows done again); bad rows (duplicate ids as the plan's scan
-    recorded them in the store) and samples that failed ``attempts`` times are recorded in the store's error log
-    (and told to ``events``). Stops early when ``events.keep_going()`` turns False (``report.stopped``). Rows are
-    tokenized within the plan's input limit; a new sample the engine would refuse is its row's error. Each sample
-    committed is also put to ``sink`` (opened by the caller). Does not finalize.
-    """
-    spec, events = plan.spec, events or ProgressEvents()
-    end = store.manifest.dataset_rows if stop is None else min(stop, store.manifest.dataset_rows)
-    shard = None if (start, stop) == (0, None) else (start, stop)
-    report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
-    if (server := engine.provenance) is not None and (differ := store.note_server(server, (start, end))):
-        raise ServerError(f"refusing the SGLang server at {server.url}: " + "; ".join(differ))
-    done = verified_done(store, check_level, report, start=start, stop=stop)
-    report.already_done = len(done)  # less what the planner finds changed, as it goes
-    log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), check_level)
-    events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
-    ledger = Ledger(store, report, events, sink)
-    tokenize = Tokenize(plan.folder, spec, plan.input_limit)
-    regenerated = store.regenerated_rows(done) if spec.regenerate is not None else None
-    planner = RowPlanner(spec, tokenize, duplicates=load_duplicates(store.root), regenerated=regenerated,
-                         rid=plan.engine.rid)  # fmt: skip
-    todo = _todo(planner.plan(done, start=start, stop=stop), ledger)
-    regenerator = regenerator_for(spec, engine, tokenize, job=store.writer_id, attempts=attempts)
+    """Run (or resume) a whole extraction in this process: `Run.create`, its rows, `Run.finish`."""
+    started = time.monotonic()
+    run = Run.create(spec, out, engine_factory, settings, sink)
     try:
-        items = todo if regenerator is None else regenerate(todo, regenerator, tokenize, spec, ledger)
-        capture = Capture(engine, ledger, attempts=attempts, commit_threads=commit_threads)
-        capture.run(admit(items, plan, ledger))
+        return run.finish(run.rows(events=ProgressEvents(progress)), started=started)
     finally:
-        if regenerator is not None:
-            report.generation_seconds = regenerator.seconds
-            regenerator.close()
-    report.stopped = not events.keep_going()
-    if report.retokenization_mismatches:
-        log.warning(
-            "%d regenerated turns were generated as other ids than their text tokenizes to; the store holds the text "
-            "re-tokenized, as a trainer reads it", report.retokenization_mismatches,
-        )  # fmt: skip
-    if report.changed:
-        log.warning(
-            "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
-            "were stored): retired them and did their rows again, e.g. %s",
-            len(report.changed), "; ".join(ledger.why_changed[:3]),
-        )  # fmt: skip
-    return report
+        run.close()
 
 
 def _todo(planned: Iterator[Item], ledger: Ledger) -> Iterator[Item]:
@@ -130,39 +213,15 @@ def _todo(planned: Iterator[Item], ledger: Ledger) -> Iterator[Item]:
             yield item
 
 
-def run_extraction(
-    spec: ExtractionSpec,
-    out: Path,
-    engine_factory: EngineFactory,
-    *,
-    progress: ProgressSink | None = None,
-    check_level: CheckLevel = "full",
-    commit_threads: int = COMMIT_THREADS,
-    sink: SampleSink | None = None,
-) -> RunReport:
-    """Run (or resume) a whole extraction in this process and finalize the store: the run planned once
-    (`plan_run`: the model folder read, the layers resolved, the dataset scanned), bound to its engine, then its
-    rows streamed once. With a ``sink``, each sample committed is also put there, and the run returns once the
-    sink is drained (`SampleSink.drain`)."""
-    t0 = time.monotonic()
-    plan = plan_run(spec)
-    engine = engine_factory(plan.capture, plan.folder)
-    try:
-        plan = plan.on(engine)  # a max_length the server refuses: before the store
-        store = OutputStore.create_or_resume(out, plan.manifest())
-        assert plan.scan is not None  # a plan of its own, not a store's
-        save_duplicates(out, plan.scan)
-        store.sweep_temp_files()
-        if sink is not None:
-            sink.open(store, None if engine.provenance is None else engine.provenance.url)
-        report = run_shard(plan, store, engine, events=ProgressEvents(progress), check_level=check_level,
-                           commit_threads=commit_threads, sink=sink)  # fmt: skip
-        store.finalize(complete=True, target=plan.folder)
-        store.close()
-    finally:
-        engine.close()
-    if sink is not None:  # the engine freed first: waiting on trainers needs no server
-        sink.drain()
-    report.seconds = time.monotonic() - t0
-    report.save()
-    return report
+def _warn_changes(report: RunReport, ledger: Ledger) -> None:
+    if report.retokenization_mismatches:
+        log.warning(
+            "%d regenerated turns were generated as other ids than their text tokenizes to; the store holds the text "
+            "re-tokenized, as a trainer reads it", report.retokenization_mismatches,
+        )  # fmt: skip
+    if report.changed:
+        log.warning(
+            "%d committed samples no longer match their rows (tokens, loss mask or the row itself changed since they "
+            "were stored): retired them and did their rows again, e.g. %s",
+            len(report.changed), "; ".join(ledger.why_changed[:3]),
+        )  # fmt: skip

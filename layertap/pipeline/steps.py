@@ -6,7 +6,7 @@ A run is a chain of small steps, each taking and yielding `Item`s (datatrove's s
 
 read, identify, parse and tokenize are the row planner's (`rows.RowPlanner`: each row planned ``done``, ``changed``,
 ``todo`` or ``error`` against the store's records, from one stream of the dataset); regenerate is `generate.py`'s,
-capture and commit `capture.py`'s; `run.run_shard` chains them. This module holds the steps the planner and the run
+capture and commit `capture.py`'s; `run.Run.steps` lists them in order. This module holds the steps the planner and the run
 share: `identify` (a row's id), `unrequestable` (an id no capture request can name) and `Tokenize` (the chat template
 within the run's input limit).
 """

@@ -1,4 +1,5 @@
-"""The coordinator's state changes: create a job, dispatch its shards, cancel, resume, reap.
+"""The coordinator's state changes: create a job, dispatch its shards, cancel, resume, reap; a cancelled job's
+stream reads ``paused`` to its consumers until the job resumes.
 
 Messages are sent through ``send(task_name, args)`` (the coordinator's Celery client), always AFTER
 the state change that issued their token: a message whose token is not current is ignored by the
@@ -8,11 +9,14 @@ Round trips do not grow with the number of samples: a few per call, plus one sen
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.exceptions import RedisError
 
 from layertap.state import scripts
 from layertap.state.keys import FINALIZE_TASK, RUN_SHARD_TASK, Keys
@@ -93,7 +97,10 @@ def cancel_job(redis: Redis, keys: Keys, job_id: str) -> str:
 
     Returns the state before (``running``/``failed`` were cancelled; anything else was left alone).
     """
-    return scripts.CANCEL([keys.job(job_id)], client=redis)
+    before = scripts.CANCEL([keys.job(job_id)], client=redis)
+    if before in ("running", "failed"):
+        pause_stream(redis, keys, job_id, paused=True)
+    return before
 
 
 def resume_job(redis: Redis, keys: Keys, job_id: str, send: Send, *, lease_ms: int) -> str:
@@ -108,6 +115,8 @@ def resume_job(redis: Redis, keys: Keys, job_id: str, send: Send, *, lease_ms: i
         [lease_ms],
         client=redis,
     )
+    if reply[0] in ("finalize", "running"):
+        pause_stream(redis, keys, job_id, paused=False)
     if reply[0] == "finalize":
         send(FINALIZE_TASK, [job_id, reply[1]])
         return "finalize"
@@ -118,6 +127,34 @@ def resume_job(redis: Redis, keys: Keys, job_id: str, send: Send, *, lease_ms: i
     _requeue(redis, keys, job_id, again, running_too=True)
     dispatch_pending(redis, keys, job_id, send)
     return "running"
+
+
+def pause_stream(redis: Redis, keys: Keys, job_id: str, *, paused: bool) -> None:
+    """Mark the job's stream ``paused`` (its consumers wait for the job instead of ending), or running again. The
+    stream is named as its producers name it (`layertap.stream.sink.stream_name`: the spec's ``stream_name``, else
+    its output folder's name), on the spec's ``stream_redis_url``, else this Redis (the one the streams view reads);
+    only a stream a producer opened is marked, and a stream Redis that does not answer only costs a warning."""
+    raw_spec, out = redis.hmget(keys.job(job_id), ["spec", "out"])
+    if raw_spec is None or out is None:
+        return
+    spec = json.loads(raw_spec)
+    run = keys.stream_run(spec.get("stream_name") or Path(out).name)
+    client = (
+        Redis.from_url(spec["stream_redis_url"], socket_connect_timeout=3) if spec.get("stream_redis_url") else redis
+    )
+    try:
+        if not client.exists(run):
+            return
+        if paused:
+            client.hset(run, "paused", 1)
+        else:
+            client.hdel(run, "paused")
+    except RedisError as exc:
+        log.warning("job %s: its stream %s could not be marked %s (%s)", job_id, run,
+                    "paused" if paused else "running", exc)  # fmt: skip
+    finally:
+        if client is not redis:
+            client.close()
 
 
 def _open_shards(redis: Redis, keys: Keys, job_id: str) -> list[tuple[int, str, str, int, bool]]:

@@ -36,11 +36,21 @@ The whole schema, under one prefix (default ``layertap``):
                                             entry's metadata carries it, the consumer checks it), put (samples put),
                                             ended (1 once the producer has put its last), bound (each producer's
                                             --stream-unacked: a job's shard attempts are producers each), held_s
-                                            (seconds producers waited at their bound, ended waits summed)
+                                            (seconds producers waited at their bound, ended waits summed), paused
+                                            (1 while its job is cancelled: consumers wait; removed at resume)
     {p}:stream:{name}:held            HASH  producer (its handles' nonce) -> "since_ms seen_ms" while it waits at its
                                             bound: when the wait began, when it last said so (every second; an entry
                                             older than `model.HELD_STALE_MS` is a dead producer's); removed after
-    {p}:stream:{name}:acked           HASH  sample id -> the consumer that acked it (set with its XACK, once)
+    {p}:stream:{name}:groups          HASH  consumer group -> when it registered (ms, Redis' clock; with XGROUP
+                                            CREATE): a sample waits for the acks of the groups registered at or
+                                            before its entry's time (its id's ms), each group getting every sample
+    {p}:stream:{name}:acked:{group}   HASH  sample id -> the consumer of ``group`` that acked it (with its XACK)
+    {p}:stream:{name}:acked           HASH  sample id -> the consumer whose ack completed its groups' acks (set once,
+                                            atomically with that XACK; its object removed after): delivered
+    {p}:stream:{name}:dead            HASH  sample id -> JSON {why, group, consumer}: dead-lettered by a consumer
+                                            that could not use it (acked out of its group; settled, not delivered)
+    {p}:stream:{name}:taken:{group}   HASH  sample id -> the entry ``group`` delivers it under (a resumed run's
+                                            entry of a sample another entry holds is dropped)
     {p}:stream:{name}:current         HASH  sample id -> the handle of its latest put: an entry naming another handle
                                             is stale (its producer died; a resumed run put the sample again)
 
@@ -135,8 +145,17 @@ class Keys:
     def stream_current(self, name: str) -> str:
         return f"{self.stream(name)}:current"
 
-    def stream_taken(self, name: str) -> str:
-        return f"{self.stream(name)}:taken"
+    def stream_taken(self, name: str, group: str) -> str:
+        return f"{self.stream(name)}:taken:{group}"
+
+    def stream_groups(self, name: str) -> str:
+        return f"{self.stream(name)}:groups"
+
+    def stream_group_acked(self, name: str, group: str) -> str:
+        return f"{self.stream_acked(name)}:{group}"
+
+    def stream_dead(self, name: str) -> str:
+        return f"{self.stream(name)}:dead"
 
     def stream_held(self, name: str) -> str:
         return f"{self.stream(name)}:held"

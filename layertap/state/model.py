@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from layertap.settings import JOB_STREAM, EngineOptions, StreamOptions
-from layertap.spec import ExtractionSpec, Flag
+from layertap.settings import JOB_STREAM, EngineOptions, StreamOptions, stream_format_problem, target_of
+from layertap.spec import ExtractionSpec
 
 JobState = Literal["running", "cancelled", "failed", "finalizing", "done"]
 ShardState = Literal["pending", "queued", "running", "done", "failed"]
@@ -29,9 +29,6 @@ class JobSpec(StreamOptions, ExtractionSpec):
     out: Path | None = Field(default=None, description="Output folder, relative to the output root.")
     shard_size: int = Field(default=100, gt=0, le=100_000, description="Dataset rows per shard (one task each).")
     engine: EngineOptions = EngineOptions()
-    sample_attempts: Annotated[int, Flag(name="--attempts")] = Field(
-        default=3, ge=1, le=20, description="Captures tried per sample before it is recorded as failed."
-    )
     audit_samples: int = Field(
         default=0,
         ge=0,
@@ -42,8 +39,9 @@ class JobSpec(StreamOptions, ExtractionSpec):
 
     @model_validator(mode="after")
     def _stream_layout(self) -> JobSpec:
-        if self.stream is not None and self.format != "speculators":
-            raise ValueError(f"stream {self.stream} puts speculators' sample: the job's format must be speculators")
+        if problem := stream_format_problem(self.stream, self.format):
+            raise ValueError(problem)
+        target_of(self.stream, self.stream_only)
         return self
 
     def extraction(self) -> ExtractionSpec:
@@ -102,16 +100,17 @@ class WorkerView:
     generated_tokens_per_s: float = 0.0  # regenerating jobs: new tokens its server generated
 
 
-StreamState = Literal["putting", "held", "draining", "done"]
+StreamState = Literal["putting", "held", "paused", "draining", "done"]
 HELD_STALE_MS = 5_000  # a producer waiting at its bound says so every second: an older word is a dead producer's
 
 
 @dataclass(frozen=True, slots=True)
 class StreamView:
-    """A stream's producers against its consumers (`layertap.stream`): samples ``put`` and ``acked``, so ``in_flight``
-    (put, not acked yet), which each producer holds at ``bound`` (its --stream-unacked; a job's shard attempts are
-    producers each); ``held``: producers waiting at their bound now (the consumers are behind), ``held_s``: the
-    seconds they waited there in all."""
+    """A stream's producers against its consumers (`layertap.stream`): samples ``put``, ``acked`` (by every group
+    they wait for: delivered) and ``dead`` (dead-lettered: a consumer could not use them; settled, not delivered), so
+    ``in_flight`` (put, neither yet), which each producer holds at ``bound`` (its --stream-unacked; a job's shard
+    attempts are producers each); ``held``: producers waiting at their bound now (the consumers are behind),
+    ``held_s``: the seconds they waited there in all."""
 
     name: str
     put: int
@@ -120,27 +119,31 @@ class StreamView:
     held: int = 0
     held_s: float = 0.0
     ended: bool = False  # its run has put its last sample
+    dead: int = 0
+    paused: bool = False  # its job is cancelled: consumers wait for its resume
 
     @property
     def in_flight(self) -> int:
-        return self.put - self.acked
+        return self.put - self.acked - self.dead
 
     @property
     def state(self) -> StreamState:
         """``draining``: its last sample put, the producer waits for the acks of the rest (its segment holds them)."""
         if self.ended:
             return "draining" if self.in_flight else "done"
-        return "held" if self.held else "putting"
+        return "paused" if self.paused else "held" if self.held else "putting"
 
     @classmethod
-    def of(cls, name: str, run: dict[str, str], put: int, acked: int, held: dict[str, str], now_ms: int) -> StreamView:
-        """From the stream's run hash, the lengths of its ``current`` and ``acked`` hashes (distinct samples) and its
-        ``held`` hash (`layertap.state.keys`), whose stale entries (dead producers') are left out."""
+    def of(
+        cls, name: str, run: dict[str, str], put: int, acked: int, dead: int, held: dict[str, str], now_ms: int
+    ) -> StreamView:
+        """From the stream's run hash, the lengths of its ``current``, ``acked`` and ``dead`` hashes (distinct
+        samples) and its ``held`` hash (`layertap.state.keys`), whose stale entries (dead producers') are left out."""
         waits = [tuple(map(int, word.split())) for word in held.values()]
         since = [began for began, seen in waits if now_ms - seen < HELD_STALE_MS]
         return cls(name=name, put=put, acked=acked, bound=int(run.get("bound") or 0), held=len(since),
                    held_s=float(run.get("held_s") or 0) + sum(max(now_ms - s, 0) for s in since) / 1000,
-                   ended=run.get("ended") == "1")  # fmt: skip
+                   ended=run.get("ended") == "1", dead=dead, paused=run.get("paused") == "1")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

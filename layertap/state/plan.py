@@ -15,6 +15,7 @@ from layertap.data.scan import save_duplicates
 from layertap.diskspace import bytes_per_token, check_budget
 from layertap.errors import SpecError, StoreError
 from layertap.pipeline.plan import plan_run
+from layertap.settings import target_of
 from layertap.state.model import JOB_FILE, JobSpec
 from layertap.store.atomic import atomic_write_json
 from layertap.store.store import OutputStore
@@ -92,10 +93,11 @@ def plan_job(
         )
     resolved = spec.model_copy(update={"out": out})
     engine = {"name": "distributed", "job_id": job_id, "note": "per-worker engines are in reports/"}
-    plan = plan_run(resolved.extraction(), engine=engine)  # its workers' servers are not known yet
+    target = target_of(spec.stream, spec.stream_only)
+    plan = plan_run(resolved.extraction(), target=target, engine=engine)  # its workers' servers are not known yet
     assert plan.scan is not None
     per_token = bytes_per_token(plan.capture, plan.folder.hidden_size, spec.store_dtype)
-    if expected_tokens is not None:
+    if expected_tokens is not None and target != "stream":  # a stream-only job writes no states
         check_budget(expected_tokens * per_token, output_root, min_free_bytes=min_free_bytes)
     OutputStore.create_or_resume(out, plan.manifest()).close()
     save_duplicates(out, plan.scan)  # before any shard runs: shards see only their rows, the scan saw every id

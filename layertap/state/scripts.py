@@ -270,3 +270,43 @@ redis.call('HSET', KEYS[1], 'finished_ms', now_ms(), unpack(ARGV, 2))
 redis.call('DEL', KEYS[2])
 return 1
 """)
+
+# A stream's consumer groups (`layertap.stream.consumer`): each group gets every sample; a sample is delivered once
+# every group registered at or before its entry (the entry id's ms) has acked it, or settled once one dead-letters it.
+
+# KEYS: stream, groups. ARGV: group. Registers the group (its first registration's time kept) and creates it.
+STREAM_JOIN = _script("""
+redis.call('HSETNX', KEYS[2], ARGV[1], now_ms())
+pcall(redis.call, 'XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')  -- BUSYGROUP: it exists
+return 1
+""")
+
+# KEYS: stream, groups, acked, dead. ARGV: group, entry id, sample id, consumer. The group's ack (XACK, its record
+# in `acked:{group}`); the ack that completes the acks of every group the sample waits for records it in `acked`.
+# Returns {XACK's count, 1 if this ack completed them (its caller removes the object) else 0}.
+STREAM_ACK = _script("""
+local xacked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then return {xacked, 0} end  -- dead-lettered: settled already
+redis.call('HSETNX', KEYS[3] .. ':' .. ARGV[1], ARGV[3], ARGV[4])
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return {xacked, 0} end
+local put_ms = tonumber(string.match(ARGV[2], '^(%d+)'))
+local groups = redis.call('HGETALL', KEYS[2])
+for i = 1, #groups, 2 do
+  if tonumber(groups[i + 1]) <= put_ms and redis.call('HEXISTS', KEYS[3] .. ':' .. groups[i], ARGV[3]) == 0 then
+    return {xacked, 0}
+  end
+end
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+return {xacked, 1}
+""")
+
+# KEYS: stream, groups, acked, dead. ARGV: group, entry id, sample id, why (JSON). Acks the entry out of the group
+# and dead-letters the sample, settled for every group (their acks of it forgotten, so none counts it twice), unless
+# it was delivered already. Returns 1 if this call dead-lettered it (its caller removes the object).
+STREAM_NACK = _script("""
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return 0 end
+if redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4]) == 0 then return 0 end
+for _, group in ipairs(redis.call('HKEYS', KEYS[2])) do redis.call('HDEL', KEYS[3] .. ':' .. group, ARGV[3]) end
+return 1
+""")

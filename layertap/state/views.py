@@ -1,5 +1,5 @@
 """Read-only views of jobs and streams for the API and the CLI: progress summed over shards, per-worker, errors;
-each stream's samples put, acked and in flight.
+each stream's samples put, acked, dead-lettered and in flight.
 
 Each view costs a fixed number of round trips (pipelines), whatever the job's size.
 """
@@ -119,6 +119,18 @@ def stream_views(redis: Redis, keys: Keys, *, limit: int = 20) -> list[StreamVie
         pipe.hgetall(keys.stream_run(name))
         pipe.hlen(keys.stream_current(name))  # distinct samples put: a resumed run's puts again count once
         pipe.hlen(keys.stream_acked(name))
+        pipe.hlen(keys.stream_dead(name))
         pipe.hgetall(keys.stream_held(name))
     replies, now_ms = pipe.execute(), round(time.time() * 1000)
-    return [StreamView.of(name, *replies[4 * i : 4 * i + 4], now_ms) for i, name in enumerate(names)]
+    return [StreamView.of(name, *replies[5 * i : 5 * i + 5], now_ms) for i, name in enumerate(names)]
+
+
+def settled_samples(redis: Redis, keys: Keys, name: str, sample_ids: list[str]) -> tuple[list[str], list[str]]:
+    """Which of ``sample_ids`` are settled, in one round trip: (delivered: acked by every group they wait for, dead:
+    dead-lettered by a consumer that could not use them). A producer waits for neither once settled."""
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.stream_acked(name), sample_ids)
+        pipe.hmget(keys.stream_dead(name), sample_ids)
+        acked, dead = pipe.execute()
+    return ([s for s, by in zip(sample_ids, acked, strict=True) if by is not None],
+            [s for s, why in zip(sample_ids, dead, strict=True) if why is not None])  # fmt: skip

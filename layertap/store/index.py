@@ -25,6 +25,9 @@ ERRORS_DIR = "errors"
 # A regenerated run's rows, each logged before its index record: {"sample_id", "ids_sha256", "row", "generated_tokens"}.
 REGENERATED_DIR = "regenerated"
 RETIRED_DIR = "retired"  # samples taken out again: {"sample_id", "sha256"} of the record retired
+# A stream-only run's puts: each sample's record (``file`` its object's handle) logged before it is put, so a resumed
+# run finds the record of a sample a consumer acked after its producer died (`OutputStore.streamed`).
+STREAMED_DIR = "streamed"
 
 
 @dataclass(frozen=True, slots=True)

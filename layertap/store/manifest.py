@@ -6,7 +6,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -28,7 +28,7 @@ CONVENTION_TEXT = (
 # tokens or loss mask changed (`pipeline.rows.RowPlanner`), so the manifest names the dataset the store now holds. So
 # is the input limit: a resume on a server with another limit re-plans every row under its own.
 _RUNTIME_FIELDS = {
-    "engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers", "input_limit"
+    "engine", "layertap_version", "complete", "samples_committed", "dataset_sha256", "servers", "input_limit", "target"
 }  # fmt: skip
 _OLD_INPUT_LIMIT = "effective_max_length"  # the input limit's key in manifests written before it was renamed
 
@@ -79,6 +79,9 @@ class Manifest(BaseModel):
     # Which server made which rows: each writer's record (`OutputStore.note_server`: its rows, the server's facts),
     # gathered when the store is finalized; a job's shards each name their worker's server here.
     servers: list[dict[str, Any]] = []
+    # Where the run's samples go (`layertap.settings.Target`): files, both (files, also streamed) or stream (no
+    # sample files: a sample is done once a consumer acked it, its record then in ``index/``).
+    target: Literal["files", "stream", "both"] = "files"
     complete: bool = False
     samples_committed: int = 0
 
@@ -170,5 +173,10 @@ def check_compatible(existing: Manifest, new: Manifest) -> None:
                     "layertap's, see the manifest's generation.rules), so its samples are not what this run makes; "
                     "write to a new --out"
                 )
+    if (existing.target == "stream") != (new.target == "stream"):
+        diffs.append(
+            f"target: the store's samples went to {existing.target!r}, this run's go to {new.target!r} (a stream-only "
+            "run's record holds acked samples, a files run's sample files: one cannot resume the other)"
+        )
     if diffs:
         raise StoreError("output folder belongs to a different run; " + "; ".join(diffs))

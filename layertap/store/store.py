@@ -1,7 +1,8 @@
 """``OutputStore``: where a captured sample is validated, written, and committed.
 
 A sample is *done* only when its file was renamed into place AND its index record was appended
-after that. A regenerated sample's row (its text) is appended to ``regenerated/<writer>.jsonl`` before the index
+after that. A stream-only run's store (manifest ``target`` stream) holds no sample files: its index records are the
+samples consumers acked (`log_acked`), each first logged in ``streamed/`` as it was put (`log_streamed`). A regenerated sample's row (its text) is appended to ``regenerated/<writer>.jsonl`` before the index
 record, so a row without one never counts; `finalize` gathers the committed samples' rows in
 ``regenerated.jsonl``. Resume trusts neither alone: it re-checks each indexed file (size, sha256, keys, shapes,
 dtypes, token ids) before skipping it, so a truncated or corrupted file is redone. A sample its row no
@@ -23,7 +24,7 @@ from typing import Any
 from layertap.engines.server_facts import ServerFacts
 from layertap.errors import SampleError, StoreError
 from layertap.models.folder import ModelFolder
-from layertap.sample import CapturedSample
+from layertap.sample import CapturedSample, TokenizedSample
 from layertap.store.atomic import TMP_MARK, atomic_write, atomic_write_json, move_into_place, sha256_file
 from layertap.store.formats import SampleFormat, get_format
 from layertap.store.formats.base import CheckLevel, torch_dtype
@@ -33,6 +34,7 @@ from layertap.store.index import (
     INDEX_DIR,
     REGENERATED_DIR,
     RETIRED_DIR,
+    STREAMED_DIR,
     JsonlLog,
     SampleRecord,
     load_index_candidates,
@@ -82,14 +84,30 @@ class OutputStore:
     # -- writing ---------------------------------------------------------------------------------
 
     def commit(self, captured: CapturedSample) -> SampleRecord:
-        """Check the capture once (`state_problems`), write it atomically (hashed as written) or move a file already
+        """Check the capture once (`record_for`), write it atomically (hashed as written) or move a file already
         in this format into place (hashed from the bytes the engine read it as), then append the index record (the
         record is written last)."""
+        record = self.record_for(captured)
+        dest = self.root / record.file
+        ready = captured.source
+        if ready is not None and ready.format == self.format.name and captured.aux.dtype == torch_dtype(self.layout):
+            # Already what this store would write: renamed, hashed from the bytes the engine checked (the plugin does
+            # not hash: its writers share SGLang's GIL).
+            written = move_into_place(ready.path, dest, ready.data)
+        else:
+            written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
+        record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
+        self._log_sample(captured.sample, record, INDEX_DIR)
+        return record
+
+    def record_for(self, captured: CapturedSample) -> SampleRecord:
+        """The record of ``captured`` as this store would commit it, its file not written yet (no size, no hash);
+        SampleError when the capture's states are not what the store holds (`state_problems`)."""
         problems = state_problems(captured, self.layout)
         if problems:
             raise SampleError(f"sample {captured.sample.sample_id!r}: " + "; ".join(problems))
         sample = captured.sample
-        record = SampleRecord(
+        return SampleRecord(
             sample_id=sample.sample_id,
             index=sample.index,
             num_tokens=sample.num_tokens,
@@ -100,22 +118,30 @@ class OutputStore:
             mask_runs=mask_runs(sample.loss_mask),
             truncated=sample.truncated,
         )
-        dest = self.root / record.file
-        ready = captured.source
-        if ready is not None and ready.format == self.format.name and captured.aux.dtype == torch_dtype(self.layout):
-            # Already what this store would write: renamed, hashed from the bytes the engine checked (the plugin does
-            # not hash: its writers share SGLang's GIL).
-            written = move_into_place(ready.path, dest, ready.data)
-        else:
-            written = atomic_write(dest, lambda f: self.format.write(captured, self.layout, f))
-        record = dataclasses.replace(record, nbytes=written.nbytes, sha256=written.sha256)
+
+    def log_streamed(self, sample: TokenizedSample, record: SampleRecord) -> None:
+        """A stream-only run's sample about to be put (``record.file``: its handle): its token counts and regenerated
+        row logged as a commit's are, and its record in ``streamed/``; it counts done once acked (`log_acked`)."""
+        self._log_sample(sample, record, STREAMED_DIR)
+
+    def log_acked(self, record: SampleRecord) -> None:
+        """A stream-only run's sample a consumer acked: its record in the index, so the store counts it done even
+        when the stream's Redis is gone."""
+        self._log(INDEX_DIR).append(record.to_json())
+
+    def streamed(self) -> dict[str, SampleRecord]:
+        """sample_id -> the record of its latest put (`log_streamed`), acked or not."""
+        return {d["sample_id"]: SampleRecord.from_dict(d) for d in read_jsonl_dir(self.root / STREAMED_DIR)}
+
+    def _log_sample(self, sample: TokenizedSample, record: SampleRecord, folder: str) -> None:
+        """Log what a trainer's files are derived from (the token counts, a regenerated row), then the record in
+        ``folder``: the record last, so one without the others never counts."""
         self._log(TOKEN_FREQ_DIR).append(count_line(sample, record.ids_sha256))  # counted as committed
         if sample.regenerated is not None:
             line = {"sample_id": sample.sample_id, "ids_sha256": record.ids_sha256, "row": sample.regenerated,
                     "generated_tokens": sample.generated_tokens}  # fmt: skip
             self._log(REGENERATED_DIR).append(json.dumps(line, ensure_ascii=False))
-        self._log(INDEX_DIR).append(record.to_json())
-        return record
+        self._log(folder).append(record.to_json())
 
     def retire(self, record: SampleRecord) -> None:
         """Take a committed sample out of the store (its row no longer gives it): the retirement is logged, then
@@ -250,7 +276,8 @@ class OutputStore:
         guide from ``target``, the model folder as the run read it (`guide.target_folder` where none did)."""
         by_id = self.records()
         records = sorted(by_id.values(), key=lambda r: r.index)
-        self.format.finalize(self.root, records)
+        if self.manifest.target != "stream":  # a stream-only store's samples went to its consumers
+            self.format.finalize(self.root, records)
         if self.manifest.generation is not None:
             rows = self.regenerated_rows(by_id)
             lines = (json.dumps(rows[r.sample_id], ensure_ascii=False) + "\n" for r in records if r.sample_id in rows)

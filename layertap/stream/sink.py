@@ -1,10 +1,11 @@
 """The producer of a stream: each committed sample put into Mooncake Store and its manifest XADDed to Redis.
 
-`MooncakeSink` is a run's ``SampleSink`` (`layertap.pipeline.ledger`): the run opens it once its store exists, puts
-each sample as its commit lands (the file is read back from the store, already in speculators' layout), and drains
-it after finalizing. Puts stop while ``max_unacked`` samples wait for their acks (the producer is held, its memory
-flat, and says so in the stream's ``held`` hash: the views' ``held``); the objects live in this process's segment, so
-`drain` keeps it alive until every sample put is acked.
+`MooncakeSink` is what a run's stream target (`layertap.pipeline.targets`) puts through: the run opens it once its
+store exists, and each commit thread hands it a sample's tensors as captured (no file is read back: a stream-only run
+writes none). Its puts, XADDs and ack polls run in one thread of its own, so the capture thread never waits on
+Mooncake; a commit waits for its put (its tensors may be views of the server's dump) and the run is held only while
+``max_unacked`` samples wait for their acks (its memory flat; the stream's ``held`` hash says so: the views' ``held``).
+The objects live in this process's segment, so `drain` keeps it alive until every sample put is acked.
 
 A job's shard attempt is a producer of its own (``worker.runner``): it opens the sink on its rows, waits for its
 acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`).
@@ -17,17 +18,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from redis import Redis
 from redis.exceptions import RedisError
 
-from layertap.errors import SpecError
 from layertap.settings import RunSettings
 from layertap.state.keys import Keys
 from layertap.state.model import StreamView
+from layertap.state.views import settled_samples
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
 from layertap.stream.mooncake import (
@@ -39,7 +42,6 @@ from layertap.stream.mooncake import (
     run_identity,
     sample_manifest,
 )
-from sglang_patch.contract import SPECULATORS
 
 log = logging.getLogger(__name__)
 LOST_CHECK_S = 1.0  # how often a waiting producer checks that its unacked objects are still there
@@ -78,7 +80,8 @@ class MooncakeSink:
     """Puts a run's committed samples into Mooncake Store (hard-pinned, hs-connectors' ``put_sample``) and their
     manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once.
     ``keep_going`` is asked every second while it waits for acks: once False (a job's shard cancelled or taken
-    away) the wait stops, and a sample then not put is left to the attempt that resumes the shard."""
+    away) the wait stops, and a sample then not put is left to the attempt that resumes the shard. ``on_acked`` is
+    told each record whose ack it collects (a stream-only run's store mirrors them: `OutputStore.log_acked`)."""
 
     def __init__(
         self,
@@ -91,59 +94,62 @@ class MooncakeSink:
         prefix: str = "layertap",
         poll_s: float = 0.02,
         keep_going: Callable[[], bool] = lambda: True,
+        on_acked: Callable[[SampleRecord], None] = lambda record: None,
     ) -> None:
         self.store = connect(master, segment_bytes=segment_bytes, pin=True)
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.master = Keys(prefix), name, master
-        self.max_unacked, self.poll_s, self.keep_going = max_unacked, poll_s, keep_going
+        self.max_unacked, self.poll_s, self.keep_going, self.on_acked = max_unacked, poll_s, keep_going, on_acked
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
-        self.unacked: dict[str, str] = {}  # sample id -> handle, put and not yet acked
+        self.unacked: dict[str, tuple[str, SampleRecord]] = {}  # sample id -> (handle, record), put and not acked
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="stream-put")  # every Redis and Mooncake call
         self.put_count = 0
+        self.dead = 0  # samples put that a consumer dead-lettered
         self.held_since: float | None = None  # time.time() when the wait at the bound began; None while it puts
         self.held_s = 0.0  # this run's waits at the bound, ended ones summed
         self.ended = False
         self.broken: StreamError | None = None  # once a put failed or objects were lost: every later put refused
-        self.files: OutputStore | None = None
         self.run = ""
 
-    def open(self, store: OutputStore, server: str | None, *, start: int = 0, stop: int | None = None) -> None:
+    def open(self, store: OutputStore, server: str | None) -> None:
         """Before the run's first sample: its identity (`run_identity`) and its store's sample layout published for
-        consumers, then every sample of rows ``[start, stop)`` (a shard's; all by default) the store already holds
-        that no consumer acked put (again): a resumed run re-produces what a killed producer left unacked (its
-        objects went with it) or never put, and nothing a consumer took."""
-        if store.manifest.format != SPECULATORS:
-            raise SpecError(
-                "--stream mooncake puts hs-connectors' layout, speculators' sample (token_ids, hidden_states "
-                f"[T, k+1, H] with the pre-norm final last): run with --format speculators, not {store.manifest.format}"
-            )
+        consumers."""
         identity = run_identity(store.manifest, server)
-        self.files, self.run = store, fingerprint(identity)
+        self.run = fingerprint(identity)
         run = {"identity": json.dumps(identity), "fingerprint": self.run, "layout": json.dumps(asdict(store.layout)),
                "ended": 0, "bound": self.max_unacked}  # fmt: skip
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.stream_run(self.name), mapping=run)
             pipe.zadd(self.keys.streams, {self.name: round(time.time() * 1000)})
             pipe.execute()
-        acked = {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
-        unacked = sorted((r for r in store.records().values() if r.sample_id not in acked and r.index >= start
-                          and (stop is None or r.index < stop)), key=lambda r: r.index)  # fmt: skip
-        if unacked:
-            log.info("stream %s: putting the %d samples in the store no consumer acked", self.name, len(unacked))
-        for record in unacked:
-            self.put(record)
 
-    def put(self, record: SampleRecord) -> None:
-        """One committed sample, put and announced; blocks while ``max_unacked`` samples wait for their acks (not
-        put once ``keep_going`` turns False: the shard's next attempt puts it)."""
-        assert self.files is not None, "open() first"
+    def acked(self) -> set[str]:
+        """The ids of the samples consumers acked on this stream (a resumed run's done, whoever put them)."""
+        return {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
+
+    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord:
+        """``record`` as this sink streams it: its ``file`` the object's handle, ``nbytes`` its packed size."""
+        manifest = sample_manifest(self.handle(record), tensors, record, self.run)
+        return replace(record, file=manifest["handle"], nbytes=manifest["metadata"]["total_aligned_bytes"])
+
+    def handle(self, record: SampleRecord) -> str:
+        return f"lt-{self.nonce}-{record.index}"
+
+    def put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None:
+        """One committed sample (``tensors``: speculators' sample and its ``loss_mask``), put and announced by the
+        sink's thread; returns once it is put (the tensors may be views of a dump the engine frees next). Waits while
+        ``max_unacked`` samples wait for their acks (not put once ``keep_going`` turns False: the shard's next attempt
+        puts it)."""
+        self.thread.submit(self._put, record, tensors).result()
+
+    def _put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None:
         if self.broken is not None:
             raise self.broken
         self._collect_acks()
         if len(self.unacked) >= self.max_unacked and not self._hold():
             return
         t0 = time.perf_counter()
-        tensors = {**self.files.format.load(self.files.root / record.file), "loss_mask": record.loss_mask()}
-        manifest = sample_manifest(f"lt-{self.nonce}-{record.index}", tensors, record, self.run)
+        manifest = sample_manifest(self.handle(record), tensors, record, self.run)
         try:
             self.store.put_sample(manifest, tensors)
         except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
@@ -158,7 +164,7 @@ class MooncakeSink:
             pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
             pipe.hincrbyfloat(self.keys.stream_run(self.name), "put_s", time.perf_counter() - t0)  # where time goes
             pipe.execute()
-        self.unacked[record.sample_id] = manifest["handle"]
+        self.unacked[record.sample_id] = (manifest["handle"], record)
         self.put_count += 1
 
     def drain(self) -> None:
@@ -174,10 +180,11 @@ class MooncakeSink:
         if self.unacked:
             log.info("stream %s: waiting for %d unacked samples of %d put", self.name, len(self.unacked),
                      self.put_count)  # fmt: skip
-        return self._wait(lambda: not self.unacked)
+        return self.thread.submit(self._wait, lambda: not self.unacked).result()
 
     def close(self) -> None:
         """Unmount the segment (its objects go with it) and drop the Redis client."""
+        self.thread.shutdown(wait=True)
         disconnect(self.store)
         self.redis.close()
 
@@ -185,9 +192,9 @@ class MooncakeSink:
         """This run's puts against its consumers, from what the producer knows (no round trip: the CLI's bar draws it
         several times a second); the acks as last collected."""
         held_now = 0.0 if self.held_since is None else time.time() - self.held_since
-        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked),
+        return StreamView(self.name, put=self.put_count, acked=self.put_count - len(self.unacked) - self.dead,
                           bound=self.max_unacked, held=int(self.held_since is not None), held_s=self.held_s + held_now,
-                          ended=self.ended)  # fmt: skip
+                          ended=self.ended, dead=self.dead)  # fmt: skip
 
     def _hold(self) -> bool:
         """Wait at the bound until a consumer acks, the wait told for the views (`layertap.state.views.stream_views`):
@@ -232,7 +239,7 @@ class MooncakeSink:
         consumer can read them, so waiting would never end. A consumer records its ack before it removes the
         object, so the acks are collected again before one missing counts as lost."""
         ids = list(self.unacked)
-        present = objects_present(self.store, [self.unacked[i] for i in ids])
+        present = objects_present(self.store, [self.unacked[i][0] for i in ids])
         if all(present):
             return
         self._collect_acks()
@@ -246,7 +253,9 @@ class MooncakeSink:
     def _collect_acks(self) -> None:
         if not self.unacked:
             return
-        ids = list(self.unacked)
-        for sample_id, by in zip(ids, self.redis.hmget(self.keys.stream_acked(self.name), ids), strict=True):
-            if by is not None:
-                del self.unacked[sample_id]
+        acked, dead = settled_samples(self.redis, self.keys, self.name, list(self.unacked))
+        for sample_id in acked:
+            self.on_acked(self.unacked.pop(sample_id)[1])
+        for sample_id in dead:  # a dead-lettered sample is settled, counted dead, not delivered
+            del self.unacked[sample_id]
+        self.dead += len(dead)

@@ -2,7 +2,8 @@
 that reads the stream itself: speculators 0.9.0's dataset item (what its ``ArrowDataset`` hands its ``CollateFn``)
 and SpecForge 0.2.0's offline EAGLE-3 features (what its offline reader loads from a ``.ckpt``, for its normalizer
 and collator). The stream carries speculators' layout, whose final state is pre-norm; SpecForge's is post-norm, so
-its features take the target's own final norm (`final_norm`).
+its features take the target's own final norm (`final_norm`). `AckAfterStep` holds a trainer's samples unacked until
+the optimizer step that used them (SpecForge's trainer calls its ``ack_fn`` at each step's boundary).
 """
 
 from __future__ import annotations
@@ -13,6 +14,35 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from layertap.stream.consumer import Delivery, StreamConsumer
+
+
+class AckAfterStep:
+    """A trainer's samples from ``consumer``, each acked only once the optimizer step that consumed it is taken (not
+    when it is read, as `StreamDataset` does), so a trainer killed before that step leaves it pending to another
+    consumer of its group: `take` reads them, `ack` (SpecForge's ``ack_fn(sample_ids, step)``, which its
+    ``TrainerController`` calls after each optimizer step with the step's samples) acks them. The consumer's
+    ``claim_idle_ms`` must outlast the steps a sample waits for, or another consumer reclaims it meanwhile."""
+
+    def __init__(self, consumer: StreamConsumer) -> None:
+        self.consumer = consumer
+        self.held: dict[str, Delivery] = {}  # sample id -> its delivery, read and not acked
+
+    def take(self, count: int) -> dict[str, dict[str, torch.Tensor]]:
+        """``count`` samples (fewer once the stream has ended), by sample id, in `StreamDataset`'s shape, unacked."""
+        taken = {}
+        while len(taken) < count and not self.consumer.finished():
+            if (delivery := self.consumer.receive()) is not None:
+                self.held[delivery.sample_id] = delivery
+                taken[delivery.sample_id] = delivery.sample()
+        return taken
+
+    def ack(self, sample_ids: list[str], step: int) -> None:
+        """Ack the samples of optimizer step ``step`` (an id acked already, by an earlier epoch's step, is let be)."""
+        for sample_id in sample_ids:
+            if (delivery := self.held.pop(sample_id, None)) is not None:
+                self.consumer.ack(delivery)
 
 
 def speculators_item(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -24,9 +24,14 @@ from tests.trainers.test_interop import DRAFT_VOCAB, _block, _extract, _specforg
 ROWS = 2  # one for each trainer's step
 
 
+def _said(what: str, output: str) -> list[dict]:
+    """The JSON of each ``<what> {json}`` line a trainer process printed."""
+    return [json.loads(line) for line in re.findall(rf"^{what} (.*)$", output, flags=re.M)]
+
+
 def _stream_check(output: str) -> list[dict]:
-    [line] = re.findall(r"^stream-check (.*)$", output, flags=re.M)
-    return json.loads(line)
+    [check] = _said("stream-check", output)
+    return check
 
 
 def test_one_runs_stream_feeds_a_specforge_and_a_speculators_step(
@@ -67,6 +72,12 @@ def test_one_runs_stream_feeds_a_specforge_and_a_speculators_step(
     [sample] = _stream_check(specforge)
     assert sample["equal"] == ["input_ids", "loss_mask", "aux_hidden_state"], sample
     assert sample["final_rel_diff"] <= 2**-7, sample
+    # Its sample acked after the optimizer step that used it (SpecForge's ack_fn), pending until then; the step's
+    # log line comes before the ack.
+    [ack] = _said("stream-ack", specforge)
+    assert ack["step"] == 1 and ack["pending"] == 1 and len(ack["samples"]) == 1, ack
+    assert specforge.index("stream-ack ") > specforge.index("stream-check ")
+    assert redis_client.hget(keys.stream_acked(name), ack["samples"][0]) is not None
     # speculators: one step, on the streamed sample, which is the item its own reader makes of the store's file.
     losses = [float(x) for x in re.findall(r"train/loss=([-+.\de]+)", speculators)]
     assert len(losses) == 1 and math.isfinite(losses[0]), speculators[-3000:]

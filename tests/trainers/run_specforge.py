@@ -13,12 +13,16 @@ run checks, and cold it took 37 s of an 8-step training.
 ``run_specforge.py --stream REDIS_URL NAME MASTER STEPS TARGET train ...``: fed from layertap's stream instead of
 ``data.hidden_states_path``'s files. SpecForge's offline trainer takes a fixed list of sample refs, so its
 ``build_offline_runtime`` becomes its own disaggregated consumer's (``build_disagg_offline_runtime``: "trains from a
-caller-supplied feature store"), given STEPS samples read with `StreamDataset` (acked as they are taken), each as
-the offline features `specforge_features` makes with TARGET's final norm, in its own ``LocalFeatureStore``. It
-prints ``stream-check {json}``: each sample against the file of the same tokens under ``data.hidden_states_path``
-(SpecForge's own loader): which tensors are equal, and the final state's largest difference relative to its scale.
+caller-supplied feature store"), given STEPS samples read with `AckAfterStep`, each as the offline features
+`specforge_features` makes with TARGET's final norm, in its own ``LocalFeatureStore``. Each sample is acked only
+after the optimizer step that consumed it: the trainer's ``ack_fn`` (SpecForge's own hook at each optimizer-step
+boundary, which its offline runtime leaves unset) acks the step's samples and prints ``stream-ack {json}`` (the step,
+its samples, how many were pending with this consumer just before). It prints ``stream-check {json}``: each sample
+against the file of the same tokens under ``data.hidden_states_path`` (SpecForge's own loader): which tensors are
+equal, and the final state's largest difference relative to its scale.
 """
 
+import atexit
 import json
 import os
 import sys
@@ -56,18 +60,30 @@ def from_stream(redis_url: str, name: str, master: str, steps: int, target: Path
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
     from specforge.runtime.data_plane.offline_reader import list_feature_files
 
-    from layertap.stream.consumer import StreamDataset
-    from layertap.stream.trainers import final_norm, specforge_features
+    from layertap.stream.consumer import StreamConsumer
+    from layertap.stream.trainers import AckAfterStep, final_norm, specforge_features
+
+    consumer = StreamConsumer(redis_url, name, master=master)
+    atexit.register(consumer.close)
+    held = AckAfterStep(consumer)
+
+    def ack_after_step(ids: list[str], step: int) -> None:
+        pending = consumer.redis.xpending(consumer.stream, consumer.group)["pending"]
+        print("stream-ack " + json.dumps({"step": step, "samples": ids, "pending": pending}), flush=True)
+        held.ack(ids, step)
 
     def build(*, hidden_states_path: str, **kwargs):
         norm, store = final_norm(target), LocalFeatureStore(kwargs["run_id"])
-        samples = [specforge_features(s, norm) for s in StreamDataset(redis_url, name, master=master, limit=steps)]
+        samples = {sid: specforge_features(s, norm) for sid, s in held.take(steps).items()}
         meta = {"run_id": kwargs["run_id"], "strategy": "eagle3", "target_repr": "hidden_state",
                 "ttt_length": kwargs["ttt_length"], "max_len": kwargs["max_len"]}  # fmt: skip
-        refs = [store.put(s, sample_id=f"stream:{i:08d}", metadata={**meta, "num_tokens": len(s["input_ids"])})
-                for i, s in enumerate(samples)]  # fmt: skip
-        print("stream-check " + json.dumps(check(samples, list_feature_files(hidden_states_path))), flush=True)
-        return launch.build_disagg_offline_runtime(feature_store=store, refs=refs, **kwargs)
+        refs = [store.put(s, sample_id=sid, metadata={**meta, "num_tokens": len(s["input_ids"])})
+                for sid, s in samples.items()]  # fmt: skip
+        print("stream-check " + json.dumps(check(list(samples.values()), list_feature_files(hidden_states_path))),
+              flush=True)  # fmt: skip
+        runtime = launch.build_disagg_offline_runtime(feature_store=store, refs=refs, **kwargs)
+        runtime._controller.ack_fn = ack_after_step  # SpecForge's hook after each optimizer step (None offline)
+        return runtime
 
     launch.build_offline_runtime = build
 

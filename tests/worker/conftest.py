@@ -21,7 +21,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from harness.processes import REPO_ROOT, Proc, wait_for
+from harness.processes import REPO_ROOT, Proc, wait_for, wait_moving
 from harness.services import Coordinator, RedisServer, Services
 from layertap.pipeline import run_extraction
 from layertap.spec import ExtractionSpec
@@ -36,7 +36,7 @@ from tests.hf_engines import cpu_hf
 LAYERS = (1, 3, 5)
 NUM_SAMPLES = 300
 SHARD_SIZE = 25
-JOB_TIMEOUT_S = 240
+STALL_S = 120  # a job that moved nothing (samples, shards, acks) for this long is stuck, however slow the machine
 
 
 @pytest.fixture(scope="session")
@@ -105,19 +105,29 @@ class Cluster:
         assert reply.status_code == 200, reply.text
         return reply.json()
 
-    def wait_state(self, job_id: str, *states: str, timeout: float = JOB_TIMEOUT_S) -> dict:
-        """Poll the API until the job is in one of ``states`` (riding out a coordinator or Redis restart)."""
+    def wait_state(
+        self, job_id: str, *states: str, stall: float = STALL_S, moving: Callable[[], object] = lambda: None
+    ) -> dict:
+        """Poll the API until the job is in one of ``states`` (riding out a coordinator or Redis restart), for as
+        long as it moves: its samples and shards, or what ``moving`` reads (a stream's acks), change within every
+        ``stall`` s."""
+        seen: dict = {}
 
         def reached() -> dict | None:
             try:
-                job = self.job(job_id)
+                seen["job"] = job = self.job(job_id)
             except (httpx.HTTPError, AssertionError):
                 return None
             if job["state"] == "failed" and "failed" not in states:
                 pytest.fail(f"job failed: {job}")
             return job if job["state"] in states else None
 
-        return wait_for(reached, timeout=timeout, what=f"job {job_id} to be {'/'.join(states)}", every=0.25)
+        def moved() -> object:
+            job = seen.get("job", {})
+            return [job.get(k) for k in ("state", "samples_done", "samples_failed", "shards")], moving()
+
+        return wait_moving(reached, moved=moved, stall=stall, what=f"job {job_id} to be {'/'.join(states)}",
+                           every=0.25)  # fmt: skip
 
     def shards(self, job_id: str) -> list[dict]:
         state = self.state

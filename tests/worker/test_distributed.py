@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.processes import wait_for
+from harness.processes import wait_for, wait_moving
 from layertap.store.index import INDEX_DIR
 from layertap.store.store import OutputStore
 from layertap.store.token_freq import TOKEN_FREQ_DIR
-from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, check_output, layertap
+from tests.worker.conftest import NUM_SAMPLES, SHARD_SIZE, STALL_S, check_output, layertap
 
 
 def test_a_job_submitted_with_the_cli_completes_exactly_once_over_two_workers(
@@ -38,7 +38,8 @@ def test_a_job_submitted_with_the_cli_completes_exactly_once_over_two_workers(
             seen.append(job)
         return job if job["state"] == "done" else None
 
-    job = wait_for(done_watching_rates, timeout=240, what="the job to be done", every=0.1)
+    job = wait_moving(done_watching_rates, moved=lambda: cluster.samples_done(job_id), stall=STALL_S,
+                      what="the job to be done", every=0.1)  # fmt: skip
     assert seen, "no rate was reported while the job ran"
     assert all(j["eta_s"] is not None and j["tokens_per_s"] > 0 for j in seen)
     assert any(w["alive"] and w["shard"] is not None for j in seen for w in j["workers"])

@@ -122,7 +122,7 @@ def test_a_model_no_worker_can_load_fails_the_job_after_retries_and_resume_compl
     weights.write_bytes(b"truncated")  # planning reads config.json only: the job is accepted
     job_id = cluster.submit(model, corpus)
 
-    job = cluster.wait_state(job_id, "failed", timeout=120)
+    job = cluster.wait_state(job_id, "failed")
     assert job["shards"] == {"failed": NUM_SAMPLES // 25} and job["samples_done"] == 0
     assert f"cannot load the hf engine for {model}" in job["error"] and "SafetensorError" in job["error"]
     shard = cluster.shards(job_id)[0]

@@ -1,5 +1,5 @@
 """A sample that makes the engine fail is retried alone and recorded after N attempts; its batch-mates
-and the rest of the shard are committed (``run_shard``, the function every worker runs)."""
+and the rest of the shard are committed (`Run.rows`, what every worker runs)."""
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -10,7 +10,7 @@ import pytest
 from layertap.engines.base import Engine
 from layertap.engines.hf import HFEngine
 from layertap.errors import ServerError
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Run, plan_run, target_for
 from layertap.sample import CapturedSample, TokenizedSample
 from layertap.spec import ExtractionSpec
 from layertap.state.model import JobSpec
@@ -50,7 +50,7 @@ def store(tiny_llama: Path, tmp_path: Path) -> tuple[ExtractionSpec, OutputStore
 def test_poison_samples_fail_alone_after_n_attempts_and_the_rest_is_committed(store, tiny_llama) -> None:
     spec, out = store
     engine = PoisonedEngine(hf_engine(tiny_llama, spec.resolve(6), batch_size=8), {"conv-7", "conv-20"})
-    report = run_shard(plan_run(spec, stored=out.manifest).on(engine), out, engine, attempts=3)
+    report = Run(plan_run(spec, stored=out.manifest).on(engine), engine, out, target_for(out, None)).rows()
 
     assert report.failed == 2 and len(report.computed) == 28 and not report.stopped
     assert set(out.records()) == {f"conv-{i}" for i in range(30)} - {"conv-7", "conv-20"}
@@ -67,5 +67,5 @@ def test_a_server_error_is_not_blamed_on_samples_but_fails_the_shard(store, tiny
     spec, out = store
     engine = PoisonedEngine(hf_engine(tiny_llama, spec.resolve(6), batch_size=8), {"conv-3"}, error=ServerError)
     with pytest.raises(ServerError, match="conv-3"):
-        run_shard(plan_run(spec, stored=out.manifest).on(engine), out, engine, attempts=3)
+        Run(plan_run(spec, stored=out.manifest).on(engine), engine, out, target_for(out, None)).rows()
     assert out.errors() == [] and engine.raised == {"conv-3": 1}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.pipeline import plan_run, run_shard
+from layertap.pipeline import Run, plan_run, target_for
 from layertap.state.jobs import create_job, reap
 from layertap.state.keys import FINALIZE_TASK, Keys
 from layertap.state.model import JobSpec
@@ -146,7 +146,7 @@ def test_a_shard_attempt_retires_a_sample_its_row_no_longer_gives_and_counts_it_
     store = OutputStore.open_existing(planned.spec.out)
     engine = hf_engine(tiny_llama, planned.spec.resolve(6))
     plan = plan_run(planned.spec.extraction(), stored=store.manifest).on(engine)
-    run_shard(plan, store, engine)  # an earlier attempt's
+    Run(plan, engine, store, target_for(store, None)).rows()  # an earlier attempt's
     store.close()
     rows[4]["messages"][-1]["content"] += " edited"
     write_jsonl(data, rows)

@@ -2,7 +2,11 @@
 attempt a producer of its own into the job's one stream (a real ``mooncake_master``, the session's Redis), read by a
 consumer process with hs-connectors' own reader (tests/stream/consume.py): every sample of the job's store is
 delivered once, byte-equal to its file; a worker SIGKILLed holding unacked samples loses none and delivers none twice
-(the shard's next attempt puts again exactly what no consumer acked)."""
+(the shard's next attempt puts again exactly what no consumer acked); a cancelled job's stream reads paused to its
+consumers (and stream-verify), and resumes with the job.
+
+The waits for a job are on its progress (samples, shards, the stream's acks), not on a wall-clock budget: a slow
+machine is waited on, a stuck job fails once nothing moved for `STALL_S`."""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ import sys
 from pathlib import Path
 
 from harness.mooncake import MooncakeMaster
-from harness.processes import Proc, wait_for
+from harness.processes import LAYERTAP, Proc, wait_for
 from harness.services import RedisServer
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
+from layertap.stream.consumer import StreamConsumer
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.stream.test_stream import CONSUME, assert_byte_equal_to_store, env, first_acks
 
@@ -37,6 +42,12 @@ def consumer(redis: RedisServer, master: MooncakeMaster, name: str, folder: Path
     return Proc(f"consumer-{who}", cmd, env(), folder / f"{who}.log").start()
 
 
+def acks(state, name: str):
+    """What moves while a streamed job's producers wait at their bound: the stream's acks, and its puts."""
+    keys = Keys()
+    return lambda: (state.hlen(keys.stream_acked(name)), state.hget(keys.stream_run(name), "put"))
+
+
 def test_a_streamed_job_delivers_every_sample_once_byte_equal_to_its_store(
     start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
 ) -> None:
@@ -46,7 +57,7 @@ def test_a_streamed_job_delivers_every_sample_once_byte_equal_to_its_store(
     reader = consumer(redis_server, mooncake_master, name, tmp_path, "a")
     try:
         job_id = cluster.submit(tiny_llama, data, **job_fields(mooncake_master, redis_server, name))
-        job = cluster.wait_state(job_id, "done")
+        job = cluster.wait_state(job_id, "done", moving=acks(cluster.state, name))
         assert reader.popen.wait(timeout=60) == 0, reader.log_tail()  # it ends: the job ended its stream
     finally:
         reader.kill(signal.SIGKILL)
@@ -92,7 +103,7 @@ def test_a_worker_killed_holding_unacked_samples_loses_none_and_delivers_none_tw
         first.kill(signal.SIGKILL)
         second = consumer(redis_server, mooncake_master, name, tmp_path, "b", "--claim-idle-ms", "1000")
         procs.append(second)
-        job = cluster.wait_state(job_id, "done")
+        job = cluster.wait_state(job_id, "done", moving=acks(state, name))
         assert second.popen.wait(timeout=60) == 0, second.log_tail()
     finally:
         for proc in procs:
@@ -109,3 +120,46 @@ def test_a_worker_killed_holding_unacked_samples_loses_none_and_delivers_none_tw
     assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)  # all, none twice
     assert state.xpending(keys.stream(name), "trainers")["pending"] == 0
     assert_byte_equal_to_store(out, tmp_path / "received")
+
+
+def test_a_cancelled_jobs_stream_reads_paused_to_its_consumers_and_resumes_with_the_job(
+    start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=13, max_words=10))
+    cluster = start_cluster(workers=1, **WORKER_ENV)
+    name, keys, state = "job-paused", Keys(), cluster.state
+    # A consumer of the trainers' group that only watches (it registers the group the job's samples wait for).
+    watcher = StreamConsumer(redis_server.url, name, master=mooncake_master.address, block_ms=100)
+    procs = []
+    try:
+        job_id = cluster.submit(tiny_llama, data, **job_fields(mooncake_master, redis_server, name))
+        wait_for(lambda: state.hget(keys.stream_run(name), "put") == str(UNACKED), timeout=120,
+                 what="the shard's producer at its bound")  # fmt: skip
+        assert watcher.state() == "running"
+        with cluster.api() as api:
+            assert api.post(f"/jobs/{job_id}/cancel").status_code == 200
+            assert watcher.state() == "paused" and state.hget(keys.stream_run(name), "paused") == "1"
+            (view,) = api.get("/streams").json()["streams"]
+            assert view["state"] == "paused"
+            verified = Proc("stream-verify", [*LAYERTAP, "stream-verify", name, "--mooncake-master",
+                                              mooncake_master.address, "--stream-redis-url", redis_server.url,
+                                              "--group", "trainers", "--consumer", "verifier", "--idle-timeout", "3"],
+                            env(), tmp_path / "verify.log").start()  # fmt: skip
+            procs.append(verified)
+            assert verified.popen.wait(timeout=120) == 1, verified.log_tail()
+            said = " ".join((tmp_path / "verify.log").read_text().split())
+            assert "the stream is paused (its job is cancelled; resume the job)" in said, said
+            assert api.post(f"/jobs/{job_id}/resume").status_code == 200
+            assert watcher.state() == "running" and state.hget(keys.stream_run(name), "paused") is None
+        reader = consumer(redis_server, mooncake_master, name, tmp_path, "a", "--claim-idle-ms", "1000")
+        procs.append(reader)
+        job = cluster.wait_state(job_id, "done", moving=acks(state, name))
+        assert reader.popen.wait(timeout=60) == 0, reader.log_tail()
+        assert watcher.state() == "ended"
+    finally:
+        watcher.close()
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(Path(job["out"])).records()
+    assert len(records) == 20 and sorted(state.hkeys(keys.stream_acked(name))) == sorted(records)

@@ -12,7 +12,7 @@ from layertap.sample import CapturedSample
 from layertap.store.index import SampleRecord
 from layertap.store.validate import all_finite
 from sglang_patch.contract import SampleLayout
-from sglang_patch.sample_files import FP8, ids_sha256
+from sglang_patch.sample_files import FP8, ids_sha256, write_sample
 
 CheckLevel = Literal["quick", "full"]  # full also checks every state is finite (and a file's sha256)
 
@@ -37,8 +37,12 @@ class SampleFormat(ABC):
         """Where dataset row ``index`` lives, relative to the store root."""
 
     @abstractmethod
+    def tensors(self, captured: CapturedSample, layout: SampleLayout) -> dict[str, torch.Tensor]:
+        """One sample's tensors as the trainer reads them (what its file holds, what a stream carries)."""
+
     def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
         """Serialise one sample to ``f`` exactly as the trainer reads it."""
+        write_sample(self.name, self.tensors(captured, layout), f)
 
     @abstractmethod
     def load(self, path: Path) -> dict[str, torch.Tensor]:

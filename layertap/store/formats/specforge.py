@@ -8,7 +8,6 @@ with the aux layers concatenated in capture-index order.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import IO
 
 import torch
 
@@ -16,7 +15,7 @@ from layertap.sample import CapturedSample
 from layertap.store.formats.base import SampleFormat, torch_dtype
 from layertap.store.index import SampleRecord
 from sglang_patch.contract import SPECFORGE, SampleLayout
-from sglang_patch.sample_files import specforge_tensors, write_sample
+from sglang_patch.sample_files import specforge_tensors
 
 ROWS_PER_DIR = 2000
 
@@ -30,15 +29,14 @@ class SpecForgeFormat(SampleFormat):
         start = index // ROWS_PER_DIR * ROWS_PER_DIR
         return f"rows_{start}-{start + ROWS_PER_DIR}/data_{index}.ckpt"
 
-    def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
+    def tensors(self, captured: CapturedSample, layout: SampleLayout) -> dict[str, torch.Tensor]:
         if captured.final_post is None:
             raise ValueError("specforge stores the post-norm final state; the capture has none")
         sample = captured.sample
         dtype = torch_dtype(layout)
-        tensors = specforge_tensors(
+        return specforge_tensors(
             sample.input_ids, sample.loss_mask, captured.aux.to(dtype), captured.final_post.to(dtype)
         )
-        write_sample(SPECFORGE, tensors, f)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import IO
 
 import torch
 from safetensors.torch import load_file
@@ -28,7 +27,7 @@ from layertap.store.atomic import TMP_MARK
 from layertap.store.formats.base import SampleFormat, torch_dtype
 from layertap.store.index import SampleRecord
 from sglang_patch.contract import SPECULATORS, SampleLayout
-from sglang_patch.sample_files import FP8, FP8_SCALES, quantize_fp8, speculators_tensors, stack_aux_final, write_sample
+from sglang_patch.sample_files import FP8, FP8_SCALES, quantize_fp8, speculators_tensors, stack_aux_final
 from sglang_patch.writer import fsync_path
 
 PUBLISHED = "hidden_states"
@@ -42,7 +41,9 @@ class SpeculatorsFormat(SampleFormat):
     def relpath(self, index: int) -> str:
         return f"samples/hs_{index}.safetensors"
 
-    def write(self, captured: CapturedSample, layout: SampleLayout, f: IO[bytes]) -> None:
+    def tensors(self, captured: CapturedSample, layout: SampleLayout) -> dict[str, torch.Tensor]:
+        """The sample as its file holds it (and a stream carries it): ``token_ids``, ``hidden_states`` in the store's
+        dtype (FP8: with ``hidden_states_scales``); no copy of the states when the capture is a dump already so."""
         if captured.final_pre is None:
             raise ValueError("speculators stores the pre-norm final state; the capture has none")
         scales, dtype = captured.scales, torch_dtype(layout)
@@ -52,7 +53,7 @@ class SpeculatorsFormat(SampleFormat):
             states, scales = quantize_fp8(stack_aux_final(captured.aux, captured.final_pre))
         else:
             states = stack_aux_final(captured.aux.to(dtype), captured.final_pre.to(dtype))
-        write_sample(SPECULATORS, speculators_tensors(captured.sample.input_ids, states, scales), f)
+        return speculators_tensors(captured.sample.input_ids, states, scales)
 
     def load(self, path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)

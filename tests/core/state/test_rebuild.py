@@ -6,8 +6,7 @@ import pytest
 
 from layertap.engines.factory import sglang_engine_factory
 from layertap.errors import StoreError
-from layertap.pipeline import ProgressEvents, plan_run, run_shard
-from layertap.sample import TokenizedSample
+from layertap.pipeline import Committed, ProgressEvents, Run, plan_run, target_for
 from layertap.settings import RunSettings
 from layertap.state.model import JobSpec
 from layertap.state.plan import plan_job
@@ -27,7 +26,7 @@ class StopAfter(ProgressEvents):
         super().__init__()
         self.left = n
 
-    def committed(self, sample: TokenizedSample) -> None:
+    def committed(self, done: Committed) -> None:
         self.left -= 1
 
     def keep_going(self) -> bool:
@@ -43,9 +42,10 @@ def test_rebuild_counts_what_the_store_holds_and_leaves_the_rest_pending(tiny_ll
     store = OutputStore.open_existing(planned.spec.out)
     engine = hf_engine(tiny_llama, spec.resolve(6), batch_size=1)
     plan = plan_run(spec.extraction(), stored=store.manifest).on(engine)
-    run_shard(plan, store, engine, start=0, stop=10)
-    run_shard(plan, store, engine, start=10, stop=20)  # row 13 is bad
-    partial = run_shard(plan, store, engine, start=20, stop=30, events=StopAfter(4))
+    run = Run(plan, engine, store, target_for(store, None))
+    run.rows(0, 10)
+    run.rows(10, 20)  # row 13 is bad
+    partial = run.rows(20, 30, StopAfter(4))
     assert partial.stopped and 4 <= len(partial.computed) < 10  # the sample in flight may finish too
     store.close()
     tokens = {r.sample_id: r.num_tokens for r in store.records().values()}
@@ -85,7 +85,8 @@ def test_rebuild_counts_a_regenerating_jobs_generation_as_its_workers_did(
     make = sglang_engine_factory(planned.spec, RunSettings(server_url=server.url), job="regen",
                                  dump_root=server.dump_root, log_path=tmp_path / "unused.log")  # fmt: skip
     engine = make(plan.capture, plan.folder)
-    reports = [run_shard(plan.on(engine), store, engine, start=a, stop=b) for a, b in ((0, 5), (5, 10))]
+    run = Run(plan.on(engine), engine, store, target_for(store, None))
+    reports = [run.rows(a, b) for a, b in ((0, 5), (5, 10))]
     engine.close()
     store.close()
     assert all(r.generated_tokens > 0 for r in reports) and sum(r.turns_cut for r in reports) > 0

@@ -1,12 +1,13 @@
 """A job's view against a real Redis: a regenerating job's generation counts and its ETA (`JobView.eta_s`); a
-stream's view (`stream_views`)."""
+stream's view (`stream_views`): held, paused, dead letters."""
 
 import time
 
 import pytest
 
+from layertap.progress import stream_line
 from layertap.state.shards import ShardAttempt, publish_worker
-from layertap.state.views import job_view, stream_views
+from layertap.state.views import job_view, settled_samples, stream_views
 from tests.core.state.support import KEYS, new_job, regenerating
 
 
@@ -78,3 +79,23 @@ def test_a_streams_view_counts_the_producers_held_now_and_leaves_a_dead_ones_wor
     assert stream_views(redis_client, KEYS)[0].state == "draining"
     redis_client.hset(KEYS.stream_acked(name), mapping={f"s{i}": "c" for i in range(10)})
     assert stream_views(redis_client, KEYS)[0].state == "done"
+
+
+def test_a_streams_view_counts_dead_letters_settled_not_delivered_and_says_paused(redis_client) -> None:
+    name = "s"
+    redis_client.zadd(KEYS.streams, {name: round(time.time() * 1000)})
+    redis_client.hset(KEYS.stream_run(name), mapping={"bound": 4, "ended": 0, "paused": 1})
+    redis_client.hset(KEYS.stream_current(name), mapping={f"s{i}": f"h{i}" for i in range(5)})
+    redis_client.hset(KEYS.stream_acked(name), mapping={f"s{i}": "c" for i in range(3)})
+    redis_client.hset(KEYS.stream_dead(name), "s3", '{"why": "input_ids differ", "group": "g", "consumer": "c"}')
+    (view,) = stream_views(redis_client, KEYS)
+    assert (view.put, view.acked, view.dead, view.in_flight, view.state) == (5, 3, 1, 1, "paused")
+    assert settled_samples(redis_client, KEYS, name, ["s0", "s3", "s4"]) == (["s0"], ["s3"])
+    redis_client.hdel(KEYS.stream_run(name), "paused")
+    redis_client.hset(KEYS.stream_run(name), "ended", 1)
+    redis_client.hset(KEYS.stream_acked(name), "s4", "c")
+    (view,) = stream_views(redis_client, KEYS)
+    assert view.state == "done" and stream_line(view) == (
+        "stream s: 5 put, 4 acked, 1 dead-lettered, 0 in flight (bound 4), every one settled, not all delivered, "
+        "held 0.0s"
+    )

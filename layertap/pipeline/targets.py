@@ -1,0 +1,193 @@
+"""Where a run's committed samples go, its ``target`` (`layertap.settings.Target`): sample files, a stream, or both.
+
+A target says what is already there (a resumed run skips it), commits one captured sample (in a commit thread) and
+returns its record, and says when what it was given is delivered. The store (the run folder) always keeps the run's
+own record: manifest, errors, regenerated rows, the ledger of what is done.
+
+- files (`FilesTarget`): each sample a file in the store; done once its file and index record are in place.
+- stream (`StreamTarget`, ``files=False``): no sample file is written. A sample goes from the capture (its dump's
+  bytes, or the engine's tensors) into the producer's Mooncake segment; it is done once a consumer acks it, and its
+  record then goes to the store's index (`OutputStore.log_acked`), so a resume trusts Redis's acks and the run
+  folder alike. A sample put and not acked is recomputed on resume: its object went with its producer.
+- both (`StreamTarget`, ``files=True``): committed as files, then put from the same tensors; done once its file is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from layertap.pipeline.ledger import RunReport
+from layertap.sample import CapturedSample
+from layertap.store.formats.base import CheckLevel
+from layertap.store.index import SampleRecord
+from layertap.store.store import OutputStore
+
+log = logging.getLogger(__name__)
+
+
+class Target(Protocol):
+    """Where committed samples go (see the module's docstring)."""
+
+    def open(self, server: str | None, start: int, stop: int | None) -> None:
+        """Before the first sample of rows ``[start, stop)``: ``server`` is the capture server's URL (None in
+        process)."""
+        ...
+
+    def done(self, report: RunReport, level: CheckLevel, start: int, stop: int | None) -> dict[str, SampleRecord]:
+        """Sample id -> record of the samples of rows ``[start, stop)`` already there (a file re-checked at
+        ``level``; an acked sample), those that are not told to ``report``."""
+        ...
+
+    def commit(self, captured: CapturedSample) -> SampleRecord:
+        """One captured sample, committed: its record (SampleError when its states are not the store's)."""
+        ...
+
+    def delivered(self, *, last: bool) -> bool:
+        """After the rows: until what was committed is delivered (False: the run was told to stop first). ``last``:
+        no more samples come on this target's stream (a whole run's end; a job's shard is one producer of many)."""
+        ...
+
+    def undelivered(self) -> int:
+        """Samples committed that no consumer could use (a stream's dead letters, settled but not delivered)."""
+        ...
+
+    def view(self) -> object | None:
+        """The stream's puts against its acks for a progress bar (`layertap.state.model.StreamView`); None without
+        a stream."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StreamSink(Protocol):
+    """What a stream target puts through (`layertap.stream.sink.MooncakeSink`, which the caller opens: the pipeline
+    does not import the stream package)."""
+
+    name: str
+    dead: int
+    on_acked: Callable[[SampleRecord], None]
+
+    def open(self, store: OutputStore, server: str | None) -> None: ...
+
+    def acked(self) -> set[str]: ...
+
+    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord: ...
+
+    def put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def wait_acked(self) -> bool: ...
+
+    def view(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class FilesTarget:
+    """Sample files in the store: a sample is done once its file and its index record are in place."""
+
+    def __init__(self, store: OutputStore) -> None:
+        self.store = store
+
+    def open(self, server: str | None, start: int, stop: int | None) -> None:
+        return None
+
+    def done(self, report: RunReport, level: CheckLevel, start: int, stop: int | None) -> dict[str, SampleRecord]:
+        """The committed samples whose files pass `OutputStore.check`; the rest are redone (``report.redone``)."""
+        done = {}
+        for rec in _within(self.store.records(), start, stop):
+            if self.store.check(rec, level):
+                report.redone.append(rec.sample_id)
+            else:
+                done[rec.sample_id] = rec
+        return done
+
+    def commit(self, captured: CapturedSample) -> SampleRecord:
+        return self.store.commit(captured)
+
+    def delivered(self, *, last: bool) -> bool:
+        return True
+
+    def undelivered(self) -> int:
+        return 0
+
+    def view(self) -> object | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class StreamTarget:
+    """A stream (its ``sink``), and with ``files`` the store's sample files too (the both target)."""
+
+    def __init__(self, store: OutputStore, sink: StreamSink, *, files: bool) -> None:
+        self.store, self.sink = store, sink
+        self.files = FilesTarget(store) if files else None
+        if self.files is None:
+            sink.on_acked = store.log_acked
+
+    def open(self, server: str | None, start: int, stop: int | None) -> None:
+        """The run's identity published; the both target then puts again each sample of its rows in the store no
+        consumer acked (a killed producer's objects went with it)."""
+        self.sink.open(self.store, server)
+        if self.files is None:
+            return
+        acked = self.sink.acked()
+        unacked = sorted((r for r in _within(self.store.records(), start, stop) if r.sample_id not in acked),
+                         key=lambda r: r.index)  # fmt: skip
+        if unacked:
+            log.info("stream %s: putting the %d samples in the store no consumer acked", self.sink.name, len(unacked))
+        for record in unacked:
+            tensors = self.store.format.load(self.store.root / record.file)
+            self.sink.put(record, {**tensors, "loss_mask": record.loss_mask()})
+
+    def done(self, report: RunReport, level: CheckLevel, start: int, stop: int | None) -> dict[str, SampleRecord]:
+        """The both target: its files'. Stream-only: the samples consumers acked, as Redis and the store's index
+        say; one Redis has and the index lacks (its producer died before it saw the ack) is logged there now."""
+        if self.files is not None:
+            return self.files.done(report, level, start, stop)
+        records = self.store.records()
+        streamed = self.store.streamed()
+        for sample_id in self.sink.acked() - records.keys():
+            if (record := streamed.get(sample_id)) is not None:
+                self.store.log_acked(record)
+                records[sample_id] = record
+        return {r.sample_id: r for r in _within(records, start, stop)}
+
+    def commit(self, captured: CapturedSample) -> SampleRecord:
+        """Commit ``captured`` (both: its file; stream-only: its record logged as put), then put it from the
+        capture's tensors; returns once it is put."""
+        tensors = {**self.store.format.tensors(captured, self.store.layout),
+                   "loss_mask": captured.sample.loss_mask.to(torch.uint8)}  # fmt: skip
+        if self.files is not None:
+            record = self.files.commit(captured)
+        else:
+            record = self.sink.staged(self.store.record_for(captured), tensors)
+            self.store.log_streamed(captured.sample, record)
+        self.sink.put(record, tensors)
+        return record
+
+    def delivered(self, *, last: bool) -> bool:
+        if last:
+            self.sink.drain()
+            return True
+        return self.sink.wait_acked()
+
+    def undelivered(self) -> int:
+        return self.sink.dead
+
+    def view(self) -> object | None:
+        return self.sink.view()
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def _within(records: dict[str, SampleRecord], start: int, stop: int | None) -> list[SampleRecord]:
+    return [r for r in records.values() if r.index >= start and (stop is None or r.index < stop)]

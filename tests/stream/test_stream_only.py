@@ -1,0 +1,86 @@
+"""`layertap extract --stream mooncake --stream-only` against a real ``mooncake_master``, a real Redis and the CPU
+SGLang server: no sample file is written, every sample reaches the consumers once and byte-equal to a files run of the
+same rows, and a producer SIGKILLed mid-run is resumed by running the same command again: what a consumer acked is not
+computed again (the run folder's reports name every sample each run computed), what it had put and no one acked is.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from harness.processes import LAYERTAP, Proc, wait_for
+from layertap.state.keys import Keys
+from layertap.store.store import OutputStore
+from layertap.verify import verify_store
+from tests.core.datasets import conversation_rows, write_jsonl
+from tests.sglang_fixtures import DEFAULT_LAYERS
+from tests.stream.test_stream import CONSUME, ROWS, assert_byte_equal_to_store, env, first_acks, stream_args
+
+
+def computed_by_run(out: Path) -> list[list[str]]:
+    """The samples each run into ``out`` computed, oldest run first (its saved reports)."""
+    reports = sorted((out / "reports").glob("run-*.json"), key=lambda p: p.stat().st_mtime_ns)
+    return [json.loads(p.read_text())["computed"] for p in reports]
+
+
+def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_without_recomputing_what_was_acked(
+    sglang_llama, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=11, max_words=12))
+    files, out, received, name, keys = tmp_path / "files", tmp_path / "out", tmp_path / "received", "only", Keys()
+    # One request in flight, in both runs: each prefill a batch of its own, so both compute every sample identically.
+    extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
+               ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url", sglang_llama.url,
+               "--dump-root", str(sglang_llama.dump_root), "--in-flight", "1", "--format", "speculators"]  # fmt: skip
+    reference = Proc("files", [*extract, "--out", str(files)], env(), tmp_path / "files.log").start()
+    assert reference.popen.wait(timeout=600) == 0, reference.log_tail()
+
+    streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    first = Proc("consumer-a", [*consume, "--consumer", "a"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", streamed, env(), tmp_path / "extract.log").start()
+    procs = [first, producer]
+    try:
+        wait_for(lambda: redis_client.hlen(keys.stream_acked(name)) >= 40, timeout=600, what="40 samples acked")
+        producer.kill(signal.SIGKILL)  # mid-run: up to UNACKED samples put and not acked die with its segment
+        first.kill(signal.SIGKILL)  # and the consumer holding one of them
+        acked_before = set(redis_client.hkeys(keys.stream_acked(name)))
+        resumed = Proc("extract-resumed", streamed, env(), tmp_path / "resumed.log").start()
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+                      tmp_path / "b.log").start()  # fmt: skip
+        procs += [resumed, second]
+        assert resumed.popen.wait(timeout=900) == 0, resumed.log_tail()
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    store = OutputStore.open_existing(out)
+    records = store.records()  # the acked samples, as the run folder mirrored them
+    assert len(records) == ROWS and store.manifest.target == "stream" and store.manifest.complete
+    assert not (out / "samples").exists() and not list(out.rglob("*.safetensors"))  # no sample file, ever
+    # The run's record only: under 1 KiB a sample whatever its width (at hidden 64 a sample's states are ~37 KB, so
+    # this is a few percent of them here; at Kimi-K2 width, ~57 KB a token, far under 1%).
+    states = sum(r.nbytes for r in OutputStore.open_existing(files).records().values())
+    folder = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert folder <= 1024 * ROWS and folder < 0.05 * states, (folder, states)
+    # Acked exactly once each, across both producers and both consumers; byte-equal to the files run's samples.
+    assert sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
+    assert_byte_equal_to_store(files, received)
+    # The resumed run computed only what no consumer had acked: nothing acked before the kill was computed again.
+    (rerun,) = computed_by_run(out)  # the killed run saved no report
+    assert not set(rerun) & acked_before and set(rerun) | acked_before == set(records)
+    assert len(acked_before) >= 40
+    report = verify_store(out)
+    assert report.ok and report.samples == ROWS and any("stream-verify" in w for w in report.warnings)
+
+
+def test_stream_only_without_a_stream_is_refused_before_any_work(layertap_cli, tiny_llama, tmp_path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(2, seed=1))
+    result = layertap_cli("extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5", "--out",
+                          str(tmp_path / "out"), "--stream-only")  # fmt: skip
+    assert result.returncode == 2 and "--stream-only needs a stream" in result.stdout + result.stderr
+    assert not (tmp_path / "out").exists()
