@@ -144,9 +144,9 @@ GPU_SERVE_ARGS = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--g
                   "--attention-backend", "triton", "--dtype", "bfloat16", "--cuda-graph-max-bs",
                   str(max(CONCURRENCY)), "--disable-piecewise-cuda-graph")  # fmt: skip
 # Servers of one serve call start side by side, then are measured one at a time (the others idle, asleep): each
-# takes a fixed KV pool (32 requests of a ~300-token prompt and 128 new tokens need ~14K) and a static share that
+# takes a KV pool just large enough for the most requests measured in flight (`kv_tokens`) and a static share that
 # passes SGLang's memory check whatever its neighbours have loaded (it charges their memory to the KV budget).
-SERVE_MEMORY = ("--mem-fraction-static", "0.88", "--max-total-tokens", "20480", "--sleep-on-idle")
+SERVE_MEMORY = ("--mem-fraction-static", "0.88", "--sleep-on-idle")
 CPU_ARGS = (*CPU_SERVER_ARGS, "--chunked-prefill-size", "128")
 TRAINERS_PYTHON = Path("/opt/trainers-venv/bin/python")
 # SpecForge's EAGLE-3 loss is a Triton kernel: on a CPU it runs through the interop tests' shim (its docstring says
@@ -492,10 +492,18 @@ class Unit:
         return self.arm + (f" @ {self.config}" if self.config else "")
 
 
-def launch_server(run: Run, unit: Unit) -> SGLangServer:
-    """Launch (without waiting) SGLang on the target, with the unit's drafter and EAGLE config unless it has none.
-    Called from the main thread: a server dies with the thread that launched it."""
-    args = CPU_ARGS if run.smoke else (*GPU_SERVE_ARGS, *SERVE_MEMORY)
+def kv_tokens(run: Run, prompts: list[list[int]]) -> int:
+    """KV slots for the longest prompts at the most in flight, each with its new tokens and room for a verify
+    step's draft tokens, rounded up to 1,024."""
+    most = max(run.concurrency)
+    need = sum(sorted(map(len, prompts))[-most:]) + most * (run.sizes.max_new_tokens + 64)
+    return -(-need // 1024) * 1024
+
+
+def launch_server(run: Run, unit: Unit, kv: int) -> SGLangServer:
+    """Launch (without waiting) SGLang on the target, with the unit's drafter and EAGLE config unless it has none,
+    with `kv` KV slots on a GPU. Called from the main thread: a server dies with the thread that launched it."""
+    args = CPU_ARGS if run.smoke else (*GPU_SERVE_ARGS, *SERVE_MEMORY, "--max-total-tokens", str(kv))
     if unit.config is not None:
         args = (*args, *unit.config.flags(), "--speculative-draft-model-path",
                 str(run.path("arms", unit.arm, "drafter")))  # fmt: skip
@@ -582,7 +590,7 @@ def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
     concurrency (one at a time on the first `prompts_c1` prompts, else on all). The acceptance figures of a unit are
     those of its run over all the prompts at the most in flight. A unit whose server failed to start or to answer is
     recorded with the failure and not retried by a later call (delete its ``serve/KEY.json`` to retry)."""
-    servers = {unit: launch_server(run, unit) for unit in units}
+    servers = {unit: launch_server(run, unit, kv_tokens(run, prompts)) for unit in units}
     t0, started = time.monotonic(), {}
 
     def ready(unit: Unit) -> str | None:
