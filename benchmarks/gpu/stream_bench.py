@@ -186,7 +186,7 @@ class Part:
             raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
-                "bytes": sum(p.stat().st_size for p in out.rglob("*.safetensors")), "folder_bytes": folder_bytes(out),
+                "bytes": sum(p.stat().st_size for p in out.glob("samples/*.safetensors")), "folder_bytes": folder_bytes(out),
                 "written_bytes": written}  # fmt: skip
 
     def arm(self, arm: str, rnd: int) -> dict:
@@ -265,11 +265,11 @@ def part_lines(part: dict) -> list[str]:
     """One folder's tables: each arm's rate against the tmpfs file path, then where a stream arm's time went."""
     rows = part["rows"]
     samples_s, bytes_s = median_by_arm(rows, "samples_s"), median_by_arm(rows, "bytes_s")
-    base = bytes_s.get("file-tmpfs")
+    base = samples_s.get("file-tmpfs")
     rounds = max(r["round"] for r in rows) + 1
     folder, written = median_by_arm(rows, "folder_bytes"), median_by_arm(rows, "written_bytes")
     table = [(arm, f"{samples_s[arm]:,.1f}", f"{bytes_s[arm] / 1e9:,.2f}",
-              f"{bytes_s[arm] / base:.2f}" if base else "", f"{folder[arm] / 1e6:,.1f}", f"{written[arm] / 1e9:,.3f}",
+              f"{samples_s[arm] / base:.2f}" if base else "", f"{folder[arm] / 1e6:,.1f}", f"{written[arm] / 1e9:,.3f}",
               ", ".join(f"{r['seconds']:.1f}" for r in rows if r["arm"] == arm)) for arm in samples_s]  # fmt: skip
     where = []
     for r in rows:
@@ -285,7 +285,7 @@ def part_lines(part: dict) -> list[str]:
         f"### {part['layers']} layers (folder {part['folder_bytes'] / 1e9:,.1f} GB, built in {part['build_s']:.0f} s; "
         f"server up in {part['start_s']:.0f} s; arms {part['arms_s']:.0f} s)", "",
         f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['states'] / 1e9:,.2f} GB of states a run; medians "
-        f"of {rounds} rounds; ratio = bytes/s over the file path to tmpfs; only = --stream-only; run folder = its "
+        f"of {rounds} rounds; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = its "
         "size after the run; written = the process's storage writes (`/proc/PID/io` write_bytes; tmpfs not "
         "counted).", "",
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
