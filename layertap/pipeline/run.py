@@ -161,19 +161,28 @@ class Run:
         return self.plan.spec.sample_attempts
 
     def finish(self, report: RunReport, *, started: float) -> RunReport:
-        """End a whole run after its rows: the engine closed (waiting on trainers needs no server), the target's
-        samples delivered (a stream's acked), the store finalized; the report saved with the run's seconds since
-        ``started`` (`time.monotonic`)."""
+        """End a whole run after its rows: the engine closed (waiting on trainers needs no server), the store
+        finalized and the target's samples delivered (a stream's acked), in that order where the run has files (its
+        TRAIN.md there while trainers read), the other way round for a stream-only run (its record of what is done is
+        the acks); the report saved with the run's seconds since ``started`` (`time.monotonic`)."""
         self.engine.close()
-        report.stopped = report.stopped or not self.target.delivered(last=True)
-        for _ in range(self.target.undelivered()):  # counted against the run, as a failed capture is
-            report.failed += 1
-            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
-                           "stream-verify names each, with why)")  # fmt: skip
+        if self.plan.target == "stream":
+            self._delivered(report)
         self.store.finalize(complete=True, target=self.plan.folder)
+        if self.plan.target != "stream":
+            self._delivered(report)
         report.seconds = time.monotonic() - started
         report.save()
         return report
+
+    def _delivered(self, report: RunReport) -> None:
+        """Until the target's samples are delivered; what no consumer could use counted against the run, as a failed
+        capture is."""
+        report.stopped = report.stopped or not self.target.delivered(last=True)
+        for _ in range(self.target.undelivered()):
+            report.failed += 1
+            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
+                           "stream-verify names each, with why)")  # fmt: skip
 
     def close(self) -> None:
         """Release what the run holds: the store's logs, the target's stream and the engine."""
