@@ -207,17 +207,20 @@ class WorkerContext:
                 "job %s shard %d: stopped (%s) after %d samples", job_id, shard, events.job_state, len(report.computed)
             )
             return "released"
-        failed = report.row_errors + report.skipped_overlong + report.failed
+        # The shard's rows that gave no sample, as its live counter has them (`RedisEvents.failed`: every row error,
+        # those skipped as too long too); the job's verdict leaves the skipped out, as a run's does (`run_verdict`).
+        no_sample = report.row_errors + report.skipped_overlong + report.failed
         outcome = attempt.complete(
             done=report.already_done + len(report.computed),
             tokens=events.already_tokens + report.tokens,
-            failed=failed,
+            failed=no_sample,
             lease_ms=self.settings.lease_ms,
         )
         log.info(
-            "job %s shard %d [%d, %d): %s; %d computed (%d tokens), %d already done, %d failed in %.1fs",
+            "job %s shard %d [%d, %d): %s; %d computed (%d tokens), %d already done, %d bad rows and failed captures, "
+            "%d skipped as too long, in %.1fs",
             job_id, shard, claim.start, claim.stop, outcome, len(report.computed), report.tokens,
-            report.already_done, failed, report.seconds,
+            report.already_done, report.row_errors + report.failed, report.skipped_overlong, report.seconds,
         )  # fmt: skip
         if outcome == "finalize":
             return self.finalize(job_id, token)

@@ -1,7 +1,9 @@
 """Streaming to a trainer through Mooncake Store against the file path, on one H200: `layertap extract --stream
-mooncake` (its store on tmpfs or on local disk, a consumer process on the same node reading every sample with
-hs-connectors' reader onto the GPU and acking it) against the same run writing files only, to tmpfs and to local
-disk; samples/s and bytes/s as ratios within one run, and where the stream's time goes.
+mooncake` (files and stream: its store on tmpfs or on local disk) and `--stream-only` (no sample file: its run folder
+on local disk), a consumer process on the same node reading every sample with hs-connectors' reader onto the GPU and
+acking it, against the same run writing files only, to tmpfs and to local disk, and against plain prefill of the same
+tokens; samples/s and bytes/s as ratios within one run, the bytes each run wrote (its process's ``write_bytes``), and
+where the stream's time goes.
 
     python3 -m benchmarks stream --layers-deep 4 --out "$OUT/stream-4" --kernel-cache-tgz .whl2/kernel-cache-h200.tgz
     python3 -m benchmarks stream --layers-deep 12 --out "$OUT/stream-12" ...     # a second call: the deeper folder
@@ -10,8 +12,7 @@ disk; samples/s and bytes/s as ratios within one run, and where the stream's tim
 
 Every arm is `layertap extract --engine sglang --server-url` against one capture server (the INT4 Kimi-K2.5 folder at
 Kimi-K2's width, `--format speculators`, the server's dumps on tmpfs), in the order the arms are listed, repeated
-``--rounds`` times. A stream arm's store is written too (the run's record of what is done) and its clock includes the
-wait for the consumer's last acks (`MooncakeSink.drain`).
+``--rounds`` times. A stream arm's clock includes the wait for the consumer's last acks (`MooncakeSink.drain`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ import tarfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from redis import Redis
+from safetensors.torch import load_file
 
 from benchmarks import report
-from benchmarks.common import GPU_COMMON, KIMI_K2_WIDTH, chat_rows, folder_bytes, log, sglang_python, write_jsonl
+from benchmarks.common import (
+    GPU_COMMON,
+    KIMI_K2_WIDTH,
+    chat_rows,
+    folder_bytes,
+    log,
+    plain_rate,
+    sglang_python,
+    write_jsonl,
+)
 from harness.mooncake import MooncakeMaster
 from harness.processes import REPO_ROOT, layertap
 from harness.services import RedisServer
@@ -46,7 +58,7 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "file-disk", "stream-disk")
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk", "file-disk", "stream-disk")  # only: --stream-only
 GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
     "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests", "64",
     "--trust-remote-code"]  # fmt: skip
@@ -126,6 +138,7 @@ class Part:
         self.redis = RedisServer.ephemeral(work / "redis")
         self.master = MooncakeMaster.ephemeral(work / "mooncake")
         self.server = SGLangServer(self.server_config())
+        self.prompts: list[list[int]] = []
 
     def close(self) -> None:
         self.server.stop()
@@ -150,8 +163,9 @@ class Part:
         )  # fmt: skip
 
     def extract(self, out: Path, data: Path, *stream: str, reader: subprocess.Popen | None = None) -> dict:
-        """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds. Stopped
-        when ``reader`` (its stream's consumer) fails: the run would wait for its acks for ever."""
+        """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds, the sample
+        files' bytes, the run folder's and what the process wrote (its last ``write_bytes`` seen: storage writes, tmpfs
+        not counted). Stopped when ``reader`` (its stream's consumer) fails: the run would wait for its acks for ever."""
         t0 = time.perf_counter()
         log_path = self.logs / f"extract-{out.name}.log"
         with log_path.open("w") as log_file:
@@ -160,17 +174,20 @@ class Part:
                             "--format", FORMAT, "--out", out, "--in-flight", IN_FLIGHT, "--trust-remote-code",
                             *stream, env={**os.environ, "COLUMNS": "200"}, stdout=log_file,
                             stderr=subprocess.STDOUT)  # fmt: skip
+            written = 0
             while proc.poll() is None:
                 if reader is not None and reader.poll() not in (None, 0):
                     proc.kill()
                     raise RuntimeError(f"the consumer of {out.name} exited {reader.returncode}")
+                written = max(written, write_bytes(proc.pid))
                 time.sleep(0.2)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
-                "bytes": sum(p.stat().st_size for p in out.rglob("*.safetensors"))}  # fmt: skip
+                "bytes": sum(p.stat().st_size for p in out.glob("samples/*.safetensors")), "folder_bytes": folder_bytes(out),
+                "written_bytes": written}  # fmt: skip
 
     def arm(self, arm: str, rnd: int) -> dict:
         kind, where = arm.split("-")
@@ -178,6 +195,8 @@ class Part:
         out = self.dirs[where] / name
         if kind == "file":
             row = self.extract(out, self.data)
+            if not self.prompts:  # the tokens every arm captures, for plain prefill
+                self.prompts = [load_file(f)["token_ids"].tolist() for f in sorted(out.glob("samples/*.safetensors"))]
         else:
             result = self.logs / f"consumer-{name}.json"
             reader = subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
@@ -187,7 +206,7 @@ class Part:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
                                    "--stream-redis-url", self.redis.url, "--stream-name", name,
                                    "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED,
-                                   reader=reader)  # fmt: skip
+                                   *(["--stream-only"] if kind == "only" else []), reader=reader)  # fmt: skip
                 if reader.wait(timeout=120) != 0:
                     raise RuntimeError(f"the consumer of {name} exited {reader.returncode}")
             finally:
@@ -196,10 +215,12 @@ class Part:
             run = stream_run_facts(self.redis.url, name)
             row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0))}
             assert got["samples"] == row["samples"], (got, row)
+            row["states"] = got["bytes"]  # the samples' bytes as received (a stream-only run has no file to count)
         shutil.rmtree(out)
+        row.setdefault("states", row["bytes"])
         row |= {"arm": arm, "round": rnd, "samples_s": row["samples"] / row["seconds"],
-                "bytes_s": row["bytes"] / row["seconds"]}  # fmt: skip
-        log(f"{name}: {row['samples']} samples, {row['bytes'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
+                "bytes_s": row["states"] / row["seconds"]}  # fmt: skip
+        log(f"{name}: {row['samples']} samples, {row['states'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
             f"({row['bytes_s'] / 1e9:.2f} GB/s)")  # fmt: skip
         return row
 
@@ -210,8 +231,20 @@ class Part:
         log(f"warm-up: {warm['samples']} samples in {warm['seconds']:.1f} s")
         rows = [self.arm(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
         arms_s = time.perf_counter() - t0
+        with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
+            plain = plain_rate(client, self.server.url, self.prompts, IN_FLIGHT) if self.prompts else None
         return {"layers": self.args.layers_deep, "smoke": self.smoke, "folder_bytes": folder_bytes(self.int4),
-                "build_s": self.build_s, "start_s": self.start_s, "arms_s": arms_s, "rows": rows}  # fmt: skip
+                "build_s": self.build_s, "start_s": self.start_s, "arms_s": arms_s, "plain_tok_s": plain,
+                "rows": rows}  # fmt: skip
+
+
+def write_bytes(pid: int) -> int:
+    """What process ``pid`` has caused to be written to storage so far (``/proc/PID/io``; 0 once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/io").read_text()
+    except OSError:
+        return 0
+    return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("write_bytes:"))
 
 
 def stream_run_facts(url: str, name: str) -> dict[str, str]:
@@ -232,10 +265,11 @@ def part_lines(part: dict) -> list[str]:
     """One folder's tables: each arm's rate against the tmpfs file path, then where a stream arm's time went."""
     rows = part["rows"]
     samples_s, bytes_s = median_by_arm(rows, "samples_s"), median_by_arm(rows, "bytes_s")
-    base = bytes_s.get("file-tmpfs")
+    base = samples_s.get("file-tmpfs")
     rounds = max(r["round"] for r in rows) + 1
+    folder, written = median_by_arm(rows, "folder_bytes"), median_by_arm(rows, "written_bytes")
     table = [(arm, f"{samples_s[arm]:,.1f}", f"{bytes_s[arm] / 1e9:,.2f}",
-              f"{bytes_s[arm] / base:.2f}" if base else "",
+              f"{samples_s[arm] / base:.2f}" if base else "", f"{folder[arm] / 1e6:,.1f}", f"{written[arm] / 1e9:,.3f}",
               ", ".join(f"{r['seconds']:.1f}" for r in rows if r["arm"] == arm)) for arm in samples_s]  # fmt: skip
     where = []
     for r in rows:
@@ -250,12 +284,15 @@ def part_lines(part: dict) -> list[str]:
     return [
         f"### {part['layers']} layers (folder {part['folder_bytes'] / 1e9:,.1f} GB, built in {part['build_s']:.0f} s; "
         f"server up in {part['start_s']:.0f} s; arms {part['arms_s']:.0f} s)", "",
-        f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['bytes'] / 1e9:,.2f} GB of states a run; medians "
-        f"of {rounds} rounds; ratio = bytes/s over the file path to tmpfs.", "",
-        *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run seconds, each round"), table), "",
+        f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['states'] / 1e9:,.2f} GB of states a run; medians "
+        f"of {rounds} rounds; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = its "
+        "size after the run; written = the process's storage writes (`/proc/PID/io` write_bytes; tmpfs not "
+        "counted).", "",
+        *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
+                             "run seconds, each round"), table), "",
         *headline(part), "",
-        "Where a stream run's time went (seconds; the producer's puts: each sample's file read back and put into "
-        f"Mooncake Store, its manifest XADDed; its wait at the bound of {UNACKED} unacked samples; the consumer's receive = hs-connectors' get over TCP, then the copy onto the "
+        "Where a stream run's time went (seconds; the producer's puts, in the sink's own thread: each sample's tensors "
+        f"as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound of {UNACKED} unacked samples; the consumer's receive = hs-connectors' get over TCP, then the copy onto the "
         "GPU, then the ack and the object's removal):", "",
         *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumer receive s", "receive GB/s",
                              "to GPU s", "ack s", "first to last delivery s"), where), "",
@@ -263,27 +300,31 @@ def part_lines(part: dict) -> list[str]:
 
 
 def headline(part: dict) -> list[str]:
-    """What bounds the stream on this folder, read from the medians: what the stream run took beyond the file run to
-    tmpfs, and how much of it the producer spent putting, waiting at its bound, and the consumer receiving."""
+    """What bounds the stream on this folder, read from the medians: each stream arm's rate against the file run to
+    tmpfs and to plain prefill, and how much of its time the producer spent putting and waiting at its bound."""
     rows = part["rows"]
-    seconds = median_by_arm(rows, "seconds")
-    streams = [r for r in rows if "consumer" in r]
-    if "file-tmpfs" not in seconds or not streams:
+    seconds, tokens = median_by_arm(rows, "seconds"), median_by_arm(rows, "tokens")
+    if "file-tmpfs" not in seconds:
         return []
-    extra = statistics.median(r["seconds"] for r in streams) - seconds["file-tmpfs"]
-    put = statistics.median(r["put_s"] for r in streams)
-    held = statistics.median(r["held_s"] for r in streams)
-    receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
-    bound = ("the producer's puts, made one after another in the thread that also takes each capture from the server "
-             "(the consumer never held it)"
-             if held < 0.1 * extra and put > 0.5 * extra else
-             "the consumer: the producer waited at its bound" if held >= 0.5 * extra else "not one part alone")  # fmt: skip
-    return [
-        f"Reading it: a stream run took {extra:.1f} s more than the file run to tmpfs (medians); of that, the "
-        f"producer's puts took {put:.1f} s (each sample's file read back from the store and copied into the "
-        f"producer's Mooncake segment) and its waits at the bound {held:.1f} s, while the consumer received at "
-        f"{receive / 1e9:.2f} GB/s. What bounds the stream here: {bound}."
-    ]  # fmt: skip
+    plain = part.get("plain_tok_s")
+    out = []
+    for arm in (a for a in seconds if not a.startswith("file")):
+        streams = [r for r in rows if r["arm"] == arm]
+        extra = seconds[arm] - seconds["file-tmpfs"]
+        put = statistics.median(r["put_s"] for r in streams)
+        held = statistics.median(r["held_s"] for r in streams)
+        receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
+        bound = ("the producer's puts (the consumer never held it)" if held < 0.1 * abs(extra) and put > 0.5 * extra
+                 else "the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9)
+                 else "not the stream: the capture itself")  # fmt: skip
+        vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
+        out.append(
+            f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
+            f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (in its own thread, beside "
+            f"the captures) and its waits at the bound {held:.1f} s; the consumer received at {receive / 1e9:.2f} "
+            f"GB/s. What bounds it: {bound}."
+        )
+    return out
 
 
 def write_report(parts: list[Path], out: Path, note: str = "") -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial, reduce
 from pathlib import Path
 
-from layertap.data.scan import load_duplicates, save_duplicates
+from layertap.data.scan import load_duplicates
 from layertap.engines.base import Engine
 from layertap.engines.factory import EngineFactory
 from layertap.errors import ServerError, SpecError
@@ -32,6 +32,7 @@ from layertap.pipeline.plan import RunPlan, plan_run
 from layertap.pipeline.rows import RowPlanner
 from layertap.pipeline.steps import Item, Tokenize
 from layertap.pipeline.targets import FilesTarget, StreamSink, StreamTarget, Target
+from layertap.regenerate.client import Regenerator
 from layertap.settings import RunSettings, stream_format_problem
 from layertap.spec import ExtractionSpec
 from layertap.store.store import OutputStore
@@ -88,8 +89,6 @@ class Run:
             engine = engine_factory(plan.capture, plan.folder)
             plan = plan.on(engine)
             store = OutputStore.create_or_resume(out, plan.manifest())
-            assert plan.scan is not None  # a plan of its own, not a store's
-            save_duplicates(out, plan.scan)
             store.sweep_temp_files()
         except BaseException:
             if engine is not None:
@@ -97,6 +96,7 @@ class Run:
             if sink is not None:
                 sink.close()
             raise
+        assert plan.scan is not None  # a plan of its own, not a store's: its scan's repeated ids go to the planner
         run = cls(plan, engine, store, target_for(store, sink), settings.resume_check, settings.commit_threads,
                   plan.scan.duplicates)  # fmt: skip
         try:
@@ -126,11 +126,9 @@ class Run:
         log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), self.check_level)
         events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
         ledger = Ledger(store, report, events)
-        tokenize = Tokenize(plan.folder, plan.spec, plan.input_limit)
-        regenerator = regenerator_for(plan.spec, engine, tokenize, job=store.writer_id, attempts=self.attempts)
+        steps, regenerator = self.steps(ledger, done, start, stop)
         try:
-            items = reduce(lambda items, step: step(items), self.steps(ledger, tokenize, done, regenerator, start, stop),
-                           iter(()))  # fmt: skip
+            items = reduce(lambda items, step: step(items), steps, iter(()))
             Capture(engine, self.target, ledger, attempts=self.attempts, commit_threads=self.commit_threads).run(items)
         finally:
             if regenerator is not None:
@@ -140,40 +138,51 @@ class Run:
         _warn_changes(report, ledger)
         return report
 
-    def steps(self, ledger: Ledger, tokenize: Tokenize, done: dict, regenerator: object, start: int,
-              stop: int | None) -> list[Step]:  # fmt: skip
-        """The steps before the capture, in the order they run: the row planner's (read, identify, parse,
-        tokenize: each row ``done``, ``changed``, ``todo`` or ``error``), what is left to do, the regeneration
-        (under ``regenerate``) and the admission to the engine."""
+    def steps(self, ledger: Ledger, done: dict, start: int, stop: int | None) -> tuple[list[Step], Regenerator | None]:
+        """The steps before the capture, in the order they run: the row planner's (read, identify, parse, tokenize:
+        each row ``done``, ``changed``, ``todo`` or ``error``), what is left to do, the regeneration (under
+        ``regenerate``: its generator comes back too, for the run to close) and the admission to the engine."""
         spec = self.plan.spec
+        tokenize = Tokenize(self.plan.folder, spec, self.plan.input_limit)
         regenerated = self.store.regenerated_rows(done) if spec.regenerate is not None else None
         planner = RowPlanner(spec, tokenize, duplicates=self.duplicates or load_duplicates(self.store.root),
                              regenerated=regenerated, rid=self.plan.engine.rid)  # fmt: skip
-        return [
+        regenerator = regenerator_for(spec, self.engine, tokenize, job=self.store.writer_id, attempts=self.attempts)
+        steps: list[Step] = [
             lambda _: planner.plan(done, start=start, stop=stop),
             partial(_todo, ledger=ledger),
             *([] if regenerator is None else [lambda items: regenerate(items, regenerator, tokenize, spec, ledger)]),
             lambda items: admit(items, self.plan, ledger),
         ]
+        return steps, regenerator
 
     @property
     def attempts(self) -> int:
         return self.plan.spec.sample_attempts
 
     def finish(self, report: RunReport, *, started: float) -> RunReport:
-        """End a whole run after its rows: the engine closed (waiting on trainers needs no server), the target's
-        samples delivered (a stream's acked), the store finalized; the report saved with the run's seconds since
-        ``started`` (`time.monotonic`)."""
+        """End a whole run after its rows: the engine closed (waiting on trainers needs no server), the store
+        finalized and the target's samples delivered (a stream's acked), in that order where the run has files (its
+        TRAIN.md there while trainers read), the other way round for a stream-only run (its record of what is done is
+        the acks); the report saved with the run's seconds since ``started`` (`time.monotonic`)."""
         self.engine.close()
-        report.stopped = report.stopped or not self.target.delivered(last=True)
-        for _ in range(self.target.undelivered()):  # counted against the run, as a failed capture is
-            report.failed += 1
-            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
-                           "stream-verify names each, with why)")  # fmt: skip
+        if self.plan.target == "stream":
+            self._delivered(report)
         self.store.finalize(complete=True, target=self.plan.folder)
+        if self.plan.target != "stream":
+            self._delivered(report)
         report.seconds = time.monotonic() - started
         report.save()
         return report
+
+    def _delivered(self, report: RunReport) -> None:
+        """Until the target's samples are delivered; what no consumer could use counted against the run, as a failed
+        capture is."""
+        report.stopped = report.stopped or not self.target.delivered(last=True)
+        for _ in range(self.target.undelivered()):
+            report.failed += 1
+            report.bad.add("dead_letter", "a consumer could not use the sample and dead-lettered it (layertap "
+                           "stream-verify names each, with why)")  # fmt: skip
 
     def close(self) -> None:
         """Release what the run holds: the store's logs, the target's stream and the engine."""

@@ -75,6 +75,8 @@ class StreamSink(Protocol):
 
     def acked(self) -> set[str]: ...
 
+    def put_before(self) -> set[str]: ...
+
     def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord: ...
 
     def put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None: ...
@@ -138,9 +140,10 @@ class StreamTarget:
         self.sink.open(self.store, server)
         if self.files is None:
             return
-        acked = self.sink.acked()
+        acked, put = self.sink.acked(), self.sink.put_before()
+        # What a dead producer put first (a consumer may hold its entry and wait for it), then what it never put.
         unacked = sorted((r for r in _within(self.store.records(), start, stop) if r.sample_id not in acked),
-                         key=lambda r: r.index)  # fmt: skip
+                         key=lambda r: (r.sample_id not in put, r.index))  # fmt: skip
         if unacked:
             log.info("stream %s: putting the %d samples in the store no consumer acked", self.sink.name, len(unacked))
         for record in unacked:

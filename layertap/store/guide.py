@@ -60,6 +60,13 @@ def training_guide(root: Path, manifest: Manifest, records: Sequence[SampleRecor
         ),
         "",
     ]
+    if manifest.target == "stream":
+        lines += [
+            "- This run wrote no sample files (`--stream-only`): its samples went to the stream's consumers, which "
+            'acked them. Train from the stream as layertap\'s docs/streaming.md says ("In the trainer"); the '
+            "layer, draft config and vocabulary settings below hold for it, the data paths do not.",
+            "",
+        ]
     if target is not None and target.wrapped:
         lines += [
             f"- The target is a multimodal wrapper: its language model's config is `text_config` and its weights "

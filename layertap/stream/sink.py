@@ -127,6 +127,10 @@ class MooncakeSink:
         """The ids of the samples consumers acked on this stream (a resumed run's done, whoever put them)."""
         return {k.decode() for k in self.redis.hkeys(self.keys.stream_acked(self.name))}
 
+    def put_before(self) -> set[str]:
+        """The ids of the samples any producer of this stream put (acked or not)."""
+        return {k.decode() for k in self.redis.hkeys(self.keys.stream_current(self.name))}
+
     def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord:
         """``record`` as this sink streams it: its ``file`` the object's handle, ``nbytes`` its packed size."""
         manifest = sample_manifest(self.handle(record), tensors, record, self.run)

@@ -43,6 +43,7 @@ GIVEN: dict[str, Any] = {
     "seed": 7,
     "drop_truncated": True,
     "stream": "mooncake",
+    "stream_only": True,
     "mooncake_master": "10.0.0.7:50051",
     "stream_redis_url": "redis://10.0.0.7:6379/2",
     "stream_name": "given",
@@ -92,9 +93,13 @@ def test_submit_sends_every_field_of_the_job_and_the_coordinator_stores_it(
     assert json.loads((root / "body" / "manifest.json").read_text())["chat_template_kwargs"] == {
         "thinking": False, "mode": "x"}  # fmt: skip
 
-    # expected_tokens is not stored: it is checked, so a corpus too large for the volume is refused (507)
-    refused = CliRunner().invoke(submit, [*common, *argv({**GIVEN, "out": "big", "expected_tokens": 10**15})])
+    # expected_tokens is not stored: it is checked, so a corpus too large for the volume is refused (507), unless the
+    # job writes no states (stream-only: its samples go to the stream)
+    files = {name: value for name, value in GIVEN.items() if name != "stream_only"}
+    refused = CliRunner().invoke(submit, [*common, *argv({**files, "out": "big", "expected_tokens": 10**15})])
     assert refused.exit_code == 2 and "507" in refused.output, refused.output
+    streamed = CliRunner().invoke(submit, [*common, *argv({**GIVEN, "out": "big-stream", "expected_tokens": 10**15})])
+    assert streamed.exit_code == 0, streamed.output
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import torch
 
 from harness.processes import REPO_ROOT
 from sglang_patch.contract import AUX_FINAL_PRE, TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
+from sglang_patch.sample_files import stack_aux_final
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
 
 
@@ -254,3 +255,16 @@ def test_fp8_speculators_dump_is_the_file_an_fp8_store_writes_and_needs_its_scal
     write_dump(tmp_path, meta, {"input_ids": tensors["input_ids"], AUX_FINAL_PRE: fp8}, tag="t")
     with pytest.raises(DumpError, match="hidden_states_scales"):
         read_dump(dump_dir(tmp_path, rid))
+
+
+def test_stack_aux_final_gives_back_the_tensor_its_inputs_are_views_of_and_copies_otherwise() -> None:
+    """A speculators dump as read: aux and the pre-norm final are views of its ``hidden_states``; the stream puts that
+    tensor as it is, not a copy of it. Any other inputs are concatenated."""
+    states = torch.randn(5, 4, 8)
+    aux, final = states[:, :3], states[:, 3]
+    stacked = stack_aux_final(aux, final)
+    assert stacked.data_ptr() == states.data_ptr() and torch.equal(stacked, states)
+    for other_aux, other_final in ((aux.clone(), final), (aux, final.clone()), (states[:, :2], states[:, 3])):
+        joined = stack_aux_final(other_aux, other_final)
+        assert torch.equal(joined, torch.cat([other_aux, other_final.unsqueeze(1)], dim=1))
+        assert joined.data_ptr() not in (states.data_ptr(), other_aux.data_ptr())

@@ -17,7 +17,7 @@ from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import DEFAULT_LAYERS
-from tests.stream.test_stream import CONSUME, ROWS, assert_byte_equal_to_store, env, first_acks, stream_args
+from tests.stream.test_stream import CONSUME, ROWS, UNACKED, assert_byte_equal_to_store, env, first_acks, stream_args
 
 
 def computed_by_run(out: Path) -> list[list[str]]:
@@ -84,3 +84,47 @@ def test_stream_only_without_a_stream_is_refused_before_any_work(layertap_cli, t
                           str(tmp_path / "out"), "--stream-only")  # fmt: skip
     assert result.returncode == 2 and "--stream-only needs a stream" in result.stdout + result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_restarted_master_stops_a_stream_only_run_and_the_rerun_delivers_every_sample_once(
+    tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    """In process (the HF engine, one sample a forward, so both runs compute each sample identically): the master
+    forgets the objects put and not acked, the run stops in one line, and the same command run again computes those
+    again, byte-equal to a files run, each delivered once."""
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=8, max_words=10))
+    files, out, received, name, keys = tmp_path / "files", tmp_path / "out", tmp_path / "received", "hf-only", Keys()
+    extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5",
+               "--batch-size", "1", "--format", "speculators"]  # fmt: skip
+    reference = Proc("files", [*extract, "--out", str(files)], env(), tmp_path / "files.log").start()
+    assert reference.popen.wait(timeout=300) == 0, reference.log_tail()
+    streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
+    consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
+    first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "3"], env(), tmp_path / "a.log").start()
+    producer = Proc("extract", streamed, env(), tmp_path / "extract.log").start()
+    procs = [first, producer]
+    try:
+        wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(2 + UNACKED), timeout=120,
+                 what="the producer at its bound")  # fmt: skip
+        acked_before = set(redis_client.hkeys(keys.stream_acked(name)))
+        mooncake_master.restart()  # the unacked objects are forgotten
+        assert producer.popen.wait(timeout=60) == 2, producer.log_tail()
+        first.kill(signal.SIGKILL)
+        said = " ".join((tmp_path / "extract.log").read_text().split())
+        assert said.count("error:") == 1 and "samples put and not acked are gone from Mooncake Store" in said
+        rerun = Proc("extract-again", streamed, env(), tmp_path / "rerun.log").start()
+        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
+                      tmp_path / "b.log").start()  # fmt: skip
+        procs += [rerun, second]
+        assert rerun.popen.wait(timeout=300) == 0, rerun.log_tail()
+        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+    finally:
+        for proc in procs:
+            proc.kill(signal.SIGKILL)
+
+    records = OutputStore.open_existing(out).records()
+    assert len(records) == 20 and not list(out.rglob("*.safetensors"))
+    assert len(acked_before) == 2 and sorted(first_acks(tmp_path / "a.log", tmp_path / "b.log")) == sorted(records)
+    assert_byte_equal_to_store(files, received)
+    (rerun_computed,) = computed_by_run(out)  # the stopped run saved no report
+    assert set(rerun_computed) == set(records) - acked_before
