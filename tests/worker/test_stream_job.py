@@ -163,3 +163,31 @@ def test_a_cancelled_jobs_stream_reads_paused_to_its_consumers_and_resumes_with_
 
     records = OutputStore.open_existing(Path(job["out"])).records()
     assert len(records) == 20 and sorted(state.hkeys(keys.stream_acked(name))) == sorted(records)
+
+
+def test_a_stream_only_job_writes_no_sample_and_its_store_records_what_was_acked(
+    start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
+) -> None:
+    """``stream_only``: each shard attempt puts its samples from the capture and writes none; the job is done once
+    every sample is acked, and its folder's index then holds exactly the acked samples."""
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=13, max_words=10))
+    cluster = start_cluster(workers=2, **WORKER_ENV)
+    name, keys = "job-only", Keys()
+    reader = consumer(redis_server, mooncake_master, name, tmp_path, "a")
+    try:
+        fields = {**job_fields(mooncake_master, redis_server, name), "stream_only": True}
+        job_id = cluster.submit(tiny_llama, data, **fields)
+        job = cluster.wait_state(job_id, "done", moving=acks(cluster.state, name))
+        assert reader.popen.wait(timeout=60) == 0, reader.log_tail()
+    finally:
+        reader.kill(signal.SIGKILL)
+
+    out = Path(job["out"])
+    store = OutputStore.open_existing(out)
+    records = store.records()
+    assert store.manifest.target == "stream" and store.manifest.samples_committed == ROWS == len(records)
+    assert not list(out.rglob("*.safetensors"))
+    acked = cluster.state.hgetall(keys.stream_acked(name))
+    assert sorted(acked) == sorted(records) == sorted(first_acks(tmp_path / "a.log"))  # each once, all recorded
+    received = sorted(p.stem for p in (tmp_path / "received").glob("*.safetensors"))
+    assert received == sorted(records)
