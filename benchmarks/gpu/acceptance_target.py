@@ -77,10 +77,12 @@ class Sizes:
 
 # A target whose forward pass dominates the drafter's (one layer): 64 layers of hidden 1024, 0.8B parameters,
 # trained for a few minutes; at one request in flight its decode step is launch-bound, so depth is what it costs.
+# SpecForge batch 1: at 4, HF-engine stores (no server context limit: a 7,966-token sample) ran its eager attention
+# out of an H200's memory (121 GiB allocated; 2026-12-06).
 GPU = Sizes(corpus_files=12000, held_out=0.05, tokenizer_chars=10_000_000, vocab=32000, layers=64, hidden=1024,
             heads=16, kv_heads=8, intermediate=2816, seq_len=1024, batch=16, steps=640, lr=5e-4, head_chars=900,
             reply_chars=1200, conversations=1000, prompts=200, capture=(4, 33, 60), max_new_tokens=128,
-            drafter_epochs=3, drafter_lr=1e-3, drafter_batch=4, regen_tokens=256, target_seconds=110,
+            drafter_epochs=3, drafter_lr=1e-3, drafter_batch=1, regen_tokens=256, target_seconds=110,
             source_files=4000, source_layers=8, source_hidden=512, source_steps=150, prompts_c1=32,
             source_temperature=0.7, regen_temperature=0.0)  # fmt: skip
 # The H200 path end to end at a tenth of the work, in one device call: proves the stages run there, not a result.
