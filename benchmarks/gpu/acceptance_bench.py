@@ -974,7 +974,8 @@ def main(argv: list[str] | None = None) -> None:
              "source": stage_source, "extract": stage_extract, "controls": stage_controls, "train": stage_train,
              "serve": stage_serve, "report": stage_report}  # fmt: skip
     timings_path, gpus_path = run.path("timings.json"), run.path("gpus.json")
-    if not run.smoke:  # which GPU ran each call (the report names them)
+    if not run.smoke and stages != ["report"]:  # which GPU ran each call (the report names them; a report-only
+        # call renders the stage files elsewhere)
         gpus = json.loads(gpus_path.read_text()) if gpus_path.exists() else []
         gpus_path.write_text(json.dumps(list(dict.fromkeys([*gpus, gpu_name()]))))
     for stage in stages:
