@@ -33,9 +33,9 @@ from layertap.pipeline.rows import RowPlanner
 from layertap.pipeline.steps import Item, Tokenize
 from layertap.pipeline.targets import FilesTarget, StreamSink, StreamTarget, Target
 from layertap.regenerate.client import Regenerator
-from layertap.settings import RunSettings, stream_format_problem
+from layertap.settings import COMMIT_THREADS, RunSettings, stream_format_problem
 from layertap.spec import ExtractionSpec
-from layertap.store.store import OutputStore
+from layertap.store.store import CheckLevel, OutputStore
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class Run:
     engine: Engine
     store: OutputStore
     target: Target
-    check_level: str = "full"
-    commit_threads: int = 8
+    check_level: CheckLevel = "full"
+    commit_threads: int = COMMIT_THREADS
     duplicates: dict[int, int] = field(default_factory=dict)
 
     @classmethod
@@ -79,13 +79,15 @@ class Run:
         opened by the caller before this, so that a master or Redis it cannot reach is refused before a server
         takes minutes to start). Close it with `close` (which closes the engine and the sink too)."""
         settings = settings or RunSettings()
-        if problem := stream_format_problem(settings.stream, spec.format):
-            raise SpecError(problem)
-        if (sink is None) != (settings.stream is None):
-            raise SpecError("a run streams exactly when it is given the stream's sink (`layertap.stream.open_sink`)")
-        plan = plan_run(spec, target=settings.target)
         engine = None
         try:
+            if problem := stream_format_problem(settings.stream, spec.format):
+                raise SpecError(problem)
+            if (sink is None) != (settings.stream is None):
+                raise SpecError(
+                    "a run streams exactly when it is given the stream's sink (`layertap.stream.open_sink`)"
+                )
+            plan = plan_run(spec, target=settings.target)
             engine = engine_factory(plan.capture, plan.folder)
             plan = plan.on(engine)
             store = OutputStore.create_or_resume(out, plan.manifest())
@@ -121,7 +123,7 @@ class Run:
         report = RunReport(out=str(store.root), rows=end - start, shard=shard, engine=engine.describe())
         if (server := engine.provenance) is not None and (differ := store.note_server(server, (start, end))):
             raise ServerError(f"refusing the SGLang server at {server.url}: " + "; ".join(differ))
-        done = self.target.done(report, self.check_level, start, stop)  # type: ignore[arg-type]
+        done = self.target.done(report, self.check_level, start, stop)
         report.already_done = len(done)  # less what the planner finds changed, as it goes
         log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), self.check_level)
         events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))

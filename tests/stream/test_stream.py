@@ -89,6 +89,16 @@ def exit_code(proc: Proc, redis: Redis, name: str) -> int:
     return proc.popen.returncode
 
 
+def rerun_beside(cmd: list[str], consume: list[str], logs: Path, procs: list[Proc], redis: Redis, name: str) -> None:
+    """The producer's command run again (``rerun.log``) beside a second consumer (``b``, reclaiming after 1 s);
+    returns once the run (as long as its stream moves) and that consumer exited 0."""
+    rerun = Proc("extract-again", cmd, env(), logs / "rerun.log").start()
+    second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(), logs / "b.log").start()
+    procs += [rerun, second]
+    assert exit_code(rerun, redis, name) == 0, rerun.log_tail()
+    assert second.popen.wait(timeout=60) == 0, second.log_tail()
+
+
 def hand_over(
     stuck: Proc, producer: Proc, consume: list[str], logs: Path, procs: list[Proc], redis: Redis, name: str
 ) -> None:
@@ -211,12 +221,7 @@ def test_a_restarted_master_stops_the_run_in_one_line_and_the_rerun_delivers_eve
         said = " ".join((tmp_path / "extract.log").read_text().split())  # the console wraps its lines
         assert said.count("error:") == 1 and "Traceback" not in said
         assert "samples put and not acked are gone from Mooncake Store" in said and mooncake_master.address in said
-        rerun = Proc("extract-again", extract, env(), tmp_path / "rerun.log").start()
-        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
-                      tmp_path / "b.log").start()  # fmt: skip
-        procs += [rerun, second]
-        assert exit_code(rerun, redis_client, name) == 0, rerun.log_tail()
-        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+        rerun_beside(extract, consume, tmp_path, procs, redis_client, name)
     finally:
         for proc in procs:
             proc.kill(signal.SIGKILL)

@@ -11,19 +11,37 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.processes import LAYERTAP, Proc, wait_for
+from harness.processes import LAYERTAP, Proc, wait_moving
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
 from tests.core.datasets import conversation_rows, write_jsonl
 from tests.sglang_fixtures import DEFAULT_LAYERS
-from tests.stream.test_stream import CONSUME, ROWS, UNACKED, assert_byte_equal_to_store, env, first_acks, stream_args
+from tests.stream.test_stream import (
+    CONSUME,
+    ROWS,
+    STALL_S,
+    UNACKED,
+    assert_byte_equal_to_store,
+    env,
+    first_acks,
+    rerun_beside,
+    stream_args,
+)
 
 
 def computed_by_run(out: Path) -> list[list[str]]:
     """The samples each run into ``out`` computed, oldest run first (its saved reports)."""
     reports = sorted((out / "reports").glob("run-*.json"), key=lambda p: p.stat().st_mtime_ns)
     return [json.loads(p.read_text())["computed"] for p in reports]
+
+
+def files_run(cmd: list[str], out: Path, logs: Path) -> None:
+    """The reference: ``cmd`` writing files into ``out``, waited for as long as its index grows."""
+    run = Proc("files", [*cmd, "--out", str(out)], env(), logs / "files.log").start()
+    wait_moving(lambda: run.popen.poll() is not None, stall=STALL_S, what="the files run to exit",
+                moved=lambda: sum(p.stat().st_size for p in out.glob("index/*.jsonl")))  # fmt: skip
+    assert run.popen.returncode == 0, run.log_tail()
 
 
 def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_without_recomputing_what_was_acked(
@@ -35,8 +53,7 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
     extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
                ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url", sglang_llama.url,
                "--dump-root", str(sglang_llama.dump_root), "--in-flight", "1", "--format", "speculators"]  # fmt: skip
-    reference = Proc("files", [*extract, "--out", str(files)], env(), tmp_path / "files.log").start()
-    assert reference.popen.wait(timeout=600) == 0, reference.log_tail()
+    files_run(extract, files, tmp_path)
 
     streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
     consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
@@ -44,16 +61,12 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
     producer = Proc("extract", streamed, env(), tmp_path / "extract.log").start()
     procs = [first, producer]
     try:
-        wait_for(lambda: redis_client.hlen(keys.stream_acked(name)) >= 40, timeout=600, what="40 samples acked")
+        acked = lambda: redis_client.hlen(keys.stream_acked(name))  # noqa: E731
+        wait_moving(lambda: acked() >= 40, moved=acked, stall=STALL_S, what="40 samples acked")
         producer.kill(signal.SIGKILL)  # mid-run: up to UNACKED samples put and not acked die with its segment
         first.kill(signal.SIGKILL)  # and the consumer holding one of them
         acked_before = set(redis_client.hkeys(keys.stream_acked(name)))
-        resumed = Proc("extract-resumed", streamed, env(), tmp_path / "resumed.log").start()
-        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
-                      tmp_path / "b.log").start()  # fmt: skip
-        procs += [resumed, second]
-        assert resumed.popen.wait(timeout=900) == 0, resumed.log_tail()
-        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+        rerun_beside(streamed, consume, tmp_path, procs, redis_client, name)
     finally:
         for proc in procs:
             proc.kill(signal.SIGKILL)
@@ -96,28 +109,22 @@ def test_a_restarted_master_stops_a_stream_only_run_and_the_rerun_delivers_every
     files, out, received, name, keys = tmp_path / "files", tmp_path / "out", tmp_path / "received", "hf-only", Keys()
     extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5",
                "--batch-size", "1", "--format", "speculators"]  # fmt: skip
-    reference = Proc("files", [*extract, "--out", str(files)], env(), tmp_path / "files.log").start()
-    assert reference.popen.wait(timeout=300) == 0, reference.log_tail()
+    files_run(extract, files, tmp_path)
     streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
     consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
     first = Proc("consumer-a", [*consume, "--consumer", "a", "--hang-after", "3"], env(), tmp_path / "a.log").start()
     producer = Proc("extract", streamed, env(), tmp_path / "extract.log").start()
     procs = [first, producer]
     try:
-        wait_for(lambda: redis_client.hget(keys.stream_run(name), "put") == str(2 + UNACKED), timeout=120,
-                 what="the producer at its bound")  # fmt: skip
+        put = lambda: redis_client.hget(keys.stream_run(name), "put")  # noqa: E731
+        wait_moving(lambda: put() == str(2 + UNACKED), moved=put, stall=STALL_S, what="the producer at its bound")
         acked_before = set(redis_client.hkeys(keys.stream_acked(name)))
         mooncake_master.restart()  # the unacked objects are forgotten
         assert producer.popen.wait(timeout=60) == 2, producer.log_tail()
         first.kill(signal.SIGKILL)
         said = " ".join((tmp_path / "extract.log").read_text().split())
         assert said.count("error:") == 1 and "samples put and not acked are gone from Mooncake Store" in said
-        rerun = Proc("extract-again", streamed, env(), tmp_path / "rerun.log").start()
-        second = Proc("consumer-b", [*consume, "--consumer", "b", "--claim-idle-ms", "1000"], env(),
-                      tmp_path / "b.log").start()  # fmt: skip
-        procs += [rerun, second]
-        assert rerun.popen.wait(timeout=300) == 0, rerun.log_tail()
-        assert second.popen.wait(timeout=60) == 0, second.log_tail()
+        rerun_beside(streamed, consume, tmp_path, procs, redis_client, name)
     finally:
         for proc in procs:
             proc.kill(signal.SIGKILL)
