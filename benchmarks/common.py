@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import signal
 import sys
+import tarfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +19,10 @@ from pathlib import Path
 
 import httpx
 
+from harness.services import RedisServer, Services
 from harness.sglang import SGLANG_CPU_PYTHON
 from layertap.demo import demo_rows
+from layertap.engines.sglang import SGLangServer
 
 T0 = time.monotonic()
 
@@ -26,6 +31,9 @@ GPU_COMMON = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--gramm
               "--disable-cuda-graph", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16")  # fmt: skip
 # Kimi-K2's width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared) at 4 layers: `layertap tiny-model`'s shape.
 KIMI_K2_WIDTH = {"shape": "kimi-k2-width", "num_hidden_layers": 4}
+# The same, first layer dense and the 16 experts in one group as Kimi-K2 routes them (a routing margin is then
+# exactly what selection compares).
+KIMI_K2_ONE_GROUP = {**KIMI_K2_WIDTH, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 WORDS = "the model reads a prompt and computes hidden states for every token while drafts learn from them".split()  # noqa: SIM905
 
 
@@ -41,6 +49,32 @@ def sglang_python(smoke: bool) -> Path:
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fresh(*folders: Path) -> None:
+    """Each folder emptied (made if missing): a run never reads a stale one's files."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+
+
+def unpack_kernel_cache(tgzs: list[Path], cache: Path) -> set[Path]:
+    """A node's kernel builds (``--kernel-cache-tgz``) unpacked into ``cache``: the files they gave."""
+    for path in tgzs:
+        with tarfile.open(path) as tgz:
+            tgz.extractall(cache, filter="data")
+    return {p for p in cache.rglob("*") if p.is_file()}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def stop_stack(services: Services, redis: RedisServer | None) -> None:
+    """Every process of ``services`` (each with its group: a worker's server too), then Redis."""
+    services.stop_all(groups=True)
+    if redis is not None:
+        redis.stop(signal.SIGKILL)
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -110,3 +144,18 @@ def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight
     with ThreadPoolExecutor(in_flight) as pool:
         list(pool.map(one, batch))
     return sum(map(len, batch)) / (time.perf_counter() - t0)
+
+
+def wait_side_by_side(servers: dict[str, SGLangServer]) -> None:
+    """Wait for servers launched side by side (``SGLangServer.launch``, from the main thread: a server dies with the
+    thread that launched it); one that fails to start is started again alone (two servers sizing GPU memory at once
+    can collide)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for name, future in [(n, pool.submit(s.wait_ready)) for n, s in servers.items()]:
+            try:
+                future.result()
+            except Exception as exc:
+                log(f"{name}: server failed to start ({type(exc).__name__}: {exc}); starting it again alone")
+                servers[name].stop()
+                servers[name].start()
+            log(f"{name}: server up at {servers[name].url}")

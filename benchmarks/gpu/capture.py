@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python
+from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python, wait_side_by_side
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
 from layertap.pipeline import Committed, ProgressEvents, Run
@@ -171,8 +171,7 @@ def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bo
     waiting; the next model builds meanwhile. The processes are launched from this (main) thread: a server
     dies with the thread that launched it."""
     python, env = sglang_python(smoke), cpu_server_env() if smoke else {}
-    benches, starting = [], ThreadPoolExecutor(len(shapes) * len(quantize))
-    futures = []
+    benches: dict[str, Bench] = {}
     for shape in shapes:
         model = build_tiny_model(shape.arch, args.work / f"model-{shape.arch}", dtype=torch.bfloat16, **shape.overrides)
         log(f"{shape.name}: model built ({sum(p.stat().st_size for p in model.glob('*.safetensors')) / 1e9:.1f} GB)")
@@ -184,22 +183,10 @@ def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bo
                                   log_path=args.out.with_name(f"server-{shape.arch}-{q}.log"),
                                   sglang_args=sglang_args or (CPU_ARGS if smoke else GPU_ARGS),
                                   writer_threads=args.writer_threads, pinned_cap=args.pinned_cap)  # fmt: skip
-            bench = Bench(shape, model, link, SGLangServer(config), quantize=q)
-            benches.append(bench)
+            bench = benches[f"{shape.name} ({q})"] = Bench(shape, model, link, SGLangServer(config), quantize=q)
             bench.server.launch()
-            futures.append(starting.submit(bench.server.wait_ready))
-    for bench, future in zip(benches, futures, strict=True):
-        try:
-            future.result()
-        except Exception as exc:  # two servers sizing GPU memory at once can collide: retry alone
-            log(
-                f"{bench.shape.name} ({bench.quantize}): server failed to start ({type(exc).__name__}); starting it again alone"
-            )
-            bench.server.stop()
-            bench.server.start()
-        log(f"{bench.shape.name} ({bench.quantize}): server up at {bench.server.url}")
-    starting.shutdown()
-    return benches
+    wait_side_by_side({name: bench.server for name, bench in benches.items()})
+    return list(benches.values())
 
 
 def run_warm(benches: list[Bench], lengths: tuple[int, int], results: Any, out: Path,

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks import report
+from benchmarks import common, report
 from benchmarks.common import GPU_COMMON, log, plain_rate, sglang_python, write_dataset
 from harness.processes import Proc, run_layertap, wait_for
 from harness.services import RedisServer, Services
@@ -48,7 +48,6 @@ from layertap.store.index import SampleRecord, read_json_lines, read_jsonl_dir
 from layertap.tiny import build_tiny_model
 
 LAYERS = [1, 2, 3]  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
-WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 # Two servers share the GPU: each takes a third of it (weights ~6 GB, a KV pool capped at 300K tokens).
 GPU_SERVER_ARGS = [*GPU_COMMON, "--attention-backend", "triton", "--chunked-prefill-size", "4096",
                    "--max-total-tokens", "300000", "--mem-fraction-static", "0.3"]  # fmt: skip
@@ -117,9 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     if smoke:
         args.chats, args.token_rows, args.shard_size, args.audit_samples = 60, 12, 8, 10
         args.work, args.root = Path("/tmp/layertap-e2e-smoke"), Path("/tmp/layertap-e2e-smoke/root")
-    for path in (args.work, args.root):
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+    common.fresh(args.work, args.root)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     logs.mkdir()
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         # -- the model and the data ------------------------------------------------------------------
         model = args.work / "kimi-k25"
         dtype = torch.float32 if smoke else torch.bfloat16
-        build_tiny_model("kimi-k2.5", model, dtype=dtype, **({} if smoke else WIDE))
+        build_tiny_model("kimi-k2.5", model, dtype=dtype, **({} if smoke else common.KIMI_K2_ONE_GROUP))
         folder = ModelFolder.read(model)
         vocab = len(folder.load_tokenizer(trust_remote_code=True))
         context = int(folder.text_config.get("max_position_embeddings", 4096))
@@ -307,7 +304,5 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
     finally:
-        services.stop_all(groups=True)
-        if redis is not None:
-            redis.stop(signal.SIGKILL)
+        common.stop_stack(services, redis)
     print(report.write(args.out, report.result("e2e", "\n".join(lines), parameters=vars(args))))

@@ -25,7 +25,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tarfile
 import time
 from pathlib import Path
 
@@ -77,9 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_job_audit.md"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-job-audit"), help="model, data, logs, kernels")
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-job-audit"), help="output root and dumps")
-    ap.add_argument(
-        "--kernel-cache-tgz", type=Path, default=None, help="a node's kernel builds (kernel-cache-h200.tgz)"
-    )
+    ap.add_argument("--kernel-cache-tgz", type=Path, help="a node's kernel builds (kernel-cache-h200.tgz)")
     ap.add_argument("--token-rows", type=int, default=80, help="token-id rows of 300-4,000 tokens (beside 24 chats)")
     ap.add_argument("--shard-size", type=int, default=50)
     ap.add_argument("--audit-samples", type=int, default=40)
@@ -98,8 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cache = args.work / "kernel-cache"
     if args.kernel_cache_tgz:
-        with tarfile.open(args.kernel_cache_tgz) as tgz:
-            tgz.extractall(cache, filter="data")
+        common.unpack_kernel_cache([args.kernel_cache_tgz], cache)
         common.log(f"kernel cache unpacked: {common.folder_bytes(cache) / 1e6:,.0f} MB")
     services = Services(args.work / "logs", {"LAYERTAP_ALLOW_REMOTE_CODE": "1"})  # the wrapper's code
     redis: RedisServer | None = None
@@ -169,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         hand = newest_report(out, audit["report"])
         common.log(f"layertap audit: {'PASS' if hand['passed'] else 'FAIL'} on {hand['device']} in {hand_wall:.1f} s")
     finally:
-        services.stop_all(groups=True)
-        if redis is not None:
-            redis.stop(signal.SIGKILL)
+        common.stop_stack(services, redis)
         kept = args.out.with_suffix(".logs")  # beside the table: what each process said
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(args.work / "logs", kept)

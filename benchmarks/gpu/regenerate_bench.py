@@ -40,7 +40,6 @@ import re
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import tarfile
 import threading
@@ -74,10 +73,6 @@ SERVER_ARGS = ("--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192"
 STAGES = ("plain", "cli", "job")
 
 
-def layertap_cmd(*args: str) -> list[str]:
-    return [*LAYERTAP, *args]
-
-
 def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile: Path | None = None
         ) -> tuple[int, float]:  # fmt: skip
     """Run ``cmd`` to its end, its output appended to ``log``: (exit code, wall seconds). With ``profile``, py-spy
@@ -102,9 +97,8 @@ def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float, profile:
 
 def reports(out: Path) -> list[dict[str, Any]]:
     """The run reports under ``out/reports`` (one per run or worker shard)."""
-    return [
-        json.loads(p.read_text()) for p in sorted((out / "reports").glob("*.json")) if not p.name.startswith("audit")
-    ]
+    paths = sorted((out / "reports").glob("*.json"))
+    return [json.loads(p.read_text()) for p in paths if not p.name.startswith("audit")]
 
 
 def build(kind: str, work: Path, smoke: bool) -> Path:
@@ -143,11 +137,11 @@ def ordinary_outputs(model: Path) -> None:
 
 def verify_store(out: Path, data: Path, env: dict[str, str], log: Path) -> tuple[int, float]:
     """``layertap verify OUT --data DATA``: (exit code, wall seconds)."""
-    return run(layertap_cmd("verify", str(out), "--data", str(data), "--trust-remote-code"), env, log, 1800)
+    return run([*LAYERTAP, "verify", str(out), "--data", str(data), "--trust-remote-code"], env, log, 1800)
 
 
 def audit_verdict(out: Path, log: Path, env: dict[str, str], samples: int) -> dict[str, Any]:
-    code, wall = run(layertap_cmd("audit", str(out), "--samples", str(samples), "--trust-remote-code"), env, log, 1800)
+    code, wall = run([*LAYERTAP, "audit", str(out), "--samples", str(samples), "--trust-remote-code"], env, log, 1800)
     newest = sorted((out / "reports").glob("audit-*.json"))[-1]
     report = json.loads(newest.read_text())
     return {"exit": code, "passed": report["passed"], "device": report["device"], "samples": len(report["samples"]),
@@ -255,10 +249,10 @@ def generation_args(args: argparse.Namespace) -> list[str]:
 def extract_cmd(args: argparse.Namespace, model: Path, data: Path, out: Path, dumps: Path, server_args: list[str]
                 ) -> list[str]:  # fmt: skip
     """``layertap extract --regenerate all`` launching its own server (its log beside ``dumps``)."""
-    return layertap_cmd("extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
-                        *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
-                        "--sglang-python", str(common.sglang_python(args.smoke)),
-                        "--sglang-args", shlex.join(server_args), "--dump-root", str(dumps))  # fmt: skip
+    return [*LAYERTAP, "extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
+            *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
+            "--sglang-python", str(common.sglang_python(args.smoke)),
+            "--sglang-args", shlex.join(server_args), "--dump-root", str(dumps)]  # fmt: skip
 
 
 def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
@@ -267,9 +261,8 @@ def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
     logs = args.work / "logs"
     cmd = extract_cmd(args, model, data, out, args.root / "cli" / "dumps", server_args)
     common.log("layertap extract --regenerate all ...")
-    code, wall = run(
-        cmd, env, logs / "extract.log", 3000, profile=logs / "extract.py-spy.txt" if args.profile else None
-    )
+    profile = logs / "extract.py-spy.txt" if args.profile else None
+    code, wall = run(cmd, env, logs / "extract.log", 3000, profile=profile)
     assert (out / "reports").is_dir(), f"extract exited {code} without a report: see {logs / 'extract.log'}"
     (report,) = reports(out)
     common.log(f"extract: {report['generated_tokens']:,} tokens generated in {report['generation_seconds']:.1f} s")
@@ -293,7 +286,7 @@ def stage_plain(args: argparse.Namespace, model: Path, data: Path, env: dict[str
     for each batch shape, FlashInfer's -- in its start and its first batches, into the kernel cache every later
     server of the node reads), then all of them, measured. Run first on a node: the layertap runs after it find
     the kernels built."""
-    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows = common.read_jsonl(data)
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
     log = args.work / "logs" / "sglang-stock.log"
     stock, url = stock_server(model, server_args, env, log, args.smoke)
@@ -315,9 +308,8 @@ def server_start_seconds(log: Path) -> float | None:
     first, ready = re.search(stamp, text, re.M), re.search(stamp + r".*ready to roll", text, re.M)
     if not (first and ready):
         return None
-    return time.mktime(time.strptime(ready[1], "%Y-%m-%d %H:%M:%S")) - time.mktime(
-        time.strptime(first[1], "%Y-%m-%d %H:%M:%S")
-    )
+    seconds = [time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) for m in (first, ready)]
+    return seconds[1] - seconds[0]
 
 
 def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
@@ -337,8 +329,8 @@ def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
         services.worker("gpu-worker", redis.url, wait=False, **worker_env)
         submit_env = {**senv, "LAYERTAP_API_URL": coordinator.url, "LAYERTAP_API_TOKEN": coordinator.token,
                       "COLUMNS": "200"}  # fmt: skip
-        cmd = layertap_cmd("submit", "--model", str(model), "--data", str(data), *generation_args(args),
-                           "--shard-size", str(args.shard_size), "--audit-samples", str(args.audit_samples), "--wait")  # fmt: skip
+        cmd = [*LAYERTAP, "submit", "--model", str(model), "--data", str(data), *generation_args(args),
+               "--shard-size", str(args.shard_size), "--audit-samples", str(args.audit_samples), "--wait"]  # fmt: skip
         common.log("layertap submit --regenerate all --wait ...")
         t0 = time.monotonic()
         with (logs / "submit.out").open("w") as said, (logs / "submit.err").open("w") as err:
@@ -349,9 +341,7 @@ def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
             job = client.get(f"/jobs/{job_id}").json()
         stages = scrape_stages(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
-        services.stop_all(groups=True)
-        if redis is not None:
-            redis.stop(signal.SIGKILL)
+        common.stop_stack(services, redis)
     out = Path(job["out"])
     shards = reports(out)
     generated = sum(r["generated_tokens"] for r in shards)
@@ -451,27 +441,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=("bf16", "int4"), default="bf16")
     ap.add_argument("--stage", default="plain,cli,job", help=f"comma-separated: {', '.join(STAGES)}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and the table")
-    ap.add_argument(
-        "--results",
-        type=Path,
-        default=Path("benchmarks/results/gpu_regenerate.json"),
-        help="parts measured before (kept, this run's replace their keys)",
-    )
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results/gpu_regenerate.json"),
+                    help="parts measured before (kept, this run's replace their keys)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-regen"))
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-regen"), help="stores and dumps")
-    ap.add_argument(
-        "--kernel-cache-tgz",
-        type=Path,
-        action="append",
-        default=[],
-        help="a node's kernel builds (kernel-cache-h200.tgz; again for a --pack-kernel-cache of before)",
-    )
-    ap.add_argument(
-        "--pack-kernel-cache",
-        type=Path,
-        default=None,
-        help="at the end, the kernel cache as this run left it (for a later run's --kernel-cache-tgz)",
-    )
+    ap.add_argument("--kernel-cache-tgz", type=Path, action="append", default=[],
+                    help="a node's kernel builds (kernel-cache-h200.tgz; again for a --pack-kernel-cache of before)")  # fmt: skip
+    ap.add_argument("--pack-kernel-cache", type=Path,
+                    help="at the end, the kernel cache as this run left it (for a later run's --kernel-cache-tgz)")  # fmt: skip
     ap.add_argument("--chats", type=int, default=512)
     ap.add_argument("--warm-chats", type=int, default=64, help="the plain stage's warm-up pass")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -487,11 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         args.chats, args.max_new_tokens, args.generation_in_flight, args.shard_size, args.audit_samples = 6, 8, 4, 4, 3
         args.warm_chats = 2
         args.work, args.root = Path("/tmp/layertap-regen-smoke"), Path("/tmp/layertap-regen-smoke/root")
-    for stale in ("logs",):
-        shutil.rmtree(args.work / stale, ignore_errors=True)
-    shutil.rmtree(args.root, ignore_errors=True)
-    (args.work / "logs").mkdir(parents=True)
-    args.root.mkdir(parents=True)
+    common.fresh(args.work / "logs", args.root)
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if args.smoke:
@@ -500,11 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         server_args = list(SERVER_ARGS)
     if args.kernel_cache_tgz:
-        cache = args.work / "kernel-cache"
-        for tgz_path in args.kernel_cache_tgz:
-            with tarfile.open(tgz_path) as tgz:
-                tgz.extractall(cache, filter="data")
-        given = {p for p in cache.rglob("*") if p.is_file()}
+        given = common.unpack_kernel_cache(args.kernel_cache_tgz, cache := args.work / "kernel-cache")
         from sglang_patch.launch import first_start_env
 
         env |= {"LAYERTAP_KERNEL_CACHE": str(cache), **first_start_env(server_args, str(cache), env)}

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from benchmarks import report
-from benchmarks.common import GPU_COMMON, log, prompts, sglang_python
+from benchmarks.common import GPU_COMMON, KIMI_K2_ONE_GROUP, fresh, log, prompts, sglang_python, wait_side_by_side
 from benchmarks.gpu.capture import repoint, volume_rate
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
@@ -42,7 +42,6 @@ from layertap.spec import ExtractionSpec
 from layertap.tiny import build_tiny_model
 
 LAYERS = (3, 31, 59)
-SHALLOW = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 SEED_TOKENS = 87.8e6  # the seed job: 37,312 samples
 SEED_HOURS = 9.4  # what the seed's own pipeline took at 2,600 tok/s
 # What SGLang's own numbers say of TP=8 on one H200 node for DeepSeek-V3-shaped prefill: see the table's notes.
@@ -210,15 +209,7 @@ def start(settings: list[str], model: Path, layers: tuple[int, ...], flags: dict
                               sglang_args=tuple(flags[name]))  # fmt: skip
         servers[name] = (SGLangServer(config), link)
         servers[name][0].launch()
-    with ThreadPoolExecutor(len(servers)) as pool:
-        for name, future in [(n, pool.submit(s.wait_ready)) for n, (s, _) in servers.items()]:
-            try:
-                future.result()
-            except Exception as exc:  # two servers sizing GPU memory at once can collide: retry alone
-                log(f"{name}: server failed to start ({type(exc).__name__}: {exc}); starting it again alone")
-                servers[name][0].stop()
-                servers[name][0].start()
-            log(f"{name}: server up ({model.name})")
+    wait_side_by_side({name: server for name, (server, _) in servers.items()})
     return servers
 
 
@@ -265,7 +256,8 @@ def correctness(settings: list[str], batch: list[list[int]], checks: list[Check]
     from layertap.audit import audit_store
 
     model = args.work / "kimi-k2-width"
-    build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **({"num_hidden_layers": 4} if args.smoke else SHALLOW))
+    shape = {"num_hidden_layers": 4} if args.smoke else KIMI_K2_ONE_GROUP
+    build_tiny_model("kimi-k2.5", model, dtype=torch.bfloat16, **shape)
     memory = ["--mem-fraction-static", "0.3", "--max-total-tokens", "300000"]
     servers = start(settings, model, (1, 2, 3), server_flags(settings, args.smoke, memory), args)
     try:
@@ -303,9 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(speed_settings + check_settings) - set(SETTINGS)
     if unknown:
         ap.error(f"unknown settings {sorted(unknown)}; known: {sorted(SETTINGS)}")
-    for folder in (args.work, args.tmpfs):
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+    fresh(args.work, args.tmpfs)
     args.out.mkdir(parents=True, exist_ok=True)
     earlier = report.read(args.results)["rows"] if args.results.exists() and not args.smoke else []
     rows = [Row(**{k: v for k, v in r.items() if k != "kind"}) for r in earlier if r["kind"] == "speed"]

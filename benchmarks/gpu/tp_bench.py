@@ -44,7 +44,7 @@ import httpx
 import torch
 
 from benchmarks import report
-from benchmarks.common import log, plain_rate, sglang_python
+from benchmarks.common import KIMI_K2_ONE_GROUP, log, plain_rate, sglang_python
 from harness.processes import run_layertap
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
@@ -63,9 +63,6 @@ GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--samplin
             "--mem-fraction-static", "0.5", "--max-total-tokens", "300000")  # fmt: skip
 # Its TP memory-balance check fails a TP=2 server whose GPU 0 already holds the TP=1 server.
 GPU_ENV = {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"}
-# Kimi-K2's own MLA and width (the builder's named shape), 4 layers (first dense), 16 routed experts top-8
-# in one group as Kimi-K2 routes them (so the routing margin below is exactly what selection compares).
-WIDE = dict(shape="kimi-k2-width", num_hidden_layers=4, first_k_dense_replace=1, n_group=1, topk_group=1)
 LAYERS = (1, 2, 3)  # capture indices: after the dense layer, after MoE layers 1 and 2; + the post-norm final
 CONFIGS = {  # stage -> (tp size, launcher extras, GPUs)
     "tp1": (1, (), "0"),
@@ -101,7 +98,7 @@ class TpRun:
     def build(self) -> dict:
         from layertap.tiny.build import build_tiny_model
 
-        shape = {} if self.cpu else {**WIDE, "shape": self.args.shape}
+        shape = {} if self.cpu else {**KIMI_K2_ONE_GROUP, "shape": self.args.shape}
         t = time.time()
         build_tiny_model(self.args.arch, self.model, dtype=torch.bfloat16, seed=0, **shape)
         seconds = time.time() - t
