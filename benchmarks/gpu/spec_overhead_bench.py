@@ -38,7 +38,7 @@ from benchmarks.gpu.acceptance_bench import (
     SMOKE_CONCURRENCY,
     SPEC_FLAGS,
     PlainServer,
-    measure,
+    measure_runs,
 )
 from benchmarks.gpu.acceptance_target import GPU, SMOKE, Sizes
 from harness.processes import REPO_ROOT
@@ -82,9 +82,7 @@ def serve(work: Path, name: str, target: Path, drafter: Path, smoke: bool, promp
         t0 = time.monotonic()
         server.wait_ready()
         started = time.monotonic() - t0
-        measure(name, server, prompts[:1], 1, sizes.max_new_tokens)  # first-use kernel builds
-        runs = [measure(name, server, prompts[: sizes.prompts_c1] if c == 1 else prompts, c, sizes.max_new_tokens)
-                for c in concurrency]  # fmt: skip
+        runs = measure_runs(name, server, prompts, sizes, concurrency)
     finally:
         server.stop()
     for r in runs:
