@@ -35,6 +35,9 @@ from layertap.errors import RowError
 from layertap.tiny.tokenizer import BOS, IM_END, PAD, chat_tokenizer, reserve_ids, train_bpe
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
+# A trained model's shape as its facts (and the report) give it.
+CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -144,17 +147,10 @@ def build_corpus(root: Path, out: Path, seed: int, sizes: Sizes) -> dict[str, An
     for name, part in (("train", train), ("held_out", held), ("source", source)):
         with (out / f"{name}.jsonl").open("w") as f:
             f.writelines(json.dumps({"path": p, "text": t}) + "\n" for p, t in part)
-    facts = {
-        "root": str(root),
-        "files_found": len(found),
-        "train_files": len(train),
-        "held_out_files": len(held),
-        "train_chars": sum(len(t) for _, t in train),
-        "held_out_chars": sum(len(t) for _, t in held),
-        "source_files": len(source),
-        "source_chars": sum(len(t) for _, t in source),
-        "files_sha256": hashlib.sha256("\n".join(p for p, _ in files).encode()).hexdigest(),
-    }
+    facts = {"root": str(root), "files_found": len(found), "train_files": len(train), "held_out_files": len(held),
+             "train_chars": sum(len(t) for _, t in train), "held_out_chars": sum(len(t) for _, t in held),
+             "source_files": len(source), "source_chars": sum(len(t) for _, t in source),
+             "files_sha256": hashlib.sha256("\n".join(p for p, _ in files).encode()).hexdigest()}  # fmt: skip
     (out / "facts.json").write_text(json.dumps(facts, indent=1))
     return facts
 
@@ -317,31 +313,12 @@ def train_target(
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)  # fmt: skip
     tokenizer.save_pretrained(out)
-    facts = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "config": {
-            k: getattr(config, k)
-            for k in (
-                "num_hidden_layers",
-                "hidden_size",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "intermediate_size",
-                "vocab_size",
-            )
-        },
-        "dtype": str(dtype).removeprefix("torch."),
-        "train_blocks": len(train),
-        "steps": steps,
-        "tokens_seen": steps * sizes.batch * sizes.seq_len,
-        "epochs": steps * sizes.batch / max(1, len(train)),
-        "train_seconds": seconds,
-        "first_loss": losses[0],
-        "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-        "held_out_loss": loss,
-        "held_out_conversations": len(held),
-        "sizes": asdict(sizes),
-    }
+    facts = {"params": sum(p.numel() for p in model.parameters()),
+             "config": {k: getattr(config, k) for k in CONFIG_KEYS}, "dtype": str(dtype).removeprefix("torch."),
+             "train_blocks": len(train), "steps": steps,
+             "tokens_seen": steps * sizes.batch * sizes.seq_len, "epochs": steps * sizes.batch / max(1, len(train)),
+             "train_seconds": seconds, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+             "held_out_loss": loss, "held_out_conversations": len(held), "sizes": asdict(sizes)}  # fmt: skip
     (out / "target_facts.json").write_text(json.dumps(facts, indent=1))
     return facts
 

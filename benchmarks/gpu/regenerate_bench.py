@@ -445,10 +445,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="parts measured before (kept, this run's replace their keys)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-regen"))
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-regen"), help="stores and dumps")
-    ap.add_argument("--kernel-cache-tgz", type=Path, action="append", default=[],
-                    help="a node's kernel builds (kernel-cache-h200.tgz; again for a --pack-kernel-cache of before)")  # fmt: skip
-    ap.add_argument("--pack-kernel-cache", type=Path,
-                    help="at the end, the kernel cache as this run left it (for a later run's --kernel-cache-tgz)")  # fmt: skip
+    ap.add_argument("--kernel-cache-tgz", type=Path, action="append", default=[], help="a node's kernel builds "
+                    "(kernel-cache-h200.tgz; again for a --pack-kernel-cache of before)")  # fmt: skip
+    ap.add_argument("--pack-kernel-cache", type=Path, help="at the end, the kernel cache as this run left it (for a "
+                    "later run's --kernel-cache-tgz)")  # fmt: skip
     ap.add_argument("--chats", type=int, default=512)
     ap.add_argument("--warm-chats", type=int, default=64, help="the plain stage's warm-up pass")
     ap.add_argument("--max-new-tokens", type=int, default=256)
