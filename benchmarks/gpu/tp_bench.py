@@ -44,7 +44,7 @@ import httpx
 import torch
 
 from benchmarks import report
-from benchmarks.common import KIMI_K2_ONE_GROUP, log, plain_rate, sglang_python
+from benchmarks.common import KIMI_K2_ONE_GROUP, log, plain_rate, read_jsonl, sglang_python, write_jsonl
 from harness.processes import run_layertap
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
@@ -64,11 +64,8 @@ GPU_ARGS = ("--skip-tokenizer-init", "--attention-backend", "triton", "--samplin
 # Its TP memory-balance check fails a TP=2 server whose GPU 0 already holds the TP=1 server.
 GPU_ENV = {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"}
 LAYERS = (1, 2, 3)  # capture indices: after the dense layer, after MoE layers 1 and 2; + the post-norm final
-CONFIGS = {  # stage -> (tp size, launcher extras, GPUs)
-    "tp1": (1, (), "0"),
-    "tp2": (2, (), "0,1"),
-    "tp2-fused": (2, ("--allreduce-fusion", "sglang"), "0,1"),
-}
+# stage -> (tp size, launcher extras, GPUs)
+CONFIGS = {"tp1": (1, (), "0"), "tp2": (2, (), "0,1"), "tp2-fused": (2, ("--allreduce-fusion", "sglang"), "0,1")}
 
 
 class TpRun:
@@ -112,12 +109,10 @@ class TpRun:
             {"id": f"ids-{i}", "input_ids": [rng.randrange(vocab) for _ in range(n)]} for i, n in enumerate(lengths)
         ]
         low, high = (512, 4000) if not self.cpu else (16, 64)
-        tput = [
-            {"id": f"t{i}", "input_ids": [rng.randrange(vocab) for _ in range(rng.randint(low, high))]}
-            for i in range(self.args.prompts)
-        ]
-        for name, rows in (("eq", eq), ("tput", tput)):
-            (self.work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tput = [{"id": f"t{i}", "input_ids": [rng.randrange(vocab) for _ in range(rng.randint(low, high))]}
+                for i in range(self.args.prompts)]  # fmt: skip
+        write_jsonl(self.work / "eq.jsonl", eq)
+        write_jsonl(self.work / "tput.jsonl", tput)
         return {
             "build_s": seconds,
             "shape": shape,
@@ -171,16 +166,14 @@ class TpRun:
 
     def throughput(self, stage: str, server: SGLangServer, result: dict) -> None:
         """Plain prefill and capture + commit at each in-flight setting, into `result` (the deadline allowing)."""
-        tput = [json.loads(line)["input_ids"] for line in (self.work / "tput.jsonl").read_text().splitlines()]
+        tput = [row["input_ids"] for row in read_jsonl(self.work / "tput.jsonl")]
         with httpx.Client(timeout=900) as client:
             for n in self.args.in_flight:
                 if time.time() - self.t0 > self.args.deadline_s:
                     result.setdefault("skipped", []).append(f"throughput at {n} in flight (past the deadline)")
                     continue
                 result[f"plain_{n}"] = plain_rate(client, server.url, tput, n)
-                result[f"capture_{n}"] = self.extract(
-                    stage, f"tput{n}", server.url, server.config.dump_root, in_flight=n
-                )
+                result[f"capture_{n}"] = self.extract(stage, f"tput{n}", server.url, server.config.dump_root, n)
                 log(f"{stage}: in flight {n}: plain {result[f'plain_{n}']:,.0f} tok/s, "
                          f"capture {result[f'capture_{n}']['tok_s']:,.0f} tok/s")  # fmt: skip
 
@@ -272,14 +265,12 @@ class TpRun:
                  "chat template; token-id prompts of 1..6000 tokens). Each store is judged by `layertap audit` (every "
                  "sample): HF transformers on the same weights in float32, the bf16 noise floor, routing near-ties.",
                  ""]  # fmt: skip
-        lines += ["## Servers", "", "| config | TP | server up | first request | all-reduce fusion (server info) | partial-sum warnings |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for stage, r in runs.items():
-            lines.append(
-                f"| {stage} | {r['tp']} | {r['server_up_s']:.0f} s | {r['warmup_s']:.0f} s | `{r.get('fusion')}` | {r['partial_sum_warnings']} |"
-            )
-        for stage, error in failed.items():
-            lines.append(f"| {stage} | failed: `{error.splitlines()[0][:300]}` (log: server-{stage}.log) | | | | |")
+        rows = [[stage, r["tp"], f"{r['server_up_s']:.0f} s", f"{r['warmup_s']:.0f} s", f"`{r.get('fusion')}`",
+                 r["partial_sum_warnings"]] for stage, r in runs.items()]  # fmt: skip
+        head = ["config", "TP", "server up", "first request", "all-reduce fusion (server info)", "partial-sum warnings"]
+        lines += ["## Servers", "", *report.table_lines(head, rows)]
+        lines += [f"| {stage} | failed: `{error.splitlines()[0][:300]}` (log: server-{stage}.log) | | | | |"
+                  for stage, error in failed.items()]  # fmt: skip
         lines += [f"- {stage}: skipped {what}" for stage, r in runs.items() for what in r.get("skipped", [])]
         lines += ["", f"This call ran for {time.time() - self.t0:.0f} s (stages done by earlier calls not included)."]
         if ref:
@@ -299,8 +290,7 @@ def stored_states(root: Path) -> dict[str, dict]:
     """sample id -> point -> stored state [T, H], read as the audit reads a store."""
     store = OutputStore.open_existing(root)
     return {
-        rec.sample_id: read_states(store.manifest, store.format.load(root / rec.file))[1]
-        for rec in store.records().values()
+        r.sample_id: read_states(store.manifest, store.format.load(root / r.file))[1] for r in store.records().values()
     }
 
 
@@ -318,11 +308,8 @@ def equality_tables(ref: dict) -> list[str]:
     lines += ["## TP=2 against TP=1", "", "Per-token relative error of TP=2's stored state against TP=1's (no verdict: "
               "each config's own is its audit above).", "", "| config | state | median | p99 | max | tokens |",
               "|---|---|---|---|---|---|"]  # fmt: skip
-    for stage, states in ref["vs_tp1"].items():
-        for state, s in states.items():
-            lines.append(
-                f"| {stage} | {state} | {s['median']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | {s['tokens']:,} |"
-            )
+    lines += [f"| {stage} | {state} | {s['median']:.2e} | {s['p99']:.2e} | {s['max']:.2e} | {s['tokens']:,} |"
+              for stage, states in ref["vs_tp1"].items() for state, s in states.items()]  # fmt: skip
     return lines
 
 
@@ -334,12 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arch", default="kimi-k2.5")
     ap.add_argument("--shape", default="kimi-k2-width", help="the builder's named shape on the GPU (mla-gpu: small)")
     ap.add_argument("--prompts", type=int, default=96)
-    ap.add_argument(
-        "--in-flight",
-        type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[16, 64],
-        help="throughput settings; empty: equality only",
-    )
+    ap.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 64],
+                    help="throughput settings; empty: equality only")  # fmt: skip
     ap.add_argument("--server-flags", default="--trust-remote-code", help="extra SGLang flags for every server")
     ap.add_argument("--cli-flags", default="--trust-remote-code", help="extra `layertap extract` flags")
     ap.add_argument("--deadline-s", type=float, default=420, help="no throughput run starts after this many seconds")
