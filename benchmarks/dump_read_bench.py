@@ -85,8 +85,5 @@ def main(argv: list[str] | None = None) -> None:
                              "now (`read_dump`: torch maps it)", "now / before"],
                                  [[m["threads"], f"{m['before_per_s']:.1f}", f"{m['now_per_s']:.1f}",
                                    f"{m['now_per_s'] / m['before_per_s']:.2f}"] for m in measured])]  # fmt: skip
-    print(
-        report.write(
-            args.out, report.result("dump_read", "\n".join(lines) + "\n", parameters=vars(args), rows=measured)
-        )
-    )
+    result = report.result("dump_read", "\n".join(lines) + "\n", parameters=vars(args), rows=measured)
+    print(report.write(args.out, result))

@@ -41,6 +41,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch.utils.serialization import config as serialization_config
 
 from benchmarks import report
+from benchmarks.common import write_jsonl
 from layertap.engines.base import Engine
 from layertap.engines.sglang import captured_from_dump
 from layertap.pipeline import Run
@@ -115,9 +116,7 @@ def micro(states: torch.Tensor, folder: Path) -> list[str]:
     serialization_config.save.compute_crc32 = True
     path.unlink()
     torch.set_num_threads(os.cpu_count() or 1)
-    return ["| step | method | GB/s (one thread) |", "|---|---|---|"] + [
-        f"| {step} | {method} | {rate / 1e9:.2f} |" for step, method, rate in rows
-    ]
+    return report.table_lines(["step", "method", "GB/s (one thread)"], [(s, m, f"{r / 1e9:.2f}") for s, m, r in rows])
 
 
 def captured_states(tokens: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
@@ -290,10 +289,8 @@ def speculators_table(args: argparse.Namespace, states: dict[str, torch.Tensor],
 def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids: list[str]) -> list[str]:
     """Table 3: the worker's `Run.rows` + `OutputStore.commit` of the writers' dumps, by commit threads."""
     rows = ["| commit threads | GB/s | tokens/s | vs 1 thread |", "|---|---|---|---|"]
-    data = args.tmpfs / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"id": f"s{i}", "input_ids": [5] * args.tokens}) + "\n" for i in range(len(rids)))
-    )
+    rows_in = [{"id": f"s{i}", "input_ids": [5] * args.tokens} for i in range(len(rids))]
+    data = write_jsonl(args.tmpfs / "data.jsonl", rows_in)
     model = bench_model(args.disk / "model", args.hidden)
     assert mask_runs(torch.ones(args.tokens, dtype=torch.uint8)) == ((0, args.tokens),)
     base = None
@@ -304,9 +301,8 @@ def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
         spec = ExtractionSpec(model=model, data=data, layers=LAYERS)
         engine = DumpEngine(args.tmpfs / "dumps", {f"s{i}": rid for i, rid in enumerate(rids)})
         t0 = time.perf_counter()
-        run = Run.create(
-            spec, root, lambda cap, folder, e=engine: e, RunSettings(commit_threads=n, resume_check="quick")
-        )
+        settings = RunSettings(commit_threads=n, resume_check="quick")
+        run = Run.create(spec, root, lambda cap, folder, e=engine: e, settings)
         report = run.rows()
         dt = time.perf_counter() - t0
         assert len(report.computed) == len(rids) and report.failed == 0, report

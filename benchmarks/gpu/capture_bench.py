@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import T0, log, plain_rate, prompts
+from benchmarks.common import T0, fresh, log, plain_rate, prompts
 from benchmarks.gpu.capture import (
     CPU_ARGS,
     GPU_ARGS,
@@ -64,10 +64,8 @@ class CaptureResults(Measured):
     def body(self) -> list[str]:
         lines = ["## Plain prefill (tok/s)", "", "| shape | " + " | ".join(
             f"{n} in flight" for n in IN_FLIGHT_PLAIN) + " |", "|---" * (len(IN_FLIGHT_PLAIN) + 1) + "|"]  # fmt: skip
-        for shape, rates in self.plain.items():
-            lines.append(
-                f"| {shape} | " + " | ".join(f"{rates[n]:,.0f}" if n in rates else "-" for n in IN_FLIGHT_PLAIN) + " |"
-            )
+        lines += [f"| {shape} | " + " | ".join(f"{r[n]:,.0f}" if n in r else "-" for n in IN_FLIGHT_PLAIN) + " |"
+                  for shape, r in self.plain.items()]  # fmt: skip
         lines += ["", "## Capture + commit", "",
                   "Busy: the share of each side's thread-time spent working (writers: serialise + write + "
                   "fsync; copy wait: writers waiting for the device-to-host copies; worker: checks + rename + "
@@ -111,9 +109,7 @@ MEAN_TOKENS = 0.0  # set from the prompts
 def main(argv: list[str] | None = None) -> None:
     global MEAN_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--out", type=Path, default=None, help="results markdown (default: benchmarks/results/gpu_capture_h200.md)"
-    )
+    ap.add_argument("--out", type=Path, help="results markdown (default: benchmarks/results/gpu_capture_h200.md)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-bench"), help="models, data (local disk)")
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-bench"))
     ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-bench/disk"), help="a folder on the local disk")
@@ -128,18 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
     args = ap.parse_args(argv)
     smoke = args.smoke
-    args.out = args.out or (
-        Path("/tmp/capture_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_capture_h200.md")
-    )
+    args.out = args.out or Path("/tmp/capture_bench_smoke.md" if smoke else "benchmarks/results/gpu_capture_h200.md")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shapes = TINY_SHAPES if smoke else SHAPES
     low, high = (32, 300) if smoke else (512, 4000)
     batch = prompts(args.prompts, 7, low, high)
     MEAN_TOKENS = sum(map(len, batch)) / len(batch)
     capture_in_flight = [int(n) for n in args.capture_in_flight.split(",")]
-    shutil.rmtree(args.work, ignore_errors=True)
     shutil.rmtree(args.tmpfs, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    fresh(args.work)
     from sglang_patch.settings import DEFAULT_PINNED_CAP_BYTES
 
     writer_threads = args.writer_threads
@@ -194,9 +187,8 @@ def measure(bench: Bench, batch: list[list[int]], capture_in_flight: list[int], 
                 results.write()
 
 
-def volume_rates(
-    shapes: tuple[Shape, ...], results: CaptureResults, args: argparse.Namespace, writer_threads: int
-) -> None:
+def volume_rates(shapes: tuple[Shape, ...], results: CaptureResults, args: argparse.Namespace, writer_threads: int
+                 ) -> None:  # fmt: skip
     """Each volume's own write rate with files of each shape's mean sample, measured first, while
     nothing else runs (a ceiling even if the run is cut short)."""
     threads = results.volume_threads = max(8, writer_threads)  # the volume's best, not our writers'

@@ -163,9 +163,8 @@ def measure_shape(pair: list[capture.Bench], batch: list[list[int]], client: htt
         shutil.rmtree(root)
 
 
-def disk_rates(
-    shapes: tuple[capture.Shape, ...], results: Fp8Results, args: argparse.Namespace, mean_tokens: float
-) -> None:
+def disk_rates(shapes: tuple[capture.Shape, ...], results: Fp8Results, args: argparse.Namespace, mean_tokens: float
+               ) -> None:  # fmt: skip
     """The disk's own rate for files of each store's mean sample, measured first, nothing else running."""
     for shape in shapes:
         k1, hidden = len(shape.layers) + 1, shape.overrides.get("hidden_size", 64)
