@@ -77,8 +77,36 @@ class PinnedPuts:
     def put_from(self, key: str, buffer_ptr: int, size: int) -> int:
         return self._client.put_from(key, buffer_ptr, size, self._config)
 
+    def put_parts(self, key: str, pointers: list[int], sizes: list[int]) -> int:
+        """One object made of the bytes at ``pointers``, in order: Mooncake copies them into the segment in one call."""
+        return self._client.batch_put_from_multi_buffers([key], [pointers], [sizes], self._config)[0]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+_GAP = torch.zeros(64, dtype=torch.uint8)  # what fills the packed layout's alignment gaps (each under 64 bytes)
+
+
+def put_packed(store: MooncakeHiddenStatesStore, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Put a sample's object, packed as ``manifest`` says, straight from its tensors' memory (a capture's dump views):
+    the tensors and the gaps between them are the object's parts, so each byte is copied once, by Mooncake, and the
+    put gives up the GIL once. hs-connectors' ``put_sample`` first copies every tensor into its staging buffer, and
+    each of its torch calls gives up the GIL and waits to take it back behind the capture's threads. Over TCP the
+    parts need not be registered memory."""
+    parts: list[torch.Tensor] = []  # kept until the put returns: a part may be a contiguous copy
+    end = 0
+    for name, spec in sorted(manifest["tensors"].items(), key=lambda item: item[1]["offset"]):
+        tensor = tensors[name].contiguous()
+        if tensor.numel() * tensor.element_size() != spec["nbytes"]:
+            raise StreamError(f"{name} of {manifest['handle']} is not the {spec['nbytes']} bytes its manifest says")
+        parts += [_GAP[: spec["offset"] - end], tensor]
+        end = spec["offset"] + spec["nbytes"]
+    parts = [t for t in [*parts, _GAP[: manifest["metadata"]["total_aligned_bytes"] - end]] if t.numel()]
+    status = store._store.put_parts(manifest["handle"], [t.data_ptr() for t in parts],
+                                    [t.numel() * t.element_size() for t in parts])  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"Mooncake put of {manifest['handle']} returned {status}")
 
 
 def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> list[bool]:

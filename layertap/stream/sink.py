@@ -39,6 +39,7 @@ from layertap.stream.mooncake import (
     disconnect,
     fingerprint,
     objects_present,
+    put_packed,
     run_identity,
     sample_manifest,
 )
@@ -77,7 +78,7 @@ def redis_client(url: str) -> Redis:
 
 
 class MooncakeSink:
-    """Puts a run's committed samples into Mooncake Store (hard-pinned, hs-connectors' ``put_sample``) and their
+    """Puts a run's committed samples into Mooncake Store (hard-pinned, in hs-connectors' packed layout) and their
     manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once.
     ``keep_going`` is asked every second while it waits for acks: once False (a job's shard cancelled or taken
     away) the wait stops, and a sample then not put is left to the attempt that resumes the shard. ``on_acked`` is
@@ -155,7 +156,7 @@ class MooncakeSink:
         t0 = time.perf_counter()
         manifest = sample_manifest(self.handle(record), tensors, record, self.run)
         try:
-            self.store.put_sample(manifest, tensors)
+            put_packed(self.store, manifest, tensors)
         except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
             self.broken = StreamError(
                 f"putting sample {record.sample_id} into Mooncake Store failed ({exc}): is the master at {self.master} "
