@@ -60,9 +60,9 @@ def sample_manifest(handle: str, tensors: dict[str, torch.Tensor], record: Sampl
 
 
 class PinnedPuts:
-    """A Mooncake client whose ``put_from`` hard-pins the object (never evicted before its consumer removes it) in
-    this process's own segment; everything else is the client's own. hs-connectors' ``put_sample`` calls
-    ``put_from`` with Mooncake's default replica config, which an eviction may take under memory pressure and which
+    """A Mooncake client whose puts (``put_from``, ``put_parts``) hard-pin the object (never evicted before its
+    consumer removes it) in this process's own segment; everything else is the client's own. hs-connectors'
+    ``put_sample`` calls ``put_from`` with Mooncake's default replica config, which an eviction may take under memory pressure and which
     places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
     producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
