@@ -132,13 +132,18 @@ def prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:
 # -- SGLang ---------------------------------------------------------------------------------------------------
 
 
-def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> float:
-    """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once."""
+def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int,
+               finishes: list[tuple[float, int]] | None = None) -> float:  # fmt: skip
+    """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once. With
+    ``finishes``, each request's end (``time.perf_counter``) and tokens are appended to it (a steady-state window's
+    rate: seed_scale_bench)."""
 
     def one(ids: list[int]) -> None:
         body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
         reply = client.post(url + "/generate", json=body)
         assert reply.status_code == 200, reply.text[:300]
+        if finishes is not None:
+            finishes.append((time.perf_counter(), len(ids)))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(in_flight) as pool:

@@ -19,25 +19,21 @@ On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import torch
 
-from benchmarks import report
+from benchmarks import common, report
 from benchmarks.common import GPU_COMMON, KIMI_K2_ONE_GROUP, fresh, log, prompts, sglang_python, wait_side_by_side
+from benchmarks.gpu.capture import capture as shared_capture
 from benchmarks.gpu.capture import repoint, volume_rate
 from harness.sglang import cpu_server_args, cpu_server_env
-from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import Committed, ProgressEvents, Run
-from layertap.settings import RunSettings
+from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.spec import ExtractionSpec
 from layertap.tiny import build_tiny_model
 
@@ -70,21 +66,12 @@ class Row:
     when: str
 
 
-class FinishTimes(ProgressEvents):
-    """The run's events, noting when each commit ended and its tokens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.finishes: list[tuple[float, int]] = []
-
-    def committed(self, done: Committed) -> None:
-        self.finishes.append((done.ended, done.sample.num_tokens))
-
-
-def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: float) -> tuple[float, float]:
+def steady_rate(finishes: list[tuple[float, int]], t0: float, in_flight: int) -> tuple[float, float]:
     """Tokens/s of the requests that finished inside [first finish, last moment every slot was busy]; and the
     share of the whole measurement that window covers."""
     finishes.sort()
+    # The last request is handed to a slot when len(finishes) - in_flight have finished.
+    queued_until = finishes[max(len(finishes) - in_flight, 0)][0]
     start = finishes[0][0]
     inside = [(t, n) for t, n in finishes if start < t <= queued_until]
     end = max((t for t, _ in inside), default=finishes[-1][0])
@@ -96,21 +83,9 @@ def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: floa
 def plain(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> tuple[float, float]:
     """Plain prefill of ``batch`` (rids outside the capture namespace) in a steady-state window."""
     finishes: list[tuple[float, int]] = []
-    started = [0]
-
-    def one(ids: list[int]) -> None:
-        started[0] += 1
-        body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
-        reply = client.post(url + "/generate", json=body)
-        assert reply.status_code == 200, reply.text[:300]
-        finishes.append((time.perf_counter(), len(ids)))
-
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(in_flight) as pool:
-        list(pool.map(one, batch))
-    # The last request is handed to a thread when len(batch) - in_flight have finished.
-    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
-    return steady_rate(finishes, t0, queued_until)
+    common.plain_rate(client, url, batch, in_flight, finishes)
+    return steady_rate(finishes, t0, in_flight)
 
 
 def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: list[list[int]], in_flight: int,
@@ -118,24 +93,17 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     """Capture + checks + commit of ``batch`` into a specforge store ``root/store-<tag>`` (the dumps under
     ``root`` too), removed afterwards unless ``keep``."""
     repoint(link, root / "dumps")
-    data = root / f"data-{tag}.jsonl"
-    data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
+    data = common.write_jsonl(
+        root / f"data-{tag}.jsonl", [{"id": f"r{i}", "input_ids": ids} for i, ids in enumerate(batch)]
+    )
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
-    run = Run.create(spec, root / f"store-{tag}", lambda cap, folder: SGLangEngine(
-        server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight, allow_dummy_weights=True),
-        RunSettings(resume_check="quick"))  # fmt: skip
-    times = FinishTimes()
-    t0 = time.perf_counter()
-    report = run.rows(events=times)
-    assert len(report.computed) == len(batch) and report.failed == 0, report
-    run.store.finalize(complete=True, target=run.plan.folder)
-    run.store.close()
+    done = shared_capture(server, spec, root / f"store-{tag}", link, in_flight, job=f"seed-{tag}", finalize=True,
+                          allow_dummy_weights=True)  # fmt: skip
+    done.run.store.close()
     if not keep:
         shutil.rmtree(root / f"store-{tag}")
     data.unlink()
-    finishes = times.finishes
-    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
-    return steady_rate(finishes, t0, queued_until)
+    return steady_rate(done.times.finishes, done.started, in_flight)
 
 
 def projection(rows: list[Row]) -> list[str]:
