@@ -29,6 +29,8 @@ T0 = time.monotonic()
 # Flags every GPU benchmark server gets; each adds its attention backend, chunk size and memory split.
 GPU_COMMON = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-cuda-graph", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16")  # fmt: skip
+# The same with SGLang's warm-up: it runs the first pass (and its kernel builds) before /health answers.
+GPU_WARMED = tuple(a for a in GPU_COMMON if a != "--skip-server-warmup")
 # Kimi-K2's width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared) at 4 layers: `layertap tiny-model`'s shape.
 KIMI_K2_WIDTH = {"shape": "kimi-k2-width", "num_hidden_layers": 4}
 # The same, first layer dense and the 16 experts in one group as Kimi-K2 routes them (a routing margin is then
