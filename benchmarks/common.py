@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import shutil
 import signal
 import sys
 import tarfile
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from harness.services import RedisServer, Services
-from harness.sglang import SGLANG_CPU_PYTHON
+from harness.sglang import SGLANG_CPU_PYTHON, cpu_server_env
 from layertap.demo import demo_rows
 from layertap.engines.sglang import SGLangServer
 
@@ -70,6 +72,15 @@ def unpack_kernel_cache(tgzs: list[Path], cache: Path) -> set[Path]:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def worker_env(dump_root: Path, server_args: Sequence[str], smoke: bool, **settings: object) -> dict[str, str]:
+    """A Celery worker's environment as e2e, job_audit and regenerate stand theirs up: the SGLang engine launching
+    its own server (its interpreter, flags and dump root; on a smoke run the CPU server's environment) and each of
+    ``settings`` as ``LAYERTAP_<NAME>`` (``metrics_port=9100``: ``LAYERTAP_METRICS_PORT=9100``)."""
+    settings |= {"engine": "sglang", "dump_root": dump_root, "sglang_args": shlex.join(server_args),
+                 "sglang_python": sglang_python(smoke)}  # fmt: skip
+    return {**(cpu_server_env() if smoke else {}), **{f"LAYERTAP_{k.upper()}": str(v) for k, v in settings.items()}}
 
 
 def stop_stack(services: Services, redis: RedisServer | None) -> None:

@@ -321,11 +321,8 @@ def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
         senv = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
         coordinator = services.coordinator(redis.url, args.root / "jobs", token=secrets.token_hex(16))
         metrics_port = free_port()
-        worker_env = {"LAYERTAP_ENGINE": "sglang",
-                      "LAYERTAP_DUMP_ROOT": str(args.root / "job-dumps"), "LAYERTAP_SGLANG_ARGS": shlex.join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": str(common.sglang_python(args.smoke)),
-                      "LAYERTAP_GENERATION_IN_FLIGHT": str(args.generation_in_flight),
-                      "LAYERTAP_METRICS_PORT": str(metrics_port)}  # fmt: skip
+        worker_env = common.worker_env(args.root / "job-dumps", server_args, args.smoke, metrics_port=metrics_port,
+                                       generation_in_flight=args.generation_in_flight)  # fmt: skip
         services.worker("gpu-worker", redis.url, wait=False, **worker_env)
         submit_env = {**senv, "LAYERTAP_API_URL": coordinator.url, "LAYERTAP_API_TOKEN": coordinator.token,
                       "COLUMNS": "200"}  # fmt: skip
