@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,6 +82,35 @@ def worker_env(dump_root: Path, server_args: Sequence[str], smoke: bool, **setti
     settings |= {"engine": "sglang", "dump_root": dump_root, "sglang_args": shlex.join(server_args),
                  "sglang_python": sglang_python(smoke)}  # fmt: skip
     return {**(cpu_server_env() if smoke else {}), **{f"LAYERTAP_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+class Stages:
+    """A staged benchmark's results, one ``NAME.json`` a stage, in its work folder and in any ``copies`` (a folder that
+    comes back from the device): written as a stage ends, read by the stages after it and by later calls, which skip
+    or continue what an earlier call did."""
+
+    def __init__(self, folder: Path, *copies: Path) -> None:
+        self.folder, self.folders = folder, (folder, *copies)
+        for path in self.folders:
+            path.mkdir(parents=True, exist_ok=True)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        path = self.folder / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else default
+
+    def __getitem__(self, name: str) -> Any:
+        """A stage's results, which a later stage needs: its absence says which stage to run first."""
+        if (facts := self.get(name)) is None:
+            raise SystemExit(f"stage {name!r} has not run in {self.folder} (no {name}.json): run it first")
+        return facts
+
+    def save(self, name: str, facts: Any) -> None:
+        for folder in self.folders:
+            (folder / f"{name}.json").write_text(json.dumps(facts, indent=1, default=str))
+
+    def all(self) -> dict[str, Any]:
+        """Every result in the folder, by name (sorted)."""
+        return {p.stem: json.loads(p.read_text()) for p in sorted(self.folder.glob("*.json"))}
 
 
 def stop_stack(services: Services, redis: RedisServer | None) -> None:
