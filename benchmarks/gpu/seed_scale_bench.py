@@ -114,38 +114,35 @@ def projection(rows: list[Row]) -> list[str]:
             best[row.what] = row
     out = ["", "## The seed's job (87.8M tokens) projected", "",
            f"Per-GPU rate (this table, TP=1, the same work per token as Kimi-K2.5) x GPUs x a TP=8 efficiency of "
-           f"{TP8_EFFICIENCY} (see the notes), against the seed's {SEED_HOURS} h at 2,600 tok/s.", "",
-           "| capture on | setting | per-GPU tok/s | 1 node (8 GPUs) tok/s | hours | 4 nodes tok/s | hours | "
-           "vs seed (1 node) |", "|---" * 8 + "|"]  # fmt: skip
+           f"{TP8_EFFICIENCY} (see the notes), against the seed's {SEED_HOURS} h at 2,600 tok/s.", ""]  # fmt: skip
+    head = ("capture on", "setting", "per-GPU tok/s", "1 node (8 GPUs) tok/s", "hours", "4 nodes tok/s", "hours",
+            "vs seed (1 node)")  # fmt: skip
+    table = []
     for what, row in best.items():
         node = row.tok_s * 8 * TP8_EFFICIENCY
-        out.append(f"| {what} | {row.setting} | {row.tok_s:,.0f} | {node:,.0f} | {SEED_TOKENS / node / 3600:.2f} | "
-                   f"{4 * node:,.0f} | {SEED_TOKENS / node / 4 / 3600:.2f} | "
-                   f"{SEED_HOURS / (SEED_TOKENS / node / 3600):.1f}x faster |")  # fmt: skip
-    return out
+        table.append((what, row.setting, f"{row.tok_s:,.0f}", f"{node:,.0f}", f"{SEED_TOKENS / node / 3600:.2f}",
+                      f"{4 * node:,.0f}", f"{SEED_TOKENS / node / 4 / 3600:.2f}",
+                      f"{SEED_HOURS / (SEED_TOKENS / node / 3600):.1f}x faster"))  # fmt: skip
+    return out + report.table_lines(head, table)
 
 
 def render(rows: list[Row], checks: list[Check], header: list[str]) -> str:
-    lines = [*header, "| setting | what | in flight | tok/s | steady window / whole run | tokens | measured |",
-             "|---" * 7 + "|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r.setting} | {r.what} | {r.in_flight} | {r.tok_s:,.0f} | {r.window_share:.2f} | "
-                     f"{r.tokens:,} | {r.when} |")  # fmt: skip
+    lines = [*header, *report.table_lines(
+        ("setting", "what", "in flight", "tok/s", "steady window / whole run", "tokens", "measured"),
+        [(r.setting, r.what, r.in_flight, f"{r.tok_s:,.0f}", f"{r.window_share:.2f}", f"{r.tokens:,}", r.when)
+         for r in rows])]  # fmt: skip
     by_setting: dict[str, dict[str, float]] = {}
     for r in rows:
         by_setting.setdefault(r.setting, {})[r.what] = r.tok_s
-    lines += ["", "| setting | tmpfs capture / plain | disk capture / plain |", "|---|---|---|"]
-    for name, rates in by_setting.items():
-        if "plain" in rates:
-            ratio = {w: f"{rates[w] / rates['plain']:.2f}" if w in rates else "-" for w in ("tmpfs", "disk")}
-            lines.append(f"| {name} | {ratio['tmpfs']} | {ratio['disk']} |")
+    ratios = [(name, *(f"{rates[w] / rates['plain']:.2f}" if w in rates else "-" for w in ("tmpfs", "disk")))
+              for name, rates in by_setting.items() if "plain" in rates]  # fmt: skip
+    lines += ["", *report.table_lines(("setting", "tmpfs capture / plain", "disk capture / plain"), ratios)]
     lines += ["", "## Which settings keep captures right", "",
               "Each setting's captures of the same rows at Kimi-K2 width, 4 layers (random weights HF can run), audited "
               "by `layertap audit` against HF float32 (every stored state, the bf16 noise floor, routing near-ties).", "",
-              "| setting | audit | samples | tokens | measured |", "|---|---|---|---|---|"]  # fmt: skip
-    lines += [
-        f"| {c.setting} | {'PASS' if c.passed else 'FAIL'} | {c.samples} | {c.tokens:,} | {c.when} |" for c in checks
-    ]
+              *report.table_lines(("setting", "audit", "samples", "tokens", "measured"),
+                                  [(c.setting, "PASS" if c.passed else "FAIL", c.samples, f"{c.tokens:,}", c.when)
+                                   for c in checks])]  # fmt: skip
     for c in checks:
         lines += ["", f"### Audit of {c.setting}", "", c.table]
     return "\n".join([*lines, *projection(rows), ""])
