@@ -230,7 +230,7 @@ def stage_tokenizer(run: Run) -> None:
 
 def stage_target(run: Run) -> None:
     run.stages.save("target", train_target(run.path("corpus"), run.path("tokenizer"), run.path("target"), run.seed,
-                                    run.sizes, run.device))  # fmt: skip
+                                           run.sizes, run.device))  # fmt: skip
 
 
 def stage_data(run: Run) -> None:
@@ -509,7 +509,6 @@ def measure(
     """Every prompt, greedy, `in_flight` at a time, each generating exactly `max_new_tokens` (``ignore_eos``):
     the decode rate (SGLang's completion-token counts over the wall time) and, with a drafter, per-request
     acceptance lengths (SGLang's own spec_accept_length = completion tokens / verify steps)."""
-    client = httpx.Client(timeout=1800)
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
     def one(ids: list[int]) -> dict[str, Any]:
@@ -518,13 +517,10 @@ def measure(
             raise SystemExit(f"{name}: /generate answered {reply.status_code}: {reply.text[:500]}")
         return reply.json()["meta_info"]
 
-    try:
+    with httpx.Client(timeout=1800) as client, ThreadPoolExecutor(in_flight) as pool:
         t0 = time.monotonic()
-        with ThreadPoolExecutor(in_flight) as pool:
-            metas = list(pool.map(one, prompts))
+        metas = list(pool.map(one, prompts))
         wall = time.monotonic() - t0
-    finally:
-        client.close()
     tokens = sum(m["completion_tokens"] for m in metas)
     out = {"prompts": len(metas), "completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
            "in_flight": in_flight}  # fmt: skip

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from benchmarks.common import read_jsonl, write_jsonl
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
 from layertap.errors import RowError
+from layertap.models.weights import INDEX, weight_map
 from layertap.tiny.tokenizer import BOS, IM_END, PAD, chat_tokenizer, reserve_ids, train_bpe
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
@@ -301,7 +301,8 @@ def train_target(
     loss = held_out_loss(model, held, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model.to(dtype).save_pretrained(out)
-    write_weight_index(out)
+    if not (out / INDEX).exists():  # TRAIN.md: SpecForge's target head finds the LM head through the index
+        (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map(out)}))
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)  # fmt: skip
     tokenizer.save_pretrained(out)
@@ -313,15 +314,6 @@ def train_target(
              "held_out_loss": loss, "held_out_conversations": len(held), "sizes": asdict(sizes)}  # fmt: skip
     (out / "target_facts.json").write_text(json.dumps(facts, indent=1))
     return facts
-
-
-def write_weight_index(folder: Path) -> None:
-    """``model.safetensors.index.json`` for a folder of one ``model.safetensors`` (TRAIN.md: SpecForge's target
-    head finds the LM head through it); a sharded folder has its own."""
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.exists() and not index.exists():
-        with safe_open(str(single), "pt") as f:
-            index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(f.keys(), single.name)}))
 
 
 def source_responses(
