@@ -120,10 +120,6 @@ class Eagle:
     def __str__(self) -> str:
         return f"{self.steps}/{self.topk}/{self.tokens}"
 
-    @property
-    def slug(self) -> str:
-        return f"{self.steps}-{self.topk}-{self.tokens}"
-
     def flags(self) -> tuple[str, ...]:
         return ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.steps),
                 "--speculative-eagle-topk", str(self.topk), "--speculative-num-draft-tokens", str(self.tokens))  # fmt: skip
@@ -474,7 +470,7 @@ class Unit:
     @property
     def key(self) -> str:
         """The unit's file name in ``serve/`` (``correct@3-1-4``, ``no-drafter``)."""
-        return self.arm.replace(" ", "-") + (f"@{self.config.slug}" if self.config else "")
+        return self.arm.replace(" ", "-") + (f"@{str(self.config).replace('/', '-')}" if self.config else "")
 
     def __str__(self) -> str:
         return self.arm + (f" @ {self.config}" if self.config else "")
