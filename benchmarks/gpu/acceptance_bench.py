@@ -128,7 +128,6 @@ class Eagle:
 # How the published Kimi-K2.5 drafter is served (3 steps, top-k 1, 4 draft tokens); deeper chains and a small tree
 # are what users try next, each verify step longer.
 KIMI = Eagle(3, 1, 4)
-SPEC_FLAGS = KIMI.flags()
 CONFIGS = (KIMI, Eagle(5, 1, 6), Eagle(7, 1, 8), Eagle(5, 4, 8))
 BEST = "best"  # in --arm-configs: the correct arm's config with the highest decode rate at 1 in flight
 GPU_EXTRACT_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--mem-fraction-static", "0.5")
