@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import shutil
 import signal
 import sys
 import tarfile
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from harness.services import RedisServer, Services
-from harness.sglang import SGLANG_CPU_PYTHON
+from harness.sglang import SGLANG_CPU_PYTHON, cpu_server_env
 from layertap.demo import demo_rows
 from layertap.engines.sglang import SGLangServer
 
@@ -29,6 +32,8 @@ T0 = time.monotonic()
 # Flags every GPU benchmark server gets; each adds its attention backend, chunk size and memory split.
 GPU_COMMON = ("--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-cuda-graph", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "bfloat16")  # fmt: skip
+# The same with SGLang's warm-up: it runs the first pass (and its kernel builds) before /health answers.
+GPU_WARMED = tuple(a for a in GPU_COMMON if a != "--skip-server-warmup")
 # Kimi-K2's width (hidden 7168, MLA, 16 routed experts top-8 + 1 shared) at 4 layers: `layertap tiny-model`'s shape.
 KIMI_K2_WIDTH = {"shape": "kimi-k2-width", "num_hidden_layers": 4}
 # The same, first layer dense and the 16 experts in one group as Kimi-K2 routes them (a routing margin is then
@@ -70,6 +75,44 @@ def unpack_kernel_cache(tgzs: list[Path], cache: Path) -> set[Path]:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def worker_env(dump_root: Path, server_args: Sequence[str], smoke: bool, **settings: object) -> dict[str, str]:
+    """A Celery worker's environment as e2e, job_audit and regenerate stand theirs up: the SGLang engine launching
+    its own server (its interpreter, flags and dump root; on a smoke run the CPU server's environment) and each of
+    ``settings`` as ``LAYERTAP_<NAME>`` (``metrics_port=9100``: ``LAYERTAP_METRICS_PORT=9100``)."""
+    settings |= {"engine": "sglang", "dump_root": dump_root, "sglang_args": shlex.join(server_args),
+                 "sglang_python": sglang_python(smoke)}  # fmt: skip
+    return {**(cpu_server_env() if smoke else {}), **{f"LAYERTAP_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+class Stages:
+    """A staged benchmark's results, one ``NAME.json`` a stage, in its work folder and in any ``copies`` (a folder that
+    comes back from the device): written as a stage ends, read by the stages after it and by later calls, which skip
+    or continue what an earlier call did."""
+
+    def __init__(self, folder: Path, *copies: Path) -> None:
+        self.folder, self.folders = folder, (folder, *copies)
+        for path in self.folders:
+            path.mkdir(parents=True, exist_ok=True)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        path = self.folder / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else default
+
+    def __getitem__(self, name: str) -> Any:
+        """A stage's results, which a later stage needs: its absence says which stage to run first."""
+        if (facts := self.get(name)) is None:
+            raise SystemExit(f"stage {name!r} has not run in {self.folder} (no {name}.json): run it first")
+        return facts
+
+    def save(self, name: str, facts: Any) -> None:
+        for folder in self.folders:
+            (folder / f"{name}.json").write_text(json.dumps(facts, indent=1, default=str))
+
+    def all(self) -> dict[str, Any]:
+        """Every result in the folder, by name (sorted)."""
+        return {p.stem: json.loads(p.read_text()) for p in sorted(self.folder.glob("*.json"))}
 
 
 def stop_stack(services: Services, redis: RedisServer | None) -> None:
@@ -134,13 +177,18 @@ def prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:
 # -- SGLang ---------------------------------------------------------------------------------------------------
 
 
-def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> float:
-    """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once."""
+def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int,
+               finishes: list[tuple[float, int]] | None = None) -> float:  # fmt: skip
+    """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once. With
+    ``finishes``, each request's end (``time.perf_counter``) and tokens are appended to it (a steady-state window's
+    rate: seed_scale_bench)."""
 
     def one(ids: list[int]) -> None:
         body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
         reply = client.post(url + "/generate", json=body)
         assert reply.status_code == 200, reply.text[:300]
+        if finishes is not None:
+            finishes.append((time.perf_counter(), len(ids)))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(in_flight) as pool:

@@ -68,7 +68,7 @@ import torch
 import yaml
 
 from benchmarks import report
-from benchmarks.common import GPU_COMMON, log, sglang_python
+from benchmarks.common import GPU_COMMON, Stages, fresh, log, read_jsonl, sglang_python, write_jsonl
 from benchmarks.gpu.acceptance_target import (
     GPU,
     PROBE,
@@ -120,10 +120,6 @@ class Eagle:
     def __str__(self) -> str:
         return f"{self.steps}/{self.topk}/{self.tokens}"
 
-    @property
-    def slug(self) -> str:
-        return f"{self.steps}-{self.topk}-{self.tokens}"
-
     def flags(self) -> tuple[str, ...]:
         return ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.steps),
                 "--speculative-eagle-topk", str(self.topk), "--speculative-num-draft-tokens", str(self.tokens))  # fmt: skip
@@ -132,7 +128,6 @@ class Eagle:
 # How the published Kimi-K2.5 drafter is served (3 steps, top-k 1, 4 draft tokens); deeper chains and a small tree
 # are what users try next, each verify step longer.
 KIMI = Eagle(3, 1, 4)
-SPEC_FLAGS = KIMI.flags()
 CONFIGS = (KIMI, Eagle(5, 1, 6), Eagle(7, 1, 8), Eagle(5, 4, 8))
 BEST = "best"  # in --arm-configs: the correct arm's config with the highest decode rate at 1 in flight
 GPU_EXTRACT_ARGS = (*GPU_COMMON, "--attention-backend", "triton", "--mem-fraction-static", "0.5")
@@ -212,30 +207,25 @@ class Run:
     def path(self, *parts: str) -> Path:
         return self.work.joinpath(*parts)
 
-    def facts(self, stage: str) -> dict[str, Any]:
-        path = self.path(f"{stage}.json")
-        if not path.exists():
-            raise SystemExit(f"stage {stage!r} has not run in {self.work} (no {path.name}): run it first")
-        return json.loads(path.read_text())
-
-    def done(self, stage: str, facts: dict[str, Any]) -> None:
-        self.path(f"{stage}.json").write_text(json.dumps(facts, indent=1, default=str))
-        log(f"{stage}: done")
+    @property
+    def stages(self) -> Stages:
+        """Each stage's facts (``WORK/STAGE.json``) and the calls' ``timings`` and ``gpus``."""
+        return Stages(self.work)
 
 
 def stage_corpus(run: Run) -> None:
-    run.done("corpus", build_corpus(run.corpus_root, run.path("corpus"), run.seed, run.sizes))
+    run.stages.save("corpus", build_corpus(run.corpus_root, run.path("corpus"), run.seed, run.sizes))
 
 
 def stage_tokenizer(run: Run) -> None:
     t0 = time.monotonic()
     tokenizer = build_tokenizer_folder(run.path("corpus"), run.path("tokenizer"), run.sizes)
-    run.done("tokenizer", {"vocab": len(tokenizer), "seconds": time.monotonic() - t0})
+    run.stages.save("tokenizer", {"vocab": len(tokenizer), "seconds": time.monotonic() - t0})
 
 
 def stage_target(run: Run) -> None:
-    run.done("target", train_target(run.path("corpus"), run.path("tokenizer"), run.path("target"), run.seed,
-                                    run.sizes, run.device))  # fmt: skip
+    run.stages.save("target", train_target(run.path("corpus"), run.path("tokenizer"), run.path("target"), run.seed,
+                                           run.sizes, run.device))  # fmt: skip
 
 
 def stage_data(run: Run) -> None:
@@ -246,11 +236,10 @@ def stage_data(run: Run) -> None:
     if len(rows) < run.sizes.conversations or len(prompts) < run.sizes.prompts:
         raise SystemExit(f"the corpus gives {len(rows)} conversations and {len(prompts)} held-out prompts; "
                          f"{run.sizes.conversations} and {run.sizes.prompts} are needed: select more files")  # fmt: skip
-    data = run.path("data")
-    data.mkdir(exist_ok=True)
+    run.path("data").mkdir(exist_ok=True)
     for name, part in (("given.jsonl", rows), ("prompts.jsonl", prompts)):
-        (data / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    run.done("data", {"conversations": len(rows), "prompts": len(prompts), "responses": "given"})
+        write_jsonl(run.path("data", name), part)
+    run.stages.save("data", {"conversations": len(rows), "prompts": len(prompts), "responses": "given"})
 
 
 def stage_source(run: Run) -> None:
@@ -259,11 +248,11 @@ def stage_source(run: Run) -> None:
     sizes = source_sizes(run.sizes)
     model = train_target(run.path("corpus"), run.path("tokenizer"), run.path("source-model"), run.seed + 2, sizes,
                          run.device, part="source")  # fmt: skip
-    rows = [json.loads(line) for line in run.path("data", "given.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run.path("data", "given.jsonl"))
     written, facts = source_responses(run.path("source-model"), rows, run.sizes, run.seed + 3, run.device,
                                       batch=8 if run.smoke else 256)  # fmt: skip
-    run.path("data", "source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
-    run.done("source", {"model": model, "responses": facts})
+    write_jsonl(run.path("data", "source.jsonl"), written)
+    run.stages.save("source", {"model": model, "responses": facts})
 
 
 def layertap_extract(run: Run, out: Path, fmt: str, engine: str, data: str, *extra: str) -> dict[str, Any]:
@@ -328,7 +317,7 @@ def stage_extract(run: Run) -> None:
         if server is not None:
             server.stop()
     facts["train_md"] = (stores / "correct" / GUIDE).read_text()
-    run.done("extract", facts)
+    run.stages.save("extract", facts)
 
 
 def stage_controls(run: Run) -> None:
@@ -363,7 +352,7 @@ def stage_controls(run: Run) -> None:
                   {**own, "hidden_state": pre["hidden_states"][:t, -1].to(own["hidden_state"].dtype)[None]})  # fmt: skip
     if speculators:
         shutil.rmtree(stores / "speculators")  # only the pre-norm states were needed (memory: /dev/shm holds stores)
-    run.done("controls", {"samples": len(records), "a_tokens_cut": cut, "permuted": permute, "prenorm": prenorm})
+    run.stages.save("controls", {"samples": len(records), "a_tokens_cut": cut, "permuted": permute, "prenorm": prenorm})
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -396,13 +385,13 @@ def stage_train(run: Run) -> None:
     """Every arm with a store of its own is trained (on a GPU all at once: each small drafter leaves it mostly
     idle); arm b serves the correct drafter with the ids off by one."""
     guide = run.path("stores", "correct", GUIDE).read_text()
-    facts = run.facts("train") if run.path("train.json").exists() else {}
+    facts = run.stages.get("train", {})
     trained = [ARM_BY_NAME[name] for name in run.arms if ARM_BY_NAME[name].store is not None]
     with ThreadPoolExecutor(1 if run.smoke else max(1, len(trained))) as pool:
         facts |= zip((a.name for a in trained), pool.map(lambda a: train_arm(run, guide, a), trained), strict=True)
     for arm in (ARM_BY_NAME[name] for name in run.arms if ARM_BY_NAME[name].same_drafter_as):
         _served_copy(run, arm)
-    run.done("train", facts)
+    run.stages.save("train", facts)
 
 
 def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
@@ -410,11 +399,10 @@ def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
     leaves to the user added; `specforge train`, then `specforge export --to sglang` as TRAIN.md says. An arm
     exported before in this work folder (its ``facts.json``) is kept: a call that ran out of time is continued."""
     folder = run.path("arms", arm.name)
-    if (done := folder / "facts.json").exists():
+    if (facts := Stages(folder).get("facts")) is not None:
         log(f"train {arm.name}: trained before in {run.work}, kept")
-        return json.loads(done.read_text())
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+        return facts
+    fresh(folder)
     (folder / "draft.json").write_text(block(guide, "json"))
     config = yaml.safe_load(block(guide, "yaml"))
     config["data"]["hidden_states_path"] = str(run.path("stores", str(arm.store)).resolve())
@@ -441,7 +429,7 @@ def train_arm(run: Run, guide: str, arm: Arm) -> dict[str, Any]:
     facts = {"seconds": seconds, "steps": len(steps), "run_yaml": (folder / "run.yaml").read_text(),
              **{f"{k}_{when}": step[k] for when, step in (("first", steps[0]), ("last", steps[-1]))
                 for k in ("loss", "acc_0")}}  # fmt: skip
-    (folder / "facts.json").write_text(json.dumps(facts, indent=1))
+    Stages(folder).save("facts", facts)
     return facts
 
 
@@ -481,7 +469,7 @@ class Unit:
     @property
     def key(self) -> str:
         """The unit's file name in ``serve/`` (``correct@3-1-4``, ``no-drafter``)."""
-        return self.arm.replace(" ", "-") + (f"@{self.config.slug}" if self.config else "")
+        return self.arm.replace(" ", "-") + (f"@{str(self.config).replace('/', '-')}" if self.config else "")
 
     def __str__(self) -> str:
         return self.arm + (f" @ {self.config}" if self.config else "")
@@ -516,7 +504,6 @@ def measure(
     """Every prompt, greedy, `in_flight` at a time, each generating exactly `max_new_tokens` (``ignore_eos``):
     the decode rate (SGLang's completion-token counts over the wall time) and, with a drafter, per-request
     acceptance lengths (SGLang's own spec_accept_length = completion tokens / verify steps)."""
-    client = httpx.Client(timeout=1800)
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
     def one(ids: list[int]) -> dict[str, Any]:
@@ -525,13 +512,10 @@ def measure(
             raise SystemExit(f"{name}: /generate answered {reply.status_code}: {reply.text[:500]}")
         return reply.json()["meta_info"]
 
-    try:
+    with httpx.Client(timeout=1800) as client, ThreadPoolExecutor(in_flight) as pool:
         t0 = time.monotonic()
-        with ThreadPoolExecutor(in_flight) as pool:
-            metas = list(pool.map(one, prompts))
+        metas = list(pool.map(one, prompts))
         wall = time.monotonic() - t0
-    finally:
-        client.close()
     tokens = sum(m["completion_tokens"] for m in metas)
     out = {"prompts": len(metas), "completion_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
            "in_flight": in_flight}  # fmt: skip
@@ -558,11 +542,6 @@ def measure_runs(name: str, server: SGLangServer, prompts: list[list[int]], size
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def served_results(run: Run) -> dict[str, dict[str, Any]]:
-    """Every unit measured in this work folder, by key."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(run.path("serve").glob("*.json"))}
 
 
 def best_config(served: dict[str, dict[str, Any]]) -> Eagle | None:
@@ -608,7 +587,7 @@ def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
             failures = dict(zip(units, pool.map(ready, units), strict=True))
         log(f"serve: {len(started)} of {len(units)} servers up in {time.monotonic() - t0:.0f} s")
         for unit in units:
-            server, path = servers[unit], run.path("serve", f"{unit.key}.json")
+            server = servers[unit]
             result: dict[str, Any] = {"arm": unit.arm, "config": str(unit.config) if unit.config else None,
                                       "flags": shlex.join(server.config.sglang_args if server.config else ()),
                                       "side_by_side": len(units)}  # fmt: skip
@@ -623,7 +602,7 @@ def serve_wave(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
                 result["failed"] = str(exc) or type(exc).__name__
                 log(f"serve {unit}: FAILED {result['failed']}")
             server.stop()
-            path.write_text(json.dumps(result, indent=1))
+            Stages(run.path("serve")).save(unit.key, result)
     finally:
         for server in servers.values():
             server.stop()
@@ -636,22 +615,22 @@ def stage_serve(run: Run) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.path("target"))
-    rows = [json.loads(line) for line in run.path("data", "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run.path("data", "prompts.jsonl"))
     prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
                                              return_dict=False) for r in rows]  # fmt: skip
-    run.path("serve").mkdir(exist_ok=True)
-    first, later = serve_units(run, served_results(run))
+    served = Stages(run.path("serve"))  # a unit's measurement: serve/KEY.json
+    first, later = serve_units(run, served.all())
     serve_missing(run, first, prompts)
     if later:
-        if (best := best_config(served_results(run))) is None:
+        if (best := best_config(served.all())) is None:
             raise SystemExit("--arm-configs best: no config of the correct arm was served (see serve/correct@*.json)")
         serve_missing(run, [Unit(u.arm, best) for u in later], prompts)
-    run.done("serve", {"units": sorted(served_results(run))})
+    run.stages.save("serve", {"units": sorted(served.all())})
 
 
 def serve_missing(run: Run, units: list[Unit], prompts: list[list[int]]) -> None:
     """`units` not measured before in this work folder, in one wave (`serve_wave`)."""
-    measured = served_results(run)
+    measured = Stages(run.path("serve")).all()
     todo = [u for u in units if u.key not in measured]
     log(f"serve: {len(units) - len(todo)} of {len(units)} units measured before in {run.work}, kept")
     if todo:
@@ -662,11 +641,10 @@ def stage_report(run: Run) -> None:
     """The results: the target and the source model, decode speed with and without each drafter at each serving
     config, the best config, acceptance per arm, the paired comparisons (controls, regeneration), the drafters'
     training and the commands."""
-    corpus, target, data, extract, trained = (run.facts(s) for s in ("corpus", "target", "data", "extract", "train"))
-    source = run.facts("source") if run.path("source.json").exists() else None
-    timings = json.loads(run.path("timings.json").read_text()) if run.path("timings.json").exists() else {}
-    gpus = json.loads(run.path("gpus.json").read_text()) if run.path("gpus.json").exists() else ["GPU not recorded"]
-    served = served_results(run)
+    stages = run.stages
+    corpus, target, data, extract, trained = (stages[s] for s in ("corpus", "target", "data", "extract", "train"))
+    source, timings, gpus = stages.get("source"), stages.get("timings", {}), stages.get("gpus", ["GPU not recorded"])
+    served = Stages(run.path("serve")).all()
     base = served.get(Unit(NO_DRAFTER).key)
     units = sorted(served, key=lambda key: _unit_order(served[key]))
     title = f"one {' / '.join(gpus)}, SGLang 0.5.14"
@@ -950,19 +928,18 @@ def main(argv: list[str] | None = None) -> None:
     steps = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "data": stage_data,
              "source": stage_source, "extract": stage_extract, "controls": stage_controls, "train": stage_train,
              "serve": stage_serve, "report": stage_report}  # fmt: skip
-    timings_path, gpus_path = run.path("timings.json"), run.path("gpus.json")
+    done = run.stages
     if not run.smoke and stages != ["report"]:  # which GPU ran each call (the report names them; a report-only
         # call renders the stage files elsewhere)
-        gpus = json.loads(gpus_path.read_text()) if gpus_path.exists() else []
-        gpus_path.write_text(json.dumps(list(dict.fromkeys([*gpus, gpu_name()]))))
+        done.save("gpus", list(dict.fromkeys([*done.get("gpus", []), gpu_name()])))
     for stage in stages:
         log(f"{stage}: start")
         t0 = time.monotonic()
         steps[stage](run)
         if stage != "report":  # each stage's wall time summed over the calls that ran it (the GPU time the run took)
-            timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-            timings[stage] = timings.get(stage, 0.0) + time.monotonic() - t0
-            timings_path.write_text(json.dumps(timings, indent=1))
+            timings = done.get("timings", {})
+            done.save("timings", timings | {stage: timings.get(stage, 0.0) + time.monotonic() - t0})
+            log(f"{stage}: done")
 
 
 def gpu_name() -> str:

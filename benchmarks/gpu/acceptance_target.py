@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from benchmarks.common import read_jsonl, write_jsonl
 from layertap.data.chat import ChatTokenizer
 from layertap.data.rows import parse_row
 from layertap.errors import RowError
+from layertap.models.weights import INDEX, weight_map
 from layertap.tiny.tokenizer import BOS, IM_END, PAD, chat_tokenizer, reserve_ids, train_bpe
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
@@ -145,8 +146,7 @@ def build_corpus(root: Path, out: Path, seed: int, sizes: Sizes) -> dict[str, An
     train = [f for f in files if f[0] not in held_paths]
     out.mkdir(parents=True, exist_ok=True)
     for name, part in (("train", train), ("held_out", held), ("source", source)):
-        with (out / f"{name}.jsonl").open("w") as f:
-            f.writelines(json.dumps({"path": p, "text": t}) + "\n" for p, t in part)
+        write_jsonl(out / f"{name}.jsonl", [{"path": p, "text": t} for p, t in part])
     facts = {"root": str(root), "files_found": len(found), "train_files": len(train), "held_out_files": len(held),
              "train_chars": sum(len(t) for _, t in train), "held_out_chars": sum(len(t) for _, t in held),
              "source_files": len(source), "source_chars": sum(len(t) for _, t in source),
@@ -155,17 +155,13 @@ def build_corpus(root: Path, out: Path, seed: int, sizes: Sizes) -> dict[str, An
     return facts
 
 
-def read_files(path: Path) -> list[dict[str, str]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def build_tokenizer_folder(corpus: Path, out: Path, sizes: Sizes) -> PreTrainedTokenizerFast:
     """A byte-level BPE of `sizes.vocab` ids (reserved tokens fill what the merges leave) learnt from the first
     `sizes.tokenizer_chars` characters of the training files, with layertap's chat template; saved in `out`."""
 
     def lines() -> Iterator[str]:
         left = sizes.tokenizer_chars
-        for f in read_files(corpus / "train.jsonl"):
+        for f in read_jsonl(corpus / "train.jsonl"):
             for line in f["text"].splitlines(keepends=True):
                 yield line
                 left -= len(line)
@@ -207,7 +203,7 @@ def conversation(path: str, j: int, user: str, reply: str | None) -> dict[str, A
 def train_conversations(corpus: Path, seed: int, sizes: Sizes, part: str = "train") -> list[dict[str, Any]]:
     """Every window of every file of `part` (the target's ``train`` files, the source model's ``source`` files) as
     a conversation, in a seeded order."""
-    rows = [conversation(f["path"], j, u, r) for f in read_files(corpus / f"{part}.jsonl")
+    rows = [conversation(f["path"], j, u, r) for f in read_jsonl(corpus / f"{part}.jsonl")
             for j, (u, r) in enumerate(windows(f["text"], sizes))]  # fmt: skip
     random.Random(seed).shuffle(rows)
     return rows
@@ -215,7 +211,7 @@ def train_conversations(corpus: Path, seed: int, sizes: Sizes, part: str = "trai
 
 def held_out_conversations(corpus: Path, sizes: Sizes) -> list[dict[str, Any]]:
     """The head of each held-out file and its continuation (prompts and the target's held-out loss)."""
-    return [conversation(f["path"], 0, u, r) for f in read_files(corpus / "held_out.jsonl")
+    return [conversation(f["path"], 0, u, r) for f in read_jsonl(corpus / "held_out.jsonl")
             for u, r in [next(windows(f["text"], sizes), ("", ""))] if u]  # fmt: skip
 
 
@@ -229,15 +225,6 @@ def tokenize(tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, Any]]) -> 
             continue
         out.append((sample.input_ids.tolist(), sample.loss_mask.tolist()))
     return out
-
-
-def llama_config(tokenizer: PreTrainedTokenizerFast, sizes: Sizes) -> LlamaConfig:
-    ids = tokenizer.convert_tokens_to_ids
-    return LlamaConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, num_hidden_layers=sizes.layers,
-                       num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
-                       intermediate_size=sizes.intermediate, max_position_embeddings=4096, tie_word_embeddings=False,
-                       bos_token_id=ids(BOS), eos_token_id=ids(IM_END), pad_token_id=ids(PAD),
-                       architectures=["LlamaForCausalLM"])  # fmt: skip
 
 
 def _blocks(tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, Any]], seq_len: int) -> torch.Tensor:
@@ -273,7 +260,12 @@ def train_target(
     seen, time, held-out loss)."""
     torch.manual_seed(seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    config = llama_config(tokenizer, sizes)
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlamaConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, num_hidden_layers=sizes.layers,
+                         num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
+                         intermediate_size=sizes.intermediate, max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=ids(BOS), eos_token_id=ids(IM_END), pad_token_id=ids(PAD),
+                         architectures=["LlamaForCausalLM"])  # fmt: skip
     model = LlamaForCausalLM(config).to(device)
     train = _blocks(tokenizer, train_conversations(corpus, seed, sizes, part), sizes.seq_len)
     held = tokenize(tokenizer, held_out_conversations(corpus, sizes))
@@ -309,7 +301,8 @@ def train_target(
     loss = held_out_loss(model, held, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model.to(dtype).save_pretrained(out)
-    write_weight_index(out)
+    if not (out / INDEX).exists():  # TRAIN.md: SpecForge's target head finds the LM head through the index
+        (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map(out)}))
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)  # fmt: skip
     tokenizer.save_pretrained(out)
@@ -321,15 +314,6 @@ def train_target(
              "held_out_loss": loss, "held_out_conversations": len(held), "sizes": asdict(sizes)}  # fmt: skip
     (out / "target_facts.json").write_text(json.dumps(facts, indent=1))
     return facts
-
-
-def write_weight_index(folder: Path) -> None:
-    """``model.safetensors.index.json`` for a folder of one ``model.safetensors`` (TRAIN.md: SpecForge's target
-    head finds the LM head through it); a sharded folder has its own."""
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.exists() and not index.exists():
-        with safe_open(str(single), "pt") as f:
-            index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(f.keys(), single.name)}))
 
 
 def source_responses(

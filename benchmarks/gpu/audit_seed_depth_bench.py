@@ -15,7 +15,6 @@ and the shards are read once more, raw, for the disk's own rate. The notes proje
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.common import chat_rows, log, write_jsonl
+from benchmarks.common import Stages, chat_rows, log, write_jsonl
 from benchmarks.report import git_commit
 from harness.processes import run_layertap
 
@@ -69,7 +68,7 @@ def build(args: argparse.Namespace) -> None:
     write_jsonl(args.work / "chats.jsonl", rows)
     size = sum(p.stat().st_size for p in shards(args.work / "folder"))
     layers = ModelFolder.read(folder).num_layers
-    save(args, "build", {"seconds": time.perf_counter() - started, "folder_bytes": size, "layers": layers})
+    Stages(args.work).save("build", {"seconds": time.perf_counter() - started, "folder_bytes": size, "layers": layers})
     log(f"folder built: {size / GB:.1f} GB in {time.perf_counter() - started:.0f} s")
 
 
@@ -83,7 +82,7 @@ def extract(args: argparse.Namespace) -> None:
     print(run.stdout[-2000:], run.stderr[-4000:])
     if run.returncode:
         raise SystemExit(f"extract failed ({run.returncode})")
-    save(args, "extract", {"seconds": time.perf_counter() - started})
+    Stages(args.work).save("extract", {"seconds": time.perf_counter() - started})
     log(f"store written in {time.perf_counter() - started:.0f} s")
 
 
@@ -105,19 +104,13 @@ def audit(args: argparse.Namespace) -> dict:
         "report": report.to_dict(), "markdown": report.markdown(), "host_peak": host_peak, "raw_read_rate": raw,
         "lengths": lengths, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }  # fmt: skip
-    save(args, "audit", result)
+    Stages(args.work).save("audit", result)
     return result
 
 
-def save(args: argparse.Namespace, stage: str, data: dict) -> None:
-    path = args.work / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps(results | {stage: data}, indent=1))
-
-
 def markdown(args: argparse.Namespace) -> str:
-    """The table and its projection, from the stages' facts (``WORK/results.json``)."""
-    results = json.loads((args.work / "results.json").read_text())
+    """The table and its projection, from the stages' facts (``WORK/STAGE.json``)."""
+    results = Stages(args.work)
     a, rep = results["audit"], results["audit"]["report"]
     seconds, tokens = rep["seconds"], rep["tokens"]
     folder_bytes = results["build"]["folder_bytes"]
@@ -186,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         if stage in stages:
             step(args)
     if "audit" in stages:
-        stages_run = json.loads((args.work / "results.json").read_text())
+        done = Stages(args.work)
         result = report.result("audit_seed_depth", markdown(args), parameters=vars(args),
-                               rows=[{"stage": stage, **facts} for stage, facts in stages_run.items()])  # fmt: skip
+                               rows=[{"stage": stage, **done[stage]} for stage in ("build", "extract", "audit")])  # fmt: skip
         print(report.write(args.out, result) if args.out else report.render(result))

@@ -1,11 +1,10 @@
-"""The SGLang capture measurements that capture_bench, fp8_bench and seed_scale_bench share: the model shapes,
-their servers (launched together, one per dump quantization), capture + commit runs into a store, and a volume's
-own write rate."""
+"""The SGLang capture measurements that capture_bench, fp8_bench, seed_scale_bench and int4_bench share: the model
+shapes, their servers (launched together, one per dump quantization), capture + commit runs into a store, and a
+volume's own write rate."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -19,11 +18,11 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python, wait_side_by_side
+from benchmarks.common import GPU_COMMON, log, plain_rate, prompts, sglang_python, wait_side_by_side, write_jsonl
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import Committed, ProgressEvents, Run
-from layertap.settings import RunSettings
+from layertap.pipeline import Committed, ProgressEvents, Run, RunReport
+from layertap.settings import COMMIT_THREADS, RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.tiny.build import build_tiny_model
 from sglang_patch.contract import FORMAT_FINAL
@@ -72,14 +71,47 @@ class CaptureRun:
 
 
 class CommitTimes(ProgressEvents):
-    """The run's events, adding up its commits' seconds (told in the run's thread)."""
+    """The run's events (told in the run's thread): its commits' seconds added up (the commit side's busy share),
+    and when each commit ended (``time.perf_counter``) with its tokens (a steady-state window's rate)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seconds = 0.0
+        self.finishes: list[tuple[float, int]] = []
 
     def committed(self, done: Committed) -> None:
         self.seconds += done.seconds
+        self.finishes.append((done.ended, done.sample.num_tokens))
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A capture run as `capture` hands it back, its store still open (the caller reads it, then closes it)."""
+
+    run: Run
+    report: RunReport
+    times: CommitTimes
+    started: float  # time.perf_counter() as its rows started
+    seconds: float  # its rows' wall time
+
+
+def capture(server: SGLangServer, spec: ExtractionSpec, out: Path, dump_root: Path, in_flight: int, *, job: str,
+            commit_threads: int = COMMIT_THREADS, finalize: bool = False, **engine: Any) -> Captured:  # fmt: skip
+    """Every row of ``spec`` captured through the running ``server`` (its dumps under ``dump_root``) and committed
+    into the store ``out`` (``engine``: more `SGLangEngine` options): the one capture call of capture_bench,
+    fp8_bench, seed_scale_bench and int4_bench. ``finalize``: the store marked complete, as `layertap extract`
+    leaves it for `layertap audit`."""
+    settings = RunSettings(resume_check="quick", commit_threads=commit_threads)
+    run = Run.create(spec, out, lambda cap, folder: SGLangEngine(server, cap, folder=folder, dump_root=dump_root,
+                     job=job, in_flight=in_flight, **engine), settings)  # fmt: skip
+    times = CommitTimes()
+    started = time.perf_counter()
+    report = run.rows(events=times)
+    seconds = time.perf_counter() - started
+    assert len(report.computed) == report.rows and report.failed == 0 and report.row_errors == 0, report
+    if finalize:
+        run.store.finalize(complete=True, target=run.plan.folder)
+    return Captured(run, report, times, started, seconds)
 
 
 def volume_rate(folder: Path, file_bytes: int, threads: int, total_bytes: int) -> float:
@@ -130,22 +162,16 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     under `root` too (a commit is a rename); the store is removed unless `keep` (then `CaptureRun.store`)."""
     tag = f"{bench.shape.arch}-{bench.quantize}-{in_flight}-{uuid.uuid4().hex[:6]}"
     repoint(bench.link, root / f"dumps-{bench.shape.arch}-{bench.quantize}")
-    data = work / f"data-{tag}.jsonl"
-    data.write_text("".join(json.dumps({"id": f"b{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
+    data = write_jsonl(work / f"data-{tag}.jsonl", [{"id": f"b{i}", "input_ids": ids} for i, ids in enumerate(batch)])
     spec = ExtractionSpec(model=bench.model, data=data, layers=bench.shape.layers, format=fmt,  # type: ignore[arg-type]
                           store_dtype=store_dtype)  # type: ignore[arg-type]  # fmt: skip
     writer: list[dict[str, float]] = []
     store_root = root / f"store-{tag}"
-    run = Run.create(spec, store_root, lambda cap, folder: SGLangEngine(
-        bench.server, cap, folder=folder, dump_root=bench.link, job=f"bench-{tag}", in_flight=in_flight,
-        on_writer=writer.append), RunSettings(resume_check="quick", commit_threads=commit_threads))  # fmt: skip
-    times = CommitTimes()
-    t0 = time.perf_counter()
-    report = run.rows(events=times)
-    dt = time.perf_counter() - t0
-    assert len(report.computed) == len(batch) and report.failed == 0, report
-    nbytes = sum(r.nbytes for r in run.store.records().values())
-    run.store.close()
+    done = capture(bench.server, spec, store_root, bench.link, in_flight, job=f"bench-{tag}",
+                   commit_threads=commit_threads, on_writer=writer.append)  # fmt: skip
+    dt = done.seconds
+    nbytes = sum(r.nbytes for r in done.run.store.records().values())
+    done.run.store.close()
     if not keep:
         shutil.rmtree(store_root)
     data.unlink()
@@ -158,9 +184,9 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
         values = [float(stats.get(key, 0.0)) for stats in writer] or [0.0]
         return max(values) - min(values)
 
-    return CaptureRun(tok_s=report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
+    return CaptureRun(tok_s=done.report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
                       writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
-                      commit_busy=times.seconds / (dt * commit_threads),
+                      commit_busy=done.times.seconds / (dt * commit_threads),
                       pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
                       pinned_alloc_s=spread("pinned_alloc_s"), store=store_root if keep else None)  # fmt: skip
 

@@ -38,10 +38,10 @@ import httpx
 import torch
 
 from benchmarks import common, report
-from benchmarks.common import GPU_COMMON, log, plain_rate, sglang_python, write_dataset
+from benchmarks.common import GPU_COMMON, log, plain_rate, write_dataset
 from harness.processes import Proc, run_layertap, wait_for
 from harness.services import RedisServer, Services
-from harness.sglang import cpu_server_args, cpu_server_env
+from harness.sglang import cpu_server_args
 from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.store.index import SampleRecord, read_json_lines, read_jsonl_dir
@@ -159,11 +159,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def worker(name: str) -> Proc:
             metrics_ports[name] = free_port()
-            env = {**(cpu_server_env() if smoke else {}),
-                   "LAYERTAP_ENGINE": "sglang", "LAYERTAP_DUMP_ROOT": str(args.root / f".dumps-{name}"),
-                   "LAYERTAP_SGLANG_PYTHON": str(sglang_python(smoke)), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
-                   "LAYERTAP_IN_FLIGHT": str(args.in_flight), "LAYERTAP_METRICS_PORT": str(metrics_ports[name]),
-                   "LAYERTAP_LEASE_TTL_S": "6", "LAYERTAP_RETRY_BACKOFF_S": "1", "LAYERTAP_COMMIT_THREADS": "8"}  # fmt: skip
+            env = common.worker_env(args.root / f".dumps-{name}", server_args, smoke, metrics_port=metrics_ports[name],
+                                    in_flight=args.in_flight, lease_ttl_s=6, retry_backoff_s=1, commit_threads=8)  # fmt: skip
             return services.worker(name, redis.url, wait=False, **env)
 
         workers = {name: worker(name) for name in ("w1", "w2")}

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import (
-    GPU_COMMON,
+    GPU_WARMED,
     KIMI_K2_WIDTH,
     chat_rows,
     folder_bytes,
@@ -33,21 +33,18 @@ from benchmarks.common import (
     sglang_python,
     write_jsonl,
 )
+from benchmarks.gpu.capture import capture
 from benchmarks.report import git_commit, table_lines
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store
-from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import Run
-from layertap.settings import RunSettings
+from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.spec import ExtractionSpec
 from layertap.tiny import build_tiny_model
 from layertap.verify import verify_store
 
 LAYERS = (1, 2, 3)  # after the dense layer, after MoE layers 1 and 2; + the post-norm final (specforge)
 SHAPES = {"mla-gpu": {"shape": "mla-gpu"}, "kimi-k2-width": KIMI_K2_WIDTH}
-# No --skip-server-warmup: SGLang's warm-up runs the first pass (and its kernel builds) before /health answers.
-GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
-    "--mem-fraction-static", "0.5", "--max-total-tokens", "200000", "--trust-remote-code"]  # fmt: skip
+GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.5", "--max-total-tokens", "200000", "--trust-remote-code")
 IN_FLIGHT = 16
 
 
@@ -55,21 +52,6 @@ def start(server: SGLangServer) -> float:
     t0 = time.perf_counter()
     server.start()
     return time.perf_counter() - t0
-
-
-def capture(server: SGLangServer, model: Path, data: Path, dumps: Path, out: Path) -> tuple[float, int, list]:
-    """Every row of ``data`` captured through ``server`` into a specforge store at ``out``: (seconds, tokens, ids)."""
-    spec = ExtractionSpec(model=model, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
-    run = Run.create(spec, out, lambda cap, folder: SGLangEngine(server, cap, folder=folder, dump_root=dumps, job="int4",
-                                                                  in_flight=IN_FLIGHT), RunSettings(resume_check="quick"))  # fmt: skip
-    t0 = time.perf_counter()
-    report = run.rows()
-    seconds = time.perf_counter() - t0
-    assert report.failed == 0 and report.row_errors == 0, report
-    run.store.finalize(complete=True, target=run.plan.folder)
-    ids = [run.store.format.load(out / r.file)["input_ids"].tolist() for r in run.store.records().values()]
-    run.store.close()
-    return seconds, report.tokens, ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(
         python=sglang_python(smoke), model=served,
         dump_root=dumps, layers=LAYERS, final="post", layout="specforge", log_path=args.out.with_suffix(".server.log"),
-        sglang_args=(*cpu_server_args("bfloat16", 128), "--trust-remote-code") if smoke else tuple(GPU_FLAGS),
+        sglang_args=(*cpu_server_args("bfloat16", 128), "--trust-remote-code") if smoke else GPU_FLAGS,
         env={"LAYERTAP_KERNEL_CACHE": str(cache),
              **(cpu_server_env() if smoke else {})},
         start_attempts=1,
@@ -108,7 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     cold = start(server)
     log(f"cold start: {cold:.0f} s; kernel cache {folder_bytes(cache) / 1e6:,.0f} MB")
     store = args.work / "store"
-    seconds, tokens, ids = capture(server, served, data, dumps, store)
+    spec = ExtractionSpec(model=served, data=data, layers=LAYERS, format="specforge", trust_remote_code=True)
+    done = capture(server, spec, store, dumps, IN_FLIGHT, job="int4", finalize=True)
+    seconds, tokens = done.seconds, done.report.tokens
+    ids = [done.run.store.format.load(store / r.file)["input_ids"].tolist() for r in done.run.store.records().values()]
+    done.run.store.close()
     log(f"captured {tokens:,} tokens in {seconds:.1f} s")
     with httpx.Client(timeout=600) as client:
         plain_rate(client, server.url, ids[:IN_FLIGHT], IN_FLIGHT)  # same warm state for both

@@ -33,7 +33,7 @@ import torch
 from benchmarks import common, report
 from harness.processes import layertap
 from harness.services import Coordinator, RedisServer, Services
-from harness.sglang import cpu_server_args, cpu_server_env
+from harness.sglang import cpu_server_args
 from layertap.engines.sglang import free_port
 from layertap.models.folder import ModelFolder
 from layertap.tiny import build_tiny_model
@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         env = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
         coordinator = services.coordinator(redis.url, args.root, token=secrets.token_hex(16))
         server_args = cpu_server_args("float32", 256) if smoke else GPU_SERVER_ARGS
-        worker_env = {"LAYERTAP_ENGINE": "sglang",
-                      "LAYERTAP_DUMP_ROOT": str(args.root / ".dumps"), "LAYERTAP_SGLANG_ARGS": " ".join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": str(common.sglang_python(smoke)), "LAYERTAP_IN_FLIGHT": "16",
-                      "LAYERTAP_METRICS_PORT": str(free_port()), **(cpu_server_env() if smoke else {}),
-                      **({"LAYERTAP_KERNEL_CACHE": str(cache)} if args.kernel_cache_tgz else {})}  # fmt: skip
+        worker_env = common.worker_env(args.root / ".dumps", server_args, smoke, metrics_port=free_port(), in_flight=16,
+                                       **({"kernel_cache": cache} if args.kernel_cache_tgz else {}))  # fmt: skip
         worker = services.worker("gpu-worker", redis.url, wait=False, **worker_env)
 
         # -- the job, followed while it runs ------------------------------------------------------------------

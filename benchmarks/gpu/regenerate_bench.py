@@ -246,20 +246,15 @@ def generation_args(args: argparse.Namespace) -> list[str]:
             "--layers", LAYERS, "--trust-remote-code"]  # fmt: skip
 
 
-def extract_cmd(args: argparse.Namespace, model: Path, data: Path, out: Path, dumps: Path, server_args: list[str]
-                ) -> list[str]:  # fmt: skip
-    """``layertap extract --regenerate all`` launching its own server (its log beside ``dumps``)."""
-    return [*LAYERTAP, "extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
-            *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
-            "--sglang-python", str(common.sglang_python(args.smoke)),
-            "--sglang-args", shlex.join(server_args), "--dump-root", str(dumps)]  # fmt: skip
-
-
 def stage_cli(args: argparse.Namespace, model: Path, data: Path, env: dict[str, str], server_args: list[str]) -> dict:
     out = args.root / "cli-store"
     shutil.rmtree(out, ignore_errors=True)
     logs = args.work / "logs"
-    cmd = extract_cmd(args, model, data, out, args.root / "cli" / "dumps", server_args)
+    # `layertap extract --regenerate all` launching its own server (its log beside its dump root)
+    cmd = [*LAYERTAP, "extract", "--engine", "sglang", "--model", str(model), "--data", str(data), "--out", str(out),
+           *generation_args(args), "--generation-in-flight", str(args.generation_in_flight),
+           "--sglang-python", str(common.sglang_python(args.smoke)),
+           "--sglang-args", shlex.join(server_args), "--dump-root", str(args.root / "cli" / "dumps")]  # fmt: skip
     common.log("layertap extract --regenerate all ...")
     profile = logs / "extract.py-spy.txt" if args.profile else None
     code, wall = run(cmd, env, logs / "extract.log", 3000, profile=profile)
@@ -321,11 +316,8 @@ def stage_job(args: argparse.Namespace, model: Path, data: Path, env: dict[str, 
         senv = services.process_env({"LAYERTAP_REDIS_URL": redis.url})
         coordinator = services.coordinator(redis.url, args.root / "jobs", token=secrets.token_hex(16))
         metrics_port = free_port()
-        worker_env = {"LAYERTAP_ENGINE": "sglang",
-                      "LAYERTAP_DUMP_ROOT": str(args.root / "job-dumps"), "LAYERTAP_SGLANG_ARGS": shlex.join(server_args),
-                      "LAYERTAP_SGLANG_PYTHON": str(common.sglang_python(args.smoke)),
-                      "LAYERTAP_GENERATION_IN_FLIGHT": str(args.generation_in_flight),
-                      "LAYERTAP_METRICS_PORT": str(metrics_port)}  # fmt: skip
+        worker_env = common.worker_env(args.root / "job-dumps", server_args, args.smoke, metrics_port=metrics_port,
+                                       generation_in_flight=args.generation_in_flight)  # fmt: skip
         services.worker("gpu-worker", redis.url, wait=False, **worker_env)
         submit_env = {**senv, "LAYERTAP_API_URL": coordinator.url, "LAYERTAP_API_TOKEN": coordinator.token,
                       "COLUMNS": "200"}  # fmt: skip

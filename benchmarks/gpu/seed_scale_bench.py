@@ -19,25 +19,21 @@ On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import torch
 
-from benchmarks import report
+from benchmarks import common, report
 from benchmarks.common import GPU_COMMON, KIMI_K2_ONE_GROUP, fresh, log, prompts, sglang_python, wait_side_by_side
+from benchmarks.gpu.capture import capture as shared_capture
 from benchmarks.gpu.capture import repoint, volume_rate
 from harness.sglang import cpu_server_args, cpu_server_env
-from layertap.engines.sglang import ServerConfig, SGLangEngine, SGLangServer
-from layertap.pipeline import Committed, ProgressEvents, Run
-from layertap.settings import RunSettings
+from layertap.engines.sglang import ServerConfig, SGLangServer
 from layertap.spec import ExtractionSpec
 from layertap.tiny import build_tiny_model
 
@@ -70,21 +66,12 @@ class Row:
     when: str
 
 
-class FinishTimes(ProgressEvents):
-    """The run's events, noting when each commit ended and its tokens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.finishes: list[tuple[float, int]] = []
-
-    def committed(self, done: Committed) -> None:
-        self.finishes.append((done.ended, done.sample.num_tokens))
-
-
-def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: float) -> tuple[float, float]:
+def steady_rate(finishes: list[tuple[float, int]], t0: float, in_flight: int) -> tuple[float, float]:
     """Tokens/s of the requests that finished inside [first finish, last moment every slot was busy]; and the
     share of the whole measurement that window covers."""
     finishes.sort()
+    # The last request is handed to a slot when len(finishes) - in_flight have finished.
+    queued_until = finishes[max(len(finishes) - in_flight, 0)][0]
     start = finishes[0][0]
     inside = [(t, n) for t, n in finishes if start < t <= queued_until]
     end = max((t for t, _ in inside), default=finishes[-1][0])
@@ -96,21 +83,9 @@ def steady_rate(finishes: list[tuple[float, int]], t0: float, queued_until: floa
 def plain(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int) -> tuple[float, float]:
     """Plain prefill of ``batch`` (rids outside the capture namespace) in a steady-state window."""
     finishes: list[tuple[float, int]] = []
-    started = [0]
-
-    def one(ids: list[int]) -> None:
-        started[0] += 1
-        body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": {"max_new_tokens": 0}}
-        reply = client.post(url + "/generate", json=body)
-        assert reply.status_code == 200, reply.text[:300]
-        finishes.append((time.perf_counter(), len(ids)))
-
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(in_flight) as pool:
-        list(pool.map(one, batch))
-    # The last request is handed to a thread when len(batch) - in_flight have finished.
-    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
-    return steady_rate(finishes, t0, queued_until)
+    common.plain_rate(client, url, batch, in_flight, finishes)
+    return steady_rate(finishes, t0, in_flight)
 
 
 def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: list[list[int]], in_flight: int,
@@ -118,24 +93,17 @@ def capture(server: SGLangServer, model: Path, link: Path, root: Path, batch: li
     """Capture + checks + commit of ``batch`` into a specforge store ``root/store-<tag>`` (the dumps under
     ``root`` too), removed afterwards unless ``keep``."""
     repoint(link, root / "dumps")
-    data = root / f"data-{tag}.jsonl"
-    data.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(batch)))
+    data = common.write_jsonl(
+        root / f"data-{tag}.jsonl", [{"id": f"r{i}", "input_ids": ids} for i, ids in enumerate(batch)]
+    )
     spec = ExtractionSpec(model=model, data=data, layers=layers, format="specforge", trust_remote_code=True)
-    run = Run.create(spec, root / f"store-{tag}", lambda cap, folder: SGLangEngine(
-        server, cap, folder=folder, dump_root=link, job=f"seed-{tag}", in_flight=in_flight, allow_dummy_weights=True),
-        RunSettings(resume_check="quick"))  # fmt: skip
-    times = FinishTimes()
-    t0 = time.perf_counter()
-    report = run.rows(events=times)
-    assert len(report.computed) == len(batch) and report.failed == 0, report
-    run.store.finalize(complete=True, target=run.plan.folder)
-    run.store.close()
+    done = shared_capture(server, spec, root / f"store-{tag}", link, in_flight, job=f"seed-{tag}", finalize=True,
+                          allow_dummy_weights=True)  # fmt: skip
+    done.run.store.close()
     if not keep:
         shutil.rmtree(root / f"store-{tag}")
     data.unlink()
-    finishes = times.finishes
-    queued_until = sorted(t for t, _ in finishes)[max(len(batch) - in_flight, 0)]
-    return steady_rate(finishes, t0, queued_until)
+    return steady_rate(done.times.finishes, done.started, in_flight)
 
 
 def projection(rows: list[Row]) -> list[str]:
@@ -146,38 +114,35 @@ def projection(rows: list[Row]) -> list[str]:
             best[row.what] = row
     out = ["", "## The seed's job (87.8M tokens) projected", "",
            f"Per-GPU rate (this table, TP=1, the same work per token as Kimi-K2.5) x GPUs x a TP=8 efficiency of "
-           f"{TP8_EFFICIENCY} (see the notes), against the seed's {SEED_HOURS} h at 2,600 tok/s.", "",
-           "| capture on | setting | per-GPU tok/s | 1 node (8 GPUs) tok/s | hours | 4 nodes tok/s | hours | "
-           "vs seed (1 node) |", "|---" * 8 + "|"]  # fmt: skip
+           f"{TP8_EFFICIENCY} (see the notes), against the seed's {SEED_HOURS} h at 2,600 tok/s.", ""]  # fmt: skip
+    head = ("capture on", "setting", "per-GPU tok/s", "1 node (8 GPUs) tok/s", "hours", "4 nodes tok/s", "hours",
+            "vs seed (1 node)")  # fmt: skip
+    table = []
     for what, row in best.items():
         node = row.tok_s * 8 * TP8_EFFICIENCY
-        out.append(f"| {what} | {row.setting} | {row.tok_s:,.0f} | {node:,.0f} | {SEED_TOKENS / node / 3600:.2f} | "
-                   f"{4 * node:,.0f} | {SEED_TOKENS / node / 4 / 3600:.2f} | "
-                   f"{SEED_HOURS / (SEED_TOKENS / node / 3600):.1f}x faster |")  # fmt: skip
-    return out
+        table.append((what, row.setting, f"{row.tok_s:,.0f}", f"{node:,.0f}", f"{SEED_TOKENS / node / 3600:.2f}",
+                      f"{4 * node:,.0f}", f"{SEED_TOKENS / node / 4 / 3600:.2f}",
+                      f"{SEED_HOURS / (SEED_TOKENS / node / 3600):.1f}x faster"))  # fmt: skip
+    return out + report.table_lines(head, table)
 
 
 def render(rows: list[Row], checks: list[Check], header: list[str]) -> str:
-    lines = [*header, "| setting | what | in flight | tok/s | steady window / whole run | tokens | measured |",
-             "|---" * 7 + "|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r.setting} | {r.what} | {r.in_flight} | {r.tok_s:,.0f} | {r.window_share:.2f} | "
-                     f"{r.tokens:,} | {r.when} |")  # fmt: skip
+    lines = [*header, *report.table_lines(
+        ("setting", "what", "in flight", "tok/s", "steady window / whole run", "tokens", "measured"),
+        [(r.setting, r.what, r.in_flight, f"{r.tok_s:,.0f}", f"{r.window_share:.2f}", f"{r.tokens:,}", r.when)
+         for r in rows])]  # fmt: skip
     by_setting: dict[str, dict[str, float]] = {}
     for r in rows:
         by_setting.setdefault(r.setting, {})[r.what] = r.tok_s
-    lines += ["", "| setting | tmpfs capture / plain | disk capture / plain |", "|---|---|---|"]
-    for name, rates in by_setting.items():
-        if "plain" in rates:
-            ratio = {w: f"{rates[w] / rates['plain']:.2f}" if w in rates else "-" for w in ("tmpfs", "disk")}
-            lines.append(f"| {name} | {ratio['tmpfs']} | {ratio['disk']} |")
+    ratios = [(name, *(f"{rates[w] / rates['plain']:.2f}" if w in rates else "-" for w in ("tmpfs", "disk")))
+              for name, rates in by_setting.items() if "plain" in rates]  # fmt: skip
+    lines += ["", *report.table_lines(("setting", "tmpfs capture / plain", "disk capture / plain"), ratios)]
     lines += ["", "## Which settings keep captures right", "",
               "Each setting's captures of the same rows at Kimi-K2 width, 4 layers (random weights HF can run), audited "
               "by `layertap audit` against HF float32 (every stored state, the bf16 noise floor, routing near-ties).", "",
-              "| setting | audit | samples | tokens | measured |", "|---|---|---|---|---|"]  # fmt: skip
-    lines += [
-        f"| {c.setting} | {'PASS' if c.passed else 'FAIL'} | {c.samples} | {c.tokens:,} | {c.when} |" for c in checks
-    ]
+              *report.table_lines(("setting", "audit", "samples", "tokens", "measured"),
+                                  [(c.setting, "PASS" if c.passed else "FAIL", c.samples, f"{c.tokens:,}", c.when)
+                                   for c in checks])]  # fmt: skip
     for c in checks:
         lines += ["", f"### Audit of {c.setting}", "", c.table]
     return "\n".join([*lines, *projection(rows), ""])

@@ -34,9 +34,9 @@ from benchmarks.gpu.acceptance_bench import (
     CPU_ARGS,
     CPU_NO_SPECULATIVE,
     GPU_SERVE_ARGS,
+    KIMI,
     NO_DRAFTER,
     SMOKE_CONCURRENCY,
-    SPEC_FLAGS,
     PlainServer,
     measure_runs,
 )
@@ -71,7 +71,7 @@ def serve(work: Path, name: str, target: Path, drafter: Path, smoke: bool, promp
     """One server (random weights), warmed by one request, measured at each concurrency, stopped."""
     args = [*(CPU_ARGS if smoke else (*GPU_SERVE_ARGS, "--mem-fraction-static", "0.80")), "--load-format", "dummy"]
     if name == DRAFTER:
-        args += [*SPEC_FLAGS, "--speculative-draft-model-path", str(drafter), "--speculative-draft-load-format",
+        args += [*KIMI.flags(), "--speculative-draft-model-path", str(drafter), "--speculative-draft-load-format",
                  "dummy"]  # fmt: skip
     config = PlainServer(python=sglang_python(smoke), model=target, dump_root=work, layers=(), final="post",
                          log_path=work / f"{name.replace(' ', '-')}.log", sglang_args=tuple(args),

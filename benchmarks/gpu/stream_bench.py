@@ -25,7 +25,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -36,13 +35,15 @@ from safetensors.torch import load_file
 
 from benchmarks import report
 from benchmarks.common import (
-    GPU_COMMON,
+    GPU_WARMED,
     KIMI_K2_WIDTH,
     chat_rows,
     folder_bytes,
+    fresh,
     log,
     plain_rate,
     sglang_python,
+    unpack_kernel_cache,
     write_jsonl,
 )
 from harness.mooncake import MooncakeMaster
@@ -59,9 +60,8 @@ from layertap.tiny import build_tiny_model
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
 ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk", "file-disk", "stream-disk")  # only: --stream-only
-GPU_FLAGS = [a for a in GPU_COMMON if a != "--skip-server-warmup"] + [
-    "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests", "64",
-    "--trust-remote-code"]  # fmt: skip
+GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
+             "64", "--trust-remote-code")  # fmt: skip
 IN_FLIGHT = 16
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
@@ -115,9 +115,7 @@ class Part:
         self.args, self.smoke = args, args.smoke
         work, tmpfs = args.work, args.tmpfs
         self.dirs = {"disk": work / "stores", "tmpfs": tmpfs / "stores"}
-        for folder in (work, tmpfs):
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
+        fresh(work, tmpfs)
         self.logs = args.out.parent / f"{args.out.name}-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         shape = {} if self.smoke else {**KIMI_K2_WIDTH, "num_hidden_layers": args.layers_deep}
@@ -130,8 +128,7 @@ class Part:
         self.warm_data = write_jsonl(work / "warm.jsonl", chat_rows(IN_FLIGHT, random.Random(1), max_words=400))
         self.cache = work / "kernel-cache"
         if args.kernel_cache_tgz:
-            with tarfile.open(args.kernel_cache_tgz) as tgz:
-                tgz.extractall(self.cache, filter="data")
+            unpack_kernel_cache([args.kernel_cache_tgz], self.cache)
         self.dumps = tmpfs / "dumps"
         for service in ("redis", "mooncake"):
             (work / service).mkdir()
@@ -157,7 +154,7 @@ class Part:
         return ServerConfig(
             python=sglang_python(self.smoke), model=self.model, dump_root=self.dumps, layers=LAYERS,
             final=capture.final_kind, layout=dump_layout(FORMAT, capture), log_path=self.logs / "server.log",
-            sglang_args=(*cpu_server_args("bfloat16", 256), "--trust-remote-code") if self.smoke else tuple(GPU_FLAGS),
+            sglang_args=(*cpu_server_args("bfloat16", 256), "--trust-remote-code") if self.smoke else GPU_FLAGS,
             env={"LAYERTAP_KERNEL_CACHE": str(self.cache), **(cpu_server_env() if self.smoke else {})},
             start_attempts=1,
         )  # fmt: skip

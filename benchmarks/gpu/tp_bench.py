@@ -44,7 +44,7 @@ import httpx
 import torch
 
 from benchmarks import report
-from benchmarks.common import KIMI_K2_ONE_GROUP, log, plain_rate, read_jsonl, sglang_python, write_jsonl
+from benchmarks.common import KIMI_K2_ONE_GROUP, Stages, log, plain_rate, read_jsonl, sglang_python, write_jsonl
 from harness.processes import run_layertap
 from harness.sglang import cpu_server_args, cpu_server_env
 from layertap.audit import audit_store  # the audit's reference and judging, one implementation
@@ -70,25 +70,15 @@ CONFIGS = {"tp1": (1, (), "0"), "tp2": (2, (), "0,1"), "tp2-fused": (2, ("--allr
 
 class TpRun:
     """The run's stages, each one's facts saved as it ends (``<work>/results/<stage>.json``, copied to
-    ``<out>/tp_stages/`` so that they come back from the device) and skipped by a later call."""
+    ``<out>/tp_stages/`` so that they come back from the device: `Stages`) and skipped by a later call."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.work, self.out = args, args.work, args.out
-        self.results = self.work / "results"
-        self.results.mkdir(parents=True, exist_ok=True)
-        (self.out / "tp_stages").mkdir(parents=True, exist_ok=True)
+        self.stages = Stages(self.work / "results", self.out / "tp_stages")
         self.model = self.work / "model"
         self.t0 = time.time()
         self.cpu = args.smoke
         self.device = "cpu" if self.cpu else "cuda"
-
-    def done(self, stage: str) -> dict | None:
-        path = self.results / f"{stage}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def save(self, stage: str, result: dict) -> None:
-        (self.results / f"{stage}.json").write_text(json.dumps(result, indent=1))
-        shutil.copy(self.results / f"{stage}.json", self.out / "tp_stages" / f"{stage}.json")
 
     # -- build ------------------------------------------------------------------------------------
 
@@ -206,7 +196,7 @@ class TpRun:
         for stage, result in results.items():
             log_text = (self.out / f"server-{stage}.log").read_text(errors="replace")
             result.setdefault("partial_sum_warnings", log_text.count("capturing per-rank partial sums"))
-            self.save(stage, result)
+            self.stages.save(stage, result)
         if "error" in results.get("tp1", {}):
             raise RuntimeError(f"tp1 failed: {results['tp1']['error']}")
 
@@ -234,7 +224,7 @@ class TpRun:
     def ref(self) -> dict:
         """Every server config's equality store audited in full (the report's dict and markdown table), and
         TP=2's states against TP=1's: per state, the per-token relative error's median, p99 and max."""
-        runs = {s: r for s in CONFIGS if (r := self.done(s)) and "error" not in r}
+        runs = {s: r for s in CONFIGS if (r := self.stages.get(s)) and "error" not in r}
         remote = "--trust-remote-code" in self.args.cli_flags.split()
         out: dict = {"audits": {}, "vs_tp1": {}}
         for stage, r in runs.items():
@@ -254,9 +244,9 @@ class TpRun:
     # -- report -----------------------------------------------------------------------------------
 
     def report(self) -> list[str]:
-        runs = {s: r for s in CONFIGS if (r := self.done(s)) and "error" not in r}
-        failed = {s: r["error"] for s in CONFIGS if (r := self.done(s)) and "error" in r}
-        ref, build = self.done("ref"), self.done("build")
+        runs = {s: r for s in CONFIGS if (r := self.stages.get(s)) and "error" not in r}
+        failed = {s: r["error"] for s in CONFIGS if (r := self.stages.get(s)) and "error" in r}
+        ref, build = self.stages.get("ref"), self.stages["build"]
         lines = ["# Kimi-K2-width capture at TP=1 and TP=2 (sglang 0.5.14, bf16)", "",
                  f"Model: `{self.args.arch}` folder built by `layertap tiny-model` at {build['shape'] or 'the tiny shape'}, "
                  f"bf16 weights, random (seed 0), built in {build['build_s']:.0f} s. Capture indices {list(LAYERS)} + "
@@ -331,14 +321,14 @@ def main(argv: list[str] | None = None) -> None:
     bench = TpRun(args)
     stages = args.stages.split(",")
     for stage in ("build", *[s for s in CONFIGS if s in stages], "ref"):
-        if stage not in stages or bench.done(stage) is not None:
+        if stage not in stages or bench.stages.get(stage) is not None:
             continue
         log(f"{stage}: start")
         if stage in CONFIGS:
-            bench.serve_all([s for s in CONFIGS if s in stages and bench.done(s) is None])
+            bench.serve_all([s for s in CONFIGS if s in stages and bench.stages.get(s) is None])
         else:
-            bench.save(stage, getattr(bench, stage)())
+            bench.stages.save(stage, getattr(bench, stage)())
         log(f"{stage}: end")
-    done = [{"stage": stage, **facts} for stage in ("build", *CONFIGS, "ref") if (facts := bench.done(stage))]
+    done = [{"stage": stage, **facts} for stage in ("build", *CONFIGS, "ref") if (facts := bench.stages.get(stage))]
     result = report.result("tp", "\n".join(bench.report()) + "\n", parameters=vars(args), rows=done)
     print(report.write(args.out / "gpu_tp2", result))
