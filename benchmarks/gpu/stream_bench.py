@@ -231,9 +231,9 @@ class Part:
         with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
             plain = plain_rate(client, self.server.url, self.prompts, IN_FLIGHT) if self.prompts else None
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-        return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu, "folder_bytes": folder_bytes(self.int4),
-                "build_s": self.build_s, "start_s": self.start_s, "arms_s": arms_s, "plain_tok_s": plain,
-                "rows": rows}  # fmt: skip
+        return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu,
+                "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
+                "arms_s": arms_s, "plain_tok_s": plain, "rows": rows}  # fmt: skip
 
 
 def write_bytes(pid: int) -> int:

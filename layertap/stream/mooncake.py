@@ -62,8 +62,8 @@ def sample_manifest(handle: str, tensors: dict[str, torch.Tensor], record: Sampl
 class PinnedPuts:
     """A Mooncake client whose puts (``put_from``, ``put_parts``) hard-pin the object (never evicted before its
     consumer removes it) in this process's own segment; everything else is the client's own. hs-connectors'
-    ``put_sample`` calls ``put_from`` with Mooncake's default replica config, which an eviction may take under memory pressure and which
-    places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
+    ``put_sample`` calls ``put_from`` with Mooncake's default replica config, which an eviction may take under memory
+    pressure and which places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
     producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
     def __init__(self, client: Any) -> None:
@@ -98,13 +98,12 @@ def put_packed(store: MooncakeHiddenStatesStore, manifest: dict[str, Any], tenso
     end = 0
     for name, spec in sorted(manifest["tensors"].items(), key=lambda item: item[1]["offset"]):
         tensor = tensors[name].contiguous()
-        if tensor.numel() * tensor.element_size() != spec["nbytes"]:
+        if tensor.nbytes != spec["nbytes"]:
             raise StreamError(f"{name} of {manifest['handle']} is not the {spec['nbytes']} bytes its manifest says")
         parts += [_GAP[: spec["offset"] - end], tensor]
         end = spec["offset"] + spec["nbytes"]
-    parts = [t for t in [*parts, _GAP[: manifest["metadata"]["total_aligned_bytes"] - end]] if t.numel()]
-    status = store._store.put_parts(manifest["handle"], [t.data_ptr() for t in parts],
-                                    [t.numel() * t.element_size() for t in parts])  # fmt: skip
+    parts = [t for t in [*parts, _GAP[: manifest["metadata"]["total_aligned_bytes"] - end]] if t.nbytes]
+    status = store._store.put_parts(manifest["handle"], [t.data_ptr() for t in parts], [t.nbytes for t in parts])
     if status != 0:
         raise RuntimeError(f"Mooncake put of {manifest['handle']} returned {status}")
 
