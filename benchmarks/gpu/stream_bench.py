@@ -183,6 +183,7 @@ class Part:
             raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
+                "rows_s": run["rows_seconds"], "finish_s": run["finish_seconds"],
                 "bytes": sum(p.stat().st_size for p in out.glob("samples/*.safetensors")), "folder_bytes": folder_bytes(out),
                 "written_bytes": written}  # fmt: skip
 
@@ -269,6 +270,8 @@ def part_lines(part: dict) -> list[str]:
     table = [(arm, f"{samples_s[arm]:,.1f}", f"{bytes_s[arm] / 1e9:,.2f}",
               f"{samples_s[arm] / base:.2f}" if base else "", f"{folder[arm] / 1e6:,.1f}", f"{written[arm] / 1e9:,.3f}",
               ", ".join(f"{r['seconds']:.1f}" for r in rows if r["arm"] == arm)) for arm in samples_s]  # fmt: skip
+    phases = [(f"{r['arm']} #{r['round']}", f"{r['seconds']:.1f}", f"{r['seconds'] - r['rows_s'] - r['finish_s']:.1f}",
+               f"{r['rows_s']:.1f}", f"{r['finish_s']:.1f}") for r in rows if "rows_s" in r]  # fmt: skip
     where = []
     for r in rows:
         if "consumer" not in r:
@@ -289,9 +292,14 @@ def part_lines(part: dict) -> list[str]:
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
                              "run seconds, each round"), table), "",
         *headline(part), "",
-        "Where a stream run's time went (seconds; the producer's puts, in the sink's own thread: each sample's tensors "
-        f"as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound of {UNACKED} unacked samples; the consumer's receive = hs-connectors' get over TCP, then the copy onto the "
-        "GPU, then the ack and the object's removal):", "",
+        *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the "
+           "store opened; rows = reading, tokenizing, capturing and committing the rows; finish = the store finalized "
+           "and, streaming, every sample acked):", "",
+           *report.table_lines(("run", "run s", "start s", "rows s", "finish s"), phases), ""] if phases else []),
+        "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
+        "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
+        f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
+        "onto the GPU, then the ack and the object's removal):", "",
         *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumer receive s", "receive GB/s",
                              "to GPU s", "ack s", "first to last delivery s"), where), "",
     ]  # fmt: skip
@@ -318,8 +326,8 @@ def headline(part: dict) -> list[str]:
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
         out.append(
             f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
-            f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (in its own thread, beside "
-            f"the captures) and its waits at the bound {held:.1f} s; the consumer received at {receive / 1e9:.2f} "
+            f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the commit "
+            f"threads, beside the captures) and its waits at the bound {held:.1f} s; the consumer received at {receive / 1e9:.2f} "
             f"GB/s. What bounds it: {bound}."
         )
     return out

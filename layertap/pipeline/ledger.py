@@ -168,6 +168,8 @@ class RunReport:
     failed: int = 0
     bad: FailureTally = field(default_factory=FailureTally)  # row_errors and failed, by cause
     seconds: float = 0.0
+    rows_seconds: float = 0.0  # of ``seconds``: the rows (read, plan, capture, commit); the rest starts the run
+    finish_seconds: float = 0.0  # of ``seconds``: the finish (the store finalized, the stream's samples acked)
     shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
     stopped: bool = False  # the run was told to stop before its rows were all handled
     engine: dict = field(default_factory=dict)

@@ -116,6 +116,7 @@ class Run:
         skipped; those their rows no longer give are retired (their rows done again); bad rows and samples that
         failed their attempts are recorded in the store's error log (and told to ``events``). Stops early when
         ``events.keep_going()`` turns False (``report.stopped``). Does not finalize."""
+        started = time.monotonic()
         plan, store, engine = self.plan, self.store, self.engine
         events = events or ProgressEvents()
         end = plan.dataset_rows if stop is None else min(stop, plan.dataset_rows)
@@ -137,6 +138,7 @@ class Run:
                 report.generation_seconds = regenerator.seconds
                 regenerator.close()
         report.stopped = not events.keep_going()
+        report.rows_seconds = time.monotonic() - started
         _warn_changes(report, ledger)
         return report
 
@@ -167,13 +169,14 @@ class Run:
         finalized and the target's samples delivered (a stream's acked), in that order where the run has files (its
         TRAIN.md there while trainers read), the other way round for a stream-only run (its record of what is done is
         the acks); the report saved with the run's seconds since ``started`` (`time.monotonic`)."""
+        finishing = time.monotonic()
         self.engine.close()
         if self.plan.target == "stream":
             self._delivered(report)
         self.store.finalize(complete=True, target=self.plan.folder)
         if self.plan.target != "stream":
             self._delivered(report)
-        report.seconds = time.monotonic() - started
+        report.seconds, report.finish_seconds = time.monotonic() - started, time.monotonic() - finishing
         report.save()
         return report
 

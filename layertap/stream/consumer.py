@@ -1,5 +1,6 @@
-"""The trainer's side of a stream: samples read through Redis consumer groups, each fetched with hs-connectors'
-own reader (``MooncakeTransfer``), checked, acked once per group and then removed from Mooncake Store.
+"""The trainer's side of a stream: samples read through Redis consumer groups, each fetched from Mooncake Store in
+hs-connectors' layout into a buffer of its own (`layertap.stream.mooncake.get_packed`; pinned in a process that uses
+its GPU), checked, acked once per group and then removed.
 
 Each group gets every sample (a trainers' group and a ``stream-verify`` beside it); within a group a sample is
 delivered to one consumer (``XREADGROUP``) and stays pending until that consumer acks it (`StreamConsumer.ack`).
@@ -38,7 +39,7 @@ from layertap.state.keys import Keys
 from layertap.store.formats import get_format
 from layertap.store.formats.base import CheckLevel
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import connect, disconnect
+from layertap.stream.mooncake import connect, disconnect, get_packed
 from layertap.stream.sink import redis_client
 from sglang_patch.contract import SampleLayout
 
@@ -50,7 +51,8 @@ ConsumerState = Literal["running", "paused", "ended"]
 class Delivery:
     """One sample as it arrived: its stream entry, hs-connectors' manifest and its tensors (``token_ids`` int64 [T],
     ``hidden_states`` [T, k+1, H], ``loss_mask`` uint8 [T]; an FP8 run's ``hidden_states_scales`` float32
-    [T, k+1, 1]), and what its checks found (`delivery_problems`; `StreamConsumer.receive` raises on any)."""
+    [T, k+1, 1]), views of one buffer the sample's object was read into, and what its checks found
+    (`delivery_problems`; `StreamConsumer.receive` dead-letters a sample with any)."""
 
     entry_id: str
     sample_id: str
@@ -127,6 +129,7 @@ class StreamConsumer:
         self.stream = self.keys.stream(name)
         scripts.STREAM_JOIN([self.stream, self.keys.stream_groups(name)], [group], client=self.redis)
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
+        self.pin = torch.cuda.is_initialized()  # a trainer's process on its GPU: samples read into pinned memory
 
     def receive(self) -> Delivery | None:
         """The next sample for this consumer (`poll`), its quick checks passed: one that fails them (not of its
@@ -162,7 +165,7 @@ class StreamConsumer:
         while True:
             manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
             try:
-                tensors = self.transfer.store.get_sample(manifest, timeout=self.fetch_timeout_s)
+                tensors = get_packed(self.transfer.store, manifest, timeout=self.fetch_timeout_s, pin=self.pin)
                 break
             except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into failed)
                 if (current := self._release(entry_id.decode(), sample_id, current)) is None:

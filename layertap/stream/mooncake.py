@@ -14,10 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import time
 from typing import Any
 
 import torch
-from hs_connectors.mooncake_store import VERSION, MooncakeHiddenStatesStore, MooncakeStoreConfig, packed_layout
+from hs_connectors.mooncake_store import (
+    VERSION,
+    MooncakeHiddenStatesStore,
+    MooncakeIntegrityError,
+    MooncakeStoreConfig,
+    packed_layout,
+)
 
 from layertap.errors import LayertapError
 from layertap.store.index import SampleRecord
@@ -106,6 +113,40 @@ def put_packed(store: MooncakeHiddenStatesStore, manifest: dict[str, Any], tenso
     status = store._store.put_parts(manifest["handle"], [t.data_ptr() for t in parts], [t.nbytes for t in parts])
     if status != 0:
         raise RuntimeError(f"Mooncake put of {manifest['handle']} returned {status}")
+
+
+def get_packed(
+    store: MooncakeHiddenStatesStore, manifest: dict[str, Any], *, timeout: float, pin: bool = False
+) -> dict[str, torch.Tensor]:
+    """A sample's tensors, as ``manifest`` packs them, read straight into one buffer of their own (pinned with
+    ``pin``, so a trainer's copy onto its GPU runs at full speed) and returned as views of it: no staging buffer and no
+    copy out of it, as hs-connectors' ``get_sample`` makes (with the fresh pages each copy faults in, the copy cost as
+    much as the read). TimeoutError when the object is not there within ``timeout`` seconds, MooncakeIntegrityError (a
+    RuntimeError) when it is not what the manifest says."""
+    handle, size = manifest["handle"], manifest["metadata"]["total_aligned_bytes"]
+    if manifest.get("version") != VERSION:
+        raise MooncakeIntegrityError(f"{handle}: manifest version {manifest.get('version')}, not {VERSION}")
+    deadline = time.monotonic() + timeout
+    while (found := store._store.get_size(handle)) < 0:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Mooncake Store has no object {handle}")
+        time.sleep(0.01)
+    if found != size:
+        raise MooncakeIntegrityError(f"{handle} holds {found} bytes, its manifest says {size}")
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if (got := store._store.get_into(handle, buffer.data_ptr(), size)) != size:
+        raise MooncakeIntegrityError(f"reading {handle} gave {got} of its {size} bytes")
+    return {name: _view(buffer, handle, name, spec) for name, spec in manifest["tensors"].items()}
+
+
+def _view(buffer: torch.Tensor, handle: str, name: str, spec: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, str(spec["dtype"]).removeprefix("torch."), None)
+    shape, offset, nbytes = tuple(spec["shape"]), int(spec["offset"]), int(spec["nbytes"])
+    if not isinstance(dtype, torch.dtype) or nbytes != torch.Size(shape).numel() * dtype.itemsize:
+        raise MooncakeIntegrityError(f"{handle}: {name} is {spec['dtype']} {shape}, not {nbytes} bytes")
+    if offset < 0 or offset + nbytes > buffer.numel():
+        raise MooncakeIntegrityError(f"{handle}: {name} lies past the object's end")
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> list[bool]:
