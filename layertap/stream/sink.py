@@ -49,6 +49,7 @@ from layertap.stream.mooncake import (
 
 log = logging.getLogger(__name__)
 LOST_CHECK_S = 1.0  # how often a waiting producer checks that its unacked objects are still there
+ACK_POLL_S = 0.1  # how often a put collects the acks when the bound is not reached (a Redis round trip each)
 RERUN = "Run the same command again to resume: it puts again every sample no consumer acked."
 
 
@@ -107,6 +108,7 @@ class MooncakeSink:
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, tuple[str, SampleRecord]] = {}  # sample id -> (handle, record), put and not acked
         self.putting = 0  # puts under way (counted in the bound; their objects not yet there)
+        self.collected = 0.0  # time.monotonic() when the acks were last collected
         self.lock = threading.Lock()  # ``unacked``, ``putting`` and the counts: the commit threads put side by side
         self.turn = threading.Lock()  # one commit thread at a time checks the bound (and waits at it)
         self.put_count = 0
@@ -153,7 +155,8 @@ class MooncakeSink:
         with self.turn:
             if self.broken is not None:
                 raise self.broken
-            self._collect_acks()
+            if time.monotonic() - self.collected > ACK_POLL_S or self._in_flight() >= self.max_unacked:
+                self._collect_acks()
             if self._in_flight() >= self.max_unacked and not self._hold():
                 return
             with self.lock:
@@ -272,6 +275,7 @@ class MooncakeSink:
 
     def _collect_acks(self) -> None:
         """The acks and dead letters of the samples put, collected (by the thread whose turn it is)."""
+        self.collected = time.monotonic()
         with self.lock:
             ids = list(self.unacked)
         if not ids:
