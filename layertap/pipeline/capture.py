@@ -10,7 +10,6 @@ fails is retried alone, a bounded number of times, so one poison sample never fa
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -25,11 +24,6 @@ from layertap.pipeline.targets import Target
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
 
 log = logging.getLogger(__name__)
-# How long a thread that wants the GIL back (a commit thread after a put, a write or a hash) waits for one that holds
-# it: CPython's default is 5 ms, and each of a commit's GIL-free calls then costs up to that much again beside the
-# capture thread. benchmarks/results/put.md: a 40 MB put beside a thread holding the GIL took 27 ms at 5 ms, 5 ms at
-# 0.2 ms (4.5 ms alone). Set while the capture runs, as it was afterwards.
-SWITCH_INTERVAL_S = 0.0002
 
 
 def admit(items: Iterator[Item], plan: RunPlan, ledger: Ledger) -> Iterator[Item]:
@@ -75,8 +69,6 @@ class Capture:
     def run(self, items: Iterator[Item]) -> None:
         """Capture and commit the samples of ``items`` (``todo`` items with their samples)."""
         samples = (item.sample for item in items if item.sample is not None)
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             while (failure := self._stream(samples)) is not None:
                 self.alone.extend(failure[0])  # suspects: captured again alone, not blamed yet
@@ -86,7 +78,6 @@ class Capture:
                     self._attempt_failed(sample, failure[1])
         finally:
             self.commits.shutdown(wait=True)
-            sys.setswitchinterval(switch_interval)
 
     def _stream(self, samples: Iterator[TokenizedSample]) -> tuple[list[TokenizedSample], str] | None:
         """Capture and commit until ``samples`` runs out (None) or the engine raises: (held samples, reason)."""
