@@ -65,7 +65,7 @@ def weight_bytes(folder: Path, depth: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-audit-memory"))
     ap.add_argument("--shape", default="mla-gpu")
@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the stores are made there too)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
-    ap.add_argument("--smoke", action="store_true", help="two tiny depths (the code path, not a measurement)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.depths, args.chats = "tiny", "6,8", 2

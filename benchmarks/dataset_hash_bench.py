@@ -9,7 +9,6 @@ table (and writes the result to ``--out`` when given).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -47,13 +46,12 @@ def timed(fn) -> tuple[float, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = report.parser(__doc__)
     ap.add_argument("--work", type=Path, required=True, help="a folder for the data and the tiny model")
     ap.add_argument("--out", type=Path, help="where to write the result (NAME.json and NAME.md)")
     ap.add_argument("--rows", type=int, default=37_000)
     ap.add_argument("--chars", type=int, default=9_500)
     ap.add_argument("--tokenize-rows", type=int, default=500)
-    ap.add_argument("--smoke", action="store_true", help="a small dataset (the code path, not a measurement)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.chars, args.tokenize_rows = 200, 600, 10

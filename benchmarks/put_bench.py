@@ -2,16 +2,14 @@
 staging buffer, then ``put_from``) against layertap's ``put_packed`` (the tensors as the object's parts, one call),
 each alone and beside a thread that holds the GIL as a capture's threads do.
 
-Why: on one H100 (gpu_stream.md, 2026-12-06) the producer's puts took 28 ms a 39 MB sample in the sink's own thread,
-against 8-9 ms for ``put_sample`` alone; a call that gives up the GIL waits up to Python's switch interval (5 ms) to
-take it back from a busy thread, and ``put_sample`` gives it up at each of its torch calls.
+Why: on one H100 (gpu_stream.md at b29c7d0) a producer's put took 28 ms a 39 MB sample, ``put_sample`` alone 8-9 ms;
+a call that gives up the GIL waits up to the 5 ms switch interval to take it back, at each of its torch calls.
 
     .venv/bin/python -m benchmarks put [--tokens 700 --hidden 7168 --puts 30] --out benchmarks/results/put.md
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import threading
 import time
@@ -48,12 +46,11 @@ def per_put(put: Callable[[str], None], puts: int, busy: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--tokens", type=int, default=700)
     ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2's width: 4 states a token (3 aux + final)")
     ap.add_argument("--puts", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.tokens, args.hidden, args.puts = 64, 256, 4

@@ -18,6 +18,7 @@ committed JSON and compares it with its ``.md`` byte for byte, so a table is nev
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import socket
@@ -33,6 +34,13 @@ from harness.processes import REPO_ROOT
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 Block = str | dict[str, list]
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring as the help, and the ``--smoke`` every benchmark has."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on this CPU: the code path, not a measurement")
+    return ap
 
 
 def table_lines(head: Sequence[object], rows: Sequence[Sequence[object]]) -> list[str]:

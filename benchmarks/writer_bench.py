@@ -316,7 +316,7 @@ def commit_table(args: argparse.Namespace, states: dict[str, torch.Tensor], rids
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = report.parser(__doc__)
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-writer-bench"))
     ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-writer-bench"))
     ap.add_argument("--hidden", type=int, default=4096)
@@ -325,7 +325,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--out", type=Path, help="where to write the result (NAME.json and NAME.md)")
     ap.add_argument("--tables", type=lambda s: {int(t) for t in s.split(",")}, default={1, 2, 3, 4, 5})
-    ap.add_argument("--smoke", action="store_true", help="small states, two threads (the code path, not a measurement)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden, args.tokens, args.samples, args.threads = 64, 32, 4, [1, 2]

@@ -47,7 +47,6 @@ of time is continued by the next (trained arms and measured servers are kept).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -876,11 +875,10 @@ def portable(text: str, run: Run, corpus_root: str) -> str:
 
 
 def parse(argv: list[str] | None = None) -> tuple[Run, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)}, or all (the default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-acceptance"))
     ap.add_argument("--seed", type=int, default=20261201)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, this machine's CPU SGLang and SpecForge")
     ap.add_argument("--probe", action="store_true", help="on the GPU at a tenth of the work (one call): not a result")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS), help="comma-separated arms to train / serve")
     ap.add_argument("--corpus-root", type=Path, default=None, help="default: this Python's site-packages")

@@ -161,14 +161,13 @@ def markdown(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-seed-audit"))
     ap.add_argument("--stage", default="build,extract,audit")
     ap.add_argument("--chats", type=int, default=110)
     ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--commit", default="")
-    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.chats, args.samples = 8, 6

@@ -22,7 +22,6 @@ On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import re
 import secrets
@@ -99,7 +98,7 @@ def store_by_worker(records: list[SampleRecord], index_dir: Path) -> dict[str, t
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_e2e_h200.md"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-e2e"), help="model, data, logs")
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-e2e"), help="output root and dumps")
@@ -110,7 +109,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--audit-samples", type=int, default=100)
     ap.add_argument("--kill-at", type=float, default=0.4, help="SIGKILL worker w1 at this share of samples")
     ap.add_argument("--deadline-s", type=float, default=480.0)
-    ap.add_argument("--smoke", action="store_true", help="tiny kimi-k2.5 on this machine's CPU SGLang")
     args = ap.parse_args(argv)
     smoke = args.smoke
     if smoke:

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks import report
 from benchmarks.common import GPU_COMMON, T0, log, plain_rate, prompts
 from benchmarks.gpu import capture
 from benchmarks.report import Measured, command_line, git_commit
@@ -179,7 +180,7 @@ def disk_rates(shapes: tuple[capture.Shape, ...], results: Fp8Results, args: arg
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, default=None, help="results markdown (default: benchmarks/results/gpu_fp8.md)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-fp8"), help="models, data (local disk)")
     ap.add_argument("--disk", type=Path, default=Path("/tmp/layertap-fp8/disk"), help="a folder on the local disk")
@@ -195,7 +196,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--archs", default="llama,kimi-k2", help="the widths to run, by arch: llama (Llama-8B width), "
                     "kimi-k2 (Kimi-K2 width); one per device call if time is short")  # fmt: skip
     ap.add_argument("--commit", default=None, help="the commit of the tree run (default: git rev-parse)")
-    ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU SGLang")
     args = ap.parse_args(argv)
     smoke = args.smoke
     args.out = args.out or (Path("/tmp/fp8_bench_smoke.md") if smoke else Path("benchmarks/results/gpu_fp8.md"))

@@ -13,7 +13,6 @@ CPU, 5 layers): every state's median error 0.86-0.90 x the HF bf16 floor's, no o
 
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import time
@@ -55,12 +54,11 @@ def start(server: SGLangServer) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-int4"))
     ap.add_argument("--shape", choices=tuple(SHAPES), default="mla-gpu")
     ap.add_argument("--chats", type=int, default=120)
-    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep --work's folders and kernel cache (a warm machine)")
     args = ap.parse_args(argv)
     smoke = args.smoke

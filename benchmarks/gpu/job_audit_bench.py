@@ -18,7 +18,6 @@ On the device: docs/performance.md ("Benchmarks on the device") has its recipe.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -72,7 +71,7 @@ def newest_report(out: Path, other_than: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_job_audit.md"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-job-audit"), help="model, data, logs, kernels")
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/layertap-job-audit"), help="output root and dumps")
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard-size", type=int, default=50)
     ap.add_argument("--audit-samples", type=int, default=40)
     ap.add_argument("--deadline-s", type=float, default=420.0, help="from POST /jobs to the audit's verdict")
-    ap.add_argument("--smoke", action="store_true", help="the tiny Kimi-K2.5 wrapper on this machine's CPU SGLang")
     args = ap.parse_args(argv)
     smoke = args.smoke
     if smoke:

@@ -429,7 +429,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--model", choices=("bf16", "int4"), default="bf16")
     ap.add_argument("--stage", default="plain,cli,job", help=f"comma-separated: {', '.join(STAGES)}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and the table")
@@ -448,7 +448,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--audit-samples", type=int, default=40)
     ap.add_argument("--profile", action="store_true", help="py-spy (on PATH) samples the cli stage's extract")
-    ap.add_argument("--smoke", action="store_true", help="the tiny float32 Kimi-K2.5 wrapper on the CPU SGLang")
     args = ap.parse_args(argv)
     stages = [s for s in args.stage.split(",") if s]
     assert set(stages) <= set(STAGES), stages

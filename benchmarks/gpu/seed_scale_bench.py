@@ -243,7 +243,7 @@ def correctness(settings: list[str], batch: list[list[int]], checks: list[Check]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--settings", default="triton-4096,flashinfer-8192", help=f"speed at 61 layers: {sorted(SETTINGS)}")
     ap.add_argument("--check", default="", help="settings whose captures to audit at Kimi-K2 width, 4 layers")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the table and rows")
@@ -253,7 +253,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-seed"))
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-seed"))
-    ap.add_argument("--smoke", action="store_true", help="4-layer tiny folders on this machine's CPU SGLang")
     args = ap.parse_args(argv)
     speed_settings = [s for s in args.settings.split(",") if s]
     check_settings = [s for s in args.check.split(",") if s]

@@ -17,7 +17,6 @@ the report into the work folder.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -110,9 +109,8 @@ def table(base: dict[str, Any], spec: dict[str, Any] | None) -> list[list[object
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-spec-overhead"))
-    ap.add_argument("--smoke", action="store_true", help="tiny shape, no drafter, this machine's CPU SGLang")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/gpu_spec_overhead.md "
                     "(smoke: WORK/spec_overhead.md)")  # fmt: skip
     args = ap.parse_args(argv)

@@ -320,9 +320,8 @@ def headline(part: dict) -> list[str]:
         put = statistics.median(r["put_s"] for r in streams)
         held = statistics.median(r["held_s"] for r in streams)
         receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
-        bound = ("the producer's puts (the consumer never held it)" if held < 0.1 * abs(extra) and put > 0.5 * extra
-                 else "the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9)
-                 else "not the stream: the capture itself")  # fmt: skip
+        bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
+                 "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
         out.append(
             f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
@@ -353,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["consume"]:
         return consume(argv[1], argv[2], argv[3], Path(argv[4]))
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, required=True, help="the result (NAME.json and NAME.md)")
     ap.add_argument("--report", type=Path, nargs="+", help="merge these parts' JSON into --out, run nothing")
     ap.add_argument("--note", default="", help="with --report: a closing paragraph (what was not run, and why)")
@@ -364,7 +363,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kernel-cache-tgz", type=Path, default=None, help="a node's kernel builds (section I)")
-    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.report:
         return write_report(args.report, args.out, args.note)

@@ -304,7 +304,7 @@ def equality_tables(ref: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpbench"))
     ap.add_argument("--stages", default="build,tp1,tp2,tp2-fused,ref,report")
@@ -316,7 +316,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server-flags", default="--trust-remote-code", help="extra SGLang flags for every server")
     ap.add_argument("--cli-flags", default="--trust-remote-code", help="extra `layertap extract` flags")
     ap.add_argument("--deadline-s", type=float, default=420, help="no throughput run starts after this many seconds")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU SGLang server, to debug the script")
     args = ap.parse_args(argv)
     bench = TpRun(args)
     stages = args.stages.split(",")

@@ -15,15 +15,15 @@ from tests.benchmarks.test_results import SCHEMA
 
 def test_the_runner_names_every_benchmark() -> None:
     names = benchmarks()
-    assert {"writer", "dump_read", "dataset_hash", "audit_memory", "capture", "e2e", "regenerate", "tp"} <= set(names)
+    assert {"writer", "put", "dataset_hash", "audit_memory", "e2e", "regenerate", "tp", "stream", "acceptance"} <= set(names)
     with pytest.raises(SystemExit) as said:
         main([])
     assert all(f"  {name} " in str(said.value) for name in names)
 
 
 def test_a_smoke_run_writes_its_json_and_the_table_rendered_from_it(tmp_path: Path) -> None:
-    main(["dump_read", "--smoke", "--root", str(tmp_path / "dumps"), "--out", str(tmp_path / "dump_read.md")])
-    result = json.loads((tmp_path / "dump_read.json").read_text())
-    assert set(result) == SCHEMA and result["benchmark"] == "dump_read" and result["source"] == "measured"
-    assert [row["threads"] for row in result["rows"]] == [1, 4, 8, 16]
-    assert render(result) == (tmp_path / "dump_read.md").read_text()
+    main(["put", "--smoke", "--out", str(tmp_path / "put.md")])
+    result = json.loads((tmp_path / "put.json").read_text())
+    assert set(result) == SCHEMA and result["benchmark"] == "put" and result["source"] == "measured"
+    assert [row[0] for row in result["rows"]] == ["hs-connectors put_sample", "layertap put_packed"]
+    assert render(result) == (tmp_path / "put.md").read_text()
