@@ -129,7 +129,6 @@ class StreamConsumer:
         self.stream = self.keys.stream(name)
         scripts.STREAM_JOIN([self.stream, self.keys.stream_groups(name)], [group], client=self.redis)
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
-        self.pin = torch.cuda.is_initialized()  # a trainer's process on its GPU: samples read into pinned memory
 
     def receive(self) -> Delivery | None:
         """The next sample for this consumer (`poll`), its quick checks passed: one that fails them (not of its
@@ -165,7 +164,9 @@ class StreamConsumer:
         while True:
             manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
             try:
-                tensors = get_packed(self.transfer.store, manifest, timeout=self.fetch_timeout_s, pin=self.pin)
+                tensors = get_packed(
+                    self.transfer.store, manifest, timeout=self.fetch_timeout_s, pin=torch.cuda.is_initialized()
+                )  # a trainer on its GPU: pinned
                 break
             except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into failed)
                 if (current := self._release(entry_id.decode(), sample_id, current)) is None:

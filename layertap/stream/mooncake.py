@@ -175,13 +175,23 @@ def check_master(address: str) -> None:
 def connect(address: str, *, segment_bytes: int, pin: bool = False) -> MooncakeHiddenStatesStore:
     """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
-    producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`)."""
+    producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`).
+
+    The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
+    makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
+    connects, ~0.5 s and hundreds of MB of the GPU its server uses, which a TCP transport does not need."""
+    from mooncake.store import MooncakeDistributedStore
+
     check_master(address)
     host = address.rpartition(":")[0]
     local = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
     config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
                                  global_segment_size=segment_bytes, local_buffer_size=LOCAL_BUFFER_BYTES)  # fmt: skip
-    store = MooncakeHiddenStatesStore(config).setup()
-    if pin:
-        store._store = PinnedPuts(store._store)  # the one client the store keeps; its puts all go through put_from
+    client = MooncakeDistributedStore()
+    status = client.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
+                          config.local_buffer_size, config.protocol, config.device_name, config.master_server_address)  # fmt: skip
+    if status != 0:
+        raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
+    store = MooncakeHiddenStatesStore(config)
+    store._store = PinnedPuts(client) if pin else client  # the one client the store keeps
     return store
