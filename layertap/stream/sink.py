@@ -163,15 +163,26 @@ class MooncakeSink:
                 self.putting += 1
         t0 = time.perf_counter()
         manifest = sample_manifest(self.handle(record), tensors, record, self.run)
+        announced = False
+        try:
+            self._put(record, manifest, tensors, t0)
+            announced = True
+        finally:  # a put that failed (the run then stops) leaves the bound as it found it
+            with self.lock:
+                self.putting -= 1
+                if announced:
+                    self.unacked[record.sample_id] = (manifest["handle"], record)
+                    self.put_count += 1
+
+    def _put(self, record: SampleRecord, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], t0: float) -> None:
+        """The sample's object put, then its entry XADDed with the stream's counts (one MULTI)."""
         try:
             put_packed(self.store, manifest, tensors)
         except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
-            with self.lock:
-                self.putting -= 1
-                self.broken = StreamError(
-                    f"putting sample {record.sample_id} into Mooncake Store failed ({exc}): is the master at "
-                    f"{self.master} up, and does --mooncake-segment-mib hold --stream-unacked samples? {RERUN}"
-                )
+            self.broken = StreamError(
+                f"putting sample {record.sample_id} into Mooncake Store failed ({exc}): is the master at {self.master} "
+                f"up, and does --mooncake-segment-mib hold --stream-unacked samples? {RERUN}"
+            )
             raise self.broken from exc
         with self.redis.pipeline() as pipe:  # MULTI: the entry with what consumers end on and drop stale entries by
             pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
@@ -179,10 +190,6 @@ class MooncakeSink:
             pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
             pipe.hincrbyfloat(self.keys.stream_run(self.name), "put_s", time.perf_counter() - t0)  # where time goes
             pipe.execute()
-        with self.lock:
-            self.putting -= 1
-            self.unacked[record.sample_id] = (manifest["handle"], record)
-            self.put_count += 1
 
     def drain(self) -> None:
         """After the run's last sample: say so to the consumers, then wait until every sample put is acked (the
