@@ -176,7 +176,8 @@ class Run:
         self.store.finalize(complete=True, target=self.plan.folder)
         if self.plan.target != "stream":
             self._delivered(report)
-        report.seconds, report.finish_seconds = time.monotonic() - started, time.monotonic() - finishing
+        now = time.monotonic()
+        report.seconds, report.finish_seconds = now - started, now - finishing
         report.save()
         return report
 
