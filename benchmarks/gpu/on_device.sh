@@ -26,6 +26,12 @@ if [[ -d /tmp/debs/usr/lib/x86_64-linux-gnu ]]; then
   done
   export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# Bytecode, as a user's pip install leaves it: the image's packages and these wheels come without, so every process
+# compiled torch's, transformers' and layertap's sources at its start (py-spy on an H100, 2026-12-06: 5-7 s of each
+# `layertap extract`, varying run to run). Once per machine; a later call only checks the timestamps.
+sources() { python3 -c 'import importlib.util as u, sys; [print(u.find_spec(m).submodule_search_locations[0]) for m in sys.argv[1:] if u.find_spec(m)]' "$@"; }
+PYTHONPATH=/tmp/site python3 -m compileall -q -j 0 /tmp/site "$PWD"/{layertap,sglang_patch,harness,benchmarks} \
+  $(PYTHONPATH=/tmp/site sources torch sympy) >/dev/null || true
 shift 2
 [[ "${1:-}" == -- ]] || exit 0
 shift
