@@ -49,7 +49,8 @@ class Engine(ABC):
         return None
 
     def release(self, captured: CapturedSample) -> None:  # noqa: B027 - in-memory engines hold nothing
-        """The consumer is done with ``captured``: free what backs it (e.g. its dump files)."""
+        """The consumer is done with ``captured``: free what backs it (e.g. its dump files). Called from the thread
+        that committed it, several at once."""
 
     def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
         """Release the engine's resources (server process, model memory)."""

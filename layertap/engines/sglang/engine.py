@@ -140,10 +140,13 @@ class SGLangEngine(Engine):
 
     # -- one request ------------------------------------------------------------------------------
 
-    def _request(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
-        """Prefill one sample and read back its dump (and its rid), sent again while the server drops it
-        (`ServerSession.until_served`); SampleError if this attempt is unusable."""
-        return self.session.until_served(lambda: self._try(sample))
+    def _request(self, sample: TokenizedSample) -> tuple[list[CapturedSample], str]:
+        """Prefill one sample and read back its dump, sent again while the server drops it
+        (`ServerSession.until_served`): the capture in a list of one, which `capture` empties as it yields it (a
+        finished future keeps its result: the dump's mapping stays alive only where its consumer holds it), and the
+        rid; SampleError if this attempt is unusable."""
+        captured, rid = self.session.until_served(lambda: self._try(sample))
+        return [captured], rid
 
     def _try(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
         """One request for ``sample`` under a fresh rid; ServerDown when the server dropped it."""
@@ -245,13 +248,13 @@ class SGLangEngine(Engine):
                     for fut in done:
                         sample = pending.pop(fut)
                         try:
-                            captured, rid = fut.result()
+                            handed, rid = fut.result()
                         except SampleError as exc:
                             yield FailedCapture(sample, str(exc))
                             continue
                         self._sent.discard(rid)
                         self._yielded[sample.sample_id] = rid
-                        yield captured
+                        yield handed.pop()  # held by no name here: the consumer's reference is the last
             finally:
                 for fut in pending:
                     fut.cancel()

@@ -8,6 +8,9 @@ import itertools
 import json
 import math
 import random
+import threading
+import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +113,39 @@ def test_prefix_cache_hit_is_caught_and_never_stored(sglang_servers, tiny_llama,
     assert [e["sample_id"] for e in errors] == ["again"] and "prefix-cache hit" in errors[0]["reason"]
     assert set(OutputStore.open_existing(tmp_path / "out").records()) == {"first"}
     assert verify_store(tmp_path / "out").ok
+
+
+class _NotesWhereCapturesDie(SGLangEngine):
+    """The SGLang engine, noting the thread in which each capture's states die (its dump's mapping with them)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.died_in: list[str] = []
+
+    def _read_dump(self, rid: str, path: Path, sample: TokenizedSample, t1: float) -> tuple[CapturedSample, str]:
+        captured, rid = super()._read_dump(rid, path, sample, t1)
+        weakref.finalize(captured.aux, lambda: self.died_in.append(threading.current_thread().name))
+        return captured, rid
+
+
+def test_each_capture_dies_in_the_thread_that_committed_it(sglang_servers, tiny_llama, tmp_path):
+    """Neither the capture generator nor the thread driving it keeps a capture once it is handed to its commit: the
+    dump is unmapped (and, stream-only, its pages freed) by the commit thread, not by the thread that sends the next
+    requests."""
+    server = sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"])
+    rows = [{"id": s.sample_id, "input_ids": s.input_ids.tolist()} for s in _samples(tiny_llama, 40, seed=6)]
+    spec = ExtractionSpec(model=tiny_llama, data=_dataset(tmp_path / "d.jsonl", rows), layers=DEFAULT_LAYERS["llama"])
+    engines: list[_NotesWhereCapturesDie] = []
+
+    def engine(cap, folder):
+        engines.append(_NotesWhereCapturesDie(SGLangServer(url=server.url), cap, folder=folder,
+                                              dump_root=server.dump_root, job="where", in_flight=16))  # fmt: skip
+        return engines[0]
+
+    report = run_extraction(spec, tmp_path / "out", engine)
+    assert len(report.computed) == len(rows)
+    died_in = engines[0].died_in
+    assert len(died_in) == len(rows) and all(name.startswith("commit") for name in died_in), Counter(died_in)
 
 
 class _KillWhileWritersHoldDumps(SGLangEngine):
