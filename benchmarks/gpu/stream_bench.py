@@ -59,7 +59,7 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk", "file-disk", "stream-disk")  # only: --stream-only
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE (only: --stream-only): file-disk, only-tmpfs... too
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 IN_FLIGHT = 16
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/layertap-stream"), help="on local disk")
     ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/layertap-stream"))
     ap.add_argument("--layers-deep", type=int, default=4, help="decoder layers of the Kimi-K2-width INT4 folder")
-    ap.add_argument("--chats", type=int, default=240)
+    ap.add_argument("--chats", type=int, default=480)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kernel-cache-tgz", type=Path, default=None, help="a node's kernel builds (section I)")
