@@ -1,0 +1,33 @@
+"""py-spy attached to the processes a benchmark starts, for profiling on the device (docs/performance.md).
+
+Copy this file to ``/tmp/site/sitecustomize.py`` (on ``PYTHONPATH`` there), put py-spy's manylinux wheel in the call's
+bundle, and set ``LT_PROF`` to a folder: every ``layertap extract`` (named by its ``--out`` folder) and every stream
+bench consumer (``consume``, named by its stream) then records two profiles in raw (collapsed) form while it runs:
+``NAME-gil.txt`` (the thread holding the GIL) and ``NAME-busy.txt`` (each thread's non-idle samples, the thread first).
+py-spy samples without pausing the process (``--nonblocking``), yet the process runs slower: time nothing with it.
+"""
+
+import os
+import sys
+
+_argv = getattr(sys, "orig_argv", sys.argv)
+_out = os.environ.get("LT_PROF")
+if _out and (("layertap" in _argv and "extract" in _argv) or "consume" in _argv):
+    import contextlib
+    import ctypes
+    import shutil
+    import subprocess
+
+    with contextlib.suppress(OSError, AttributeError):  # Yama's scope 1 lets only ancestors attach: allow any
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
+    if "consume" in _argv:
+        _name = "consumer-" + _argv[_argv.index("consume") + 2]
+    else:
+        _name = os.path.basename(_argv[_argv.index("--out") + 1]) if "--out" in _argv else str(os.getpid())
+    for _mode, _flag in (("gil", "--gil"), ("busy", "--threads")):
+        with open(f"{_out}/{_name}-{_mode}.log", "w") as _log:  # py-spy's own messages (a refused attach)
+            subprocess.Popen(
+                [shutil.which("py-spy") or "/tmp/site/bin/py-spy", "record", "--pid", str(os.getpid()), "--rate",
+                 "200", "--nonblocking", "--format", "raw", "-o", f"{_out}/{_name}-{_mode}.txt", _flag],
+                stdout=subprocess.DEVNULL, stderr=_log,
+            )  # fmt: skip
