@@ -120,16 +120,19 @@ class Capture:
                 if isinstance(cap, FailedCapture):
                     self._attempt_failed(cap.sample, cap.reason)
                     continue
-                pending.append((self.commits.submit(self._commit, cap), cap.sample))
-                del cap  # its commit thread holds the last reference
+                sample, handed = cap.sample, [cap]
+                del cap  # the commit thread takes the capture out of ``handed``: its reference is the last
+                pending.append((self.commits.submit(self._commit, handed), sample))
                 while len(pending) > self.max_pending or (pending and pending[0][0].done()):
                     self._settle(*pending.popleft())
         finally:
             while pending:
                 self._settle(*pending.popleft())
 
-    def _commit(self, captured: CapturedSample) -> Committed:
-        """One capture into the target, timed, then released (in a commit thread)."""
+    def _commit(self, handed: list[CapturedSample]) -> Committed:
+        """The capture in ``handed`` (a list of one, emptied here: once this thread drops it, nothing holds it) into
+        the target, timed, then released (in a commit thread)."""
+        captured = handed.pop()
         t0 = time.perf_counter()
         try:
             record = self.target.commit(captured)
