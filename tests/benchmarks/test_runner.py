@@ -15,7 +15,8 @@ from tests.benchmarks.test_results import SCHEMA
 
 def test_the_runner_names_every_benchmark() -> None:
     names = benchmarks()
-    assert {"writer", "put", "dataset_hash", "audit_memory", "e2e", "regenerate", "tp", "stream"} <= set(names)
+    wanted = {"writer", "put", "dataset_hash", "audit_memory", "e2e", "regenerate", "tp", "stream", "acceptance"}
+    assert wanted <= set(names)
     with pytest.raises(SystemExit) as said:
         main([])
     assert all(f"  {name} " in str(said.value) for name in names)
