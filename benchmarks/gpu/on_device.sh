@@ -24,7 +24,7 @@ if [[ -d /tmp/debs/usr/lib/x86_64-linux-gnu ]]; then
   export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 # Bytecode, as a user's install has it: the image sets PYTHONDONTWRITEBYTECODE and the wheels come without, so each
-# process compiled torch's, transformers' and layertap's sources (5-7 s of each CLI start: py-spy on an H100, 12-06).
+# process compiled torch's, transformers' and layertap's sources at its start (what it cost: gpu_stream.md's note).
 PYTHONPATH=/tmp/site python3 -m compileall -q -j 0 /tmp/site "$PWD"/{layertap,sglang_patch,harness,benchmarks} $(python3 -c 'import importlib.util as u; print(*(s.submodule_search_locations[0] for s in map(u.find_spec, ("torch", "sympy")) if s))') >/dev/null || true
 shift 2
 [[ "${1:-}" == -- ]] || exit 0

@@ -59,7 +59,7 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE (only: --stream-only): file-disk, only-tmpfs... too
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE, only = --stream-only; --arms takes any such pair
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 IN_FLIGHT = 16

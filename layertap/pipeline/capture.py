@@ -5,10 +5,9 @@
 captures a stream of samples (several requests in flight); each capture is committed by a thread of
 ``commit_threads`` (check, hash, write or rename, put, fsync: they release the GIL) while the engine goes on. The
 commit thread owns its capture: it releases it (`Engine.release`) and drops its last reference, so a dump's mapping is
-unmapped and its pages freed there, not in the thread that drives the capture (on an H100 host that cost the driving
-thread ~2 ms a sample on the file path and ~5 ms on a stream-only one, which frees the dump's pages: py-spy,
-2026-12-06). A sample that fails is retried alone, a bounded number of times, so one poison sample never fails its
-batch-mates.
+unmapped and its pages freed there, not in the thread that drives the capture and sends the next requests (py-spy
+found that work there: gpu_stream.md's note). A sample that fails is retried alone, a bounded number of times, so one
+poison sample never fails its batch-mates.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ writes none). The commit threads put side by side, off the capture thread, so th
 while every commit thread is busy; a commit returns once its sample is put (its tensors may be views of the server's
 dump), and the run is held only while ``max_unacked`` samples wait for their acks (its memory flat; the stream's
 ``held`` hash says so: the views' ``held``). The bound and the acks are kept under one lock; the copies into the
-segment run outside it (with one put thread stream-only ran at 0.71 of files: gpu_stream.md's note). The objects
-live in this process's segment, so `drain` keeps it alive until every sample put is acked.
+segment run outside it, so the puts of several commit threads overlap. The objects live in this process's segment, so
+`drain` keeps it alive until every sample put is acked.
 
 A job's shard attempt is a producer of its own (``worker.runner``): it opens the sink on its rows, waits for its
 acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`).
