@@ -1,9 +1,9 @@
-"""A stream producer's put of one sample into Mooncake Store: hs-connectors' ``put_sample`` (each tensor copied into its
-staging buffer, then ``put_from``) against layertap's ``put_packed`` (the tensors as the object's parts, one call),
-each alone and beside a thread that holds the GIL as a capture's threads do.
+"""A stream producer's put of one sample into Mooncake Store (layertap's ``put_packed``) by where it lands: pages of
+the segment used before (each object removed after its put, so the next reuses its place), fresh pages (none
+removed: each put lands where nothing was), and fresh places of a segment whose pages the producer faulted in at
+connect (`layertap.stream.segment`); and how long that faulting in took.
 
-Why: on one H100 (gpu_stream.md at b29c7d0) a producer's put took 28 ms a 39 MB sample, ``put_sample`` alone 8-9 ms;
-a call that gives up the GIL waits up to the 5 ms switch interval to take it back, at each of its torch calls.
+Why: on one H100 (gpu_stream.md at 89724c9) a producer's put took 24-30 ms a 37 MB sample in the run, 4-7 ms alone.
 
     .venv/bin/python -m benchmarks put [--tokens 700 --hidden 7168 --puts 30] --out benchmarks/results/put.md
 """
@@ -17,32 +17,34 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
 
 from benchmarks import report
 from harness.mooncake import MooncakeMaster
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import connect, put_packed, sample_manifest
+from layertap.stream.mooncake import connect, disconnect, put_packed, sample_manifest
 
 
-def per_put(put: Callable[[str], None], puts: int, busy: bool) -> float:
-    """Seconds a put takes, alone or beside a thread that runs Python (holding the GIL) until the puts end."""
-    stop, spinner = threading.Event(), None
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    if busy:
-        spinner = threading.Thread(target=spin)
-        spinner.start()
+def per_put(store: MooncakeHiddenStatesStore, put: Callable[[str], None], puts: int, *, remove: bool) -> float:
+    """Seconds a put takes; with ``remove`` each object goes before the next put, else all of them after the last."""
+    handles = [f"bench-{remove}-{i}" for i in range(puts)]
     t0 = time.perf_counter()
-    for i in range(puts):
-        put(f"bench-{busy}-{i}")
+    for handle in handles:
+        put(handle)
+        if remove:
+            store._store.remove(handle, True)
     seconds = (time.perf_counter() - t0) / puts
-    stop.set()
-    if spinner is not None:
-        spinner.join()
+    for handle in handles if not remove else ():
+        store._store.remove(handle, True)
     return seconds
+
+
+def populated(store: MooncakeHiddenStatesStore) -> float:
+    """Seconds until the threads that fault the store's segment in are done."""
+    t0 = time.perf_counter()
+    while any(t.name.startswith("segment-prefault") for t in threading.enumerate()):
+        time.sleep(0.01)
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,32 +59,29 @@ def main(argv: list[str] | None = None) -> None:
     tensors = {"hidden_states": torch.randn(args.tokens, 4, args.hidden).to(torch.bfloat16),
                "token_ids": torch.arange(args.tokens), "loss_mask": torch.ones(args.tokens, dtype=torch.uint8)}  # fmt: skip
     record = SampleRecord("s", 0, args.tokens, "", 0, "", "", ((0, args.tokens),))
+    segment = 2 * args.puts * sum(t.nbytes for t in tensors.values()) + (64 << 20)  # fresh places for both arms
     with tempfile.TemporaryDirectory() as work:
         master = MooncakeMaster.ephemeral(Path(work))
-        store = connect(master.address, segment_bytes=1 << 30, pin=True)
         try:
+            stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
+            fill = populated(stores[1])
 
-            def put(how: Callable) -> Callable[[str], None]:
-                def one(handle: str) -> None:
-                    manifest = sample_manifest(handle, tensors, record, "bench")
-                    how(manifest)
-                    store._store.remove(handle)
+            def put(store: MooncakeHiddenStatesStore) -> Callable[[str], None]:
+                return lambda handle: put_packed(store, sample_manifest(handle, tensors, record, "bench"), tensors)
 
-                return one
-
-            ways = {"hs-connectors put_sample": put(lambda m: store.put_sample(m, tensors)),
-                    "layertap put_packed": put(lambda m: put_packed(store, m, tensors))}  # fmt: skip
-            for way in ways.values():
-                per_put(way, 3, busy=False)  # first-use costs
-            rows = [[name, *(per_put(way, args.puts, busy) for busy in (False, True))] for name, way in ways.items()]
+            per_put(stores[0], put(stores[0]), 3, remove=True)  # first-use costs
+            rows = [("pages used before", per_put(stores[0], put(stores[0]), args.puts, remove=True)),
+                    ("fresh pages", per_put(stores[0], put(stores[0]), args.puts, remove=False)),
+                    ("a faulted-in segment", per_put(stores[1], put(stores[1]), args.puts, remove=False))]  # fmt: skip
         finally:
-            store._store.close()
+            for store in stores:
+                disconnect(store)
             master.stop()
     nbytes = sum(t.nbytes for t in tensors.values())
     lines = [f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts "
-             "each way; ms a put (Mooncake over TCP, one master and producer on this machine).", "",
-             *report.table_lines(("put", "alone ms", "beside a GIL-holding thread ms"),
-                                 [(n, f"{a * 1e3:.1f}", f"{b * 1e3:.1f}") for n, a, b in rows])]  # fmt: skip
+             "each way (Mooncake over TCP, one master and producer on this machine); the faulted-in segment "
+             f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in.", "",
+             *report.table_lines(("the put lands in", "ms a put"), [(n, f"{t * 1e3:.1f}") for n, t in rows])]
     report.write(args.out, report.result("put", "\n".join(lines), parameters=vars(args), rows=rows))
     print("\n".join(lines))
 

@@ -5,6 +5,7 @@ Each sample is one packed object in the layout of vLLM speculators' hs-connector
 
 - ``mooncake.py``: the Mooncake Store client (a master refused in one line, puts hard-pinned), the manifest
   (hs-connectors' ``packed_layout``) with layertap's identity in its metadata;
+- ``segment.py``: the producer's segment, its pages faulted in by threads of their own before the puts need them;
 - ``sink.py``: the producer, `MooncakeSink`: a committed sample put and XADDed, held at a bound of unacked samples,
   its segment kept alive until every sample it put is acked;
 - ``consumer.py``: `StreamConsumer` (XREADGROUP, XAUTOCLAIM of a dead consumer's pending entries, hs-connectors'

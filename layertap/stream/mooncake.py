@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from hs_connectors.mooncake_store import (
 from layertap.errors import LayertapError
 from layertap.store.index import SampleRecord
 from layertap.store.manifest import Manifest
+from layertap.stream import segment
 
 # What must be equal between the run that put a sample and the trainer that reads it (`run_identity`).
 IDENTITY_FIELDS = ("format", "model_config_sha256", "tokenizer_sha256", "chat_template_sha256", "dataset_sha256",
@@ -73,10 +75,10 @@ class PinnedPuts:
     pressure and which places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
     producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, prefaulting: threading.Event) -> None:
         from mooncake.store import ReplicateConfig
 
-        self._client = client
+        self._client, self.prefaulting = client, prefaulting
         self._config = ReplicateConfig()
         self._config.with_hard_pin = True
         self._config.preferred_segment = client.get_hostname()  # the segment's name: this client's host:port
@@ -157,6 +159,8 @@ def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> lis
 
 def disconnect(store: MooncakeHiddenStatesStore) -> None:
     """Close the store's client, unmounting its segment (the objects in it go): hs-connectors' store has no close."""
+    if isinstance(store._store, PinnedPuts):
+        store._store.prefaulting.set()
     store._store.close()
 
 
@@ -172,10 +176,14 @@ def check_master(address: str) -> None:
         ) from None
 
 
-def connect(address: str, *, segment_bytes: int, pin: bool = False) -> MooncakeHiddenStatesStore:
+def connect(
+    address: str, *, segment_bytes: int, pin: bool = False, prefault: bool = True
+) -> MooncakeHiddenStatesStore:
     """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
-    producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`).
+    producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`), and with
+    ``prefault`` the segment's pages are faulted in by threads of their own (`segment.prefault`; without, by the puts
+    that first touch them: `benchmarks/put_bench.py` compares).
 
     The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
     makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
@@ -188,10 +196,14 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False) -> MooncakeH
     config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
                                  global_segment_size=segment_bytes, local_buffer_size=LOCAL_BUFFER_BYTES)  # fmt: skip
     client = MooncakeDistributedStore()
+    mapped = segment.anonymous_regions()
     status = client.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
                           config.local_buffer_size, config.protocol, config.device_name, config.master_server_address)  # fmt: skip
     if status != 0:
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
     store = MooncakeHiddenStatesStore(config)
-    store._store = PinnedPuts(client) if pin else client  # the one client the store keeps
+    if pin:
+        stop = segment.prefault(segment.anonymous_regions() - mapped, segment_bytes) if prefault else threading.Event()
+        client = PinnedPuts(client, stop)
+    store._store = client  # the one client the store keeps
     return store
