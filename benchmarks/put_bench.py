@@ -39,14 +39,6 @@ def per_put(store: MooncakeHiddenStatesStore, put: Callable[[str], None], puts: 
     return seconds
 
 
-def populated(store: MooncakeHiddenStatesStore) -> float:
-    """Seconds until the threads that fault the store's segment in are done."""
-    t0 = time.perf_counter()
-    while any(t.name.startswith("segment-prefault") for t in threading.enumerate()):
-        time.sleep(0.01)
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = report.parser(__doc__)
     ap.add_argument("--tokens", type=int, default=700)
@@ -64,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         master = MooncakeMaster.ephemeral(Path(work))
         try:
             stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
-            fill = populated(stores[1])
+            t0 = time.perf_counter()
+            while any(t.name.startswith("segment-prefault") for t in threading.enumerate()):  # the second store's
+                time.sleep(0.01)
+            fill = time.perf_counter() - t0
 
             def put(store: MooncakeHiddenStatesStore) -> Callable[[str], None]:
                 return lambda handle: put_packed(store, sample_manifest(handle, tensors, record, "bench"), tensors)
@@ -78,10 +73,13 @@ def main(argv: list[str] | None = None) -> None:
                 disconnect(store)
             master.stop()
     nbytes = sum(t.nbytes for t in tensors.values())
-    lines = [f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts "
-             "each way (Mooncake over TCP, one master and producer on this machine); the faulted-in segment "
-             f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in.", "",
-             *report.table_lines(("the put lands in", "ms a put"), [(n, f"{t * 1e3:.1f}") for n, t in rows])]
+    lines = [
+        f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts "
+        "each way (Mooncake over TCP, one master and producer on this machine); the faulted-in segment "
+        f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in.",
+        "",
+        *report.table_lines(("the put lands in", "ms a put"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),
+    ]
     report.write(args.out, report.result("put", "\n".join(lines), parameters=vars(args), rows=rows))
     print("\n".join(lines))
 

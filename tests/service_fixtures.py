@@ -37,7 +37,8 @@ TEST_PROCESS_ENV = {"OMP_NUM_THREADS": str(TORCH_THREADS), "MKL_NUM_THREADS": st
 TEST_COORDINATOR_ENV = {"LAYERTAP_REAPER_INTERVAL_S": "0.5", "LAYERTAP_QUEUED_GRACE_S": "5"}
 # A test's worker: leases last 2 s, retries start after 0.5 s; a streaming shard's producer lends Mooncake 64 MiB (it
 # faults its whole segment in at connect: the 4 GiB default, on a CI machine, for samples of a few KB).
-TEST_WORKER_ENV = {"LAYERTAP_LEASE_TTL_S": "2", "LAYERTAP_RETRY_BACKOFF_S": "0.5", "LAYERTAP_MOONCAKE_SEGMENT_MIB": "64"}
+TEST_WORKER_ENV = {"LAYERTAP_LEASE_TTL_S": "2", "LAYERTAP_RETRY_BACKOFF_S": "0.5",
+                   "LAYERTAP_MOONCAKE_SEGMENT_MIB": "64"}  # fmt: skip
 
 
 def quick_services(logs: Path) -> Services:

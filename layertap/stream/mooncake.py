@@ -176,9 +176,7 @@ def check_master(address: str) -> None:
         ) from None
 
 
-def connect(
-    address: str, *, segment_bytes: int, pin: bool = False, prefault: bool = True
-) -> MooncakeHiddenStatesStore:
+def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bool = True) -> MooncakeHiddenStatesStore:
     """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
     producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`), and with

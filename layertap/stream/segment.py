@@ -1,12 +1,13 @@
 """A producer's Mooncake segment, its pages faulted in by threads of their own before the puts need them.
 
 Mooncake's client allocates the segment it mounts and leaves its pages untouched, so the first put into each page
-faults it in (the kernel zeroes it): on an H100 host a 39 MB put into fresh pages took 28 ms, into pages used before
-6 ms (`benchmarks/put_bench.py`). A run puts its samples at fresh offsets until the segment's objects wrap, so most of
-a run's puts paid that in the commit threads. Faulting the whole segment in at once (``MADV_POPULATE_WRITE``, Linux
-5.14; ``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages) costs the same pages once, off the puts'
-path, while the run starts. The segment then takes its whole size of the host's memory for the process's life: the
-memory a producer lends Mooncake (``--mooncake-segment-mib``) is its own from the start.
+faults it in (the kernel zeroes it): a put into fresh pages costs several times one into pages used before
+(`benchmarks/results/put.md`, measured on an H100 host), and a run's puts land at offsets no put used before until
+the segment's objects wrap. Faulting the whole segment in at once (``MADV_POPULATE_WRITE``, Linux 5.14;
+``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages) costs those pages once, off the puts' path, while
+the run starts (`benchmarks/results/gpu_stream.md` says what it changed). The segment then takes its whole size of the
+host's memory for the process's life: the memory a producer lends Mooncake (``--mooncake-segment-mib``) is its own
+from the start.
 """
 
 from __future__ import annotations
