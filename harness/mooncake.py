@@ -29,7 +29,10 @@ class MooncakeMaster:
     @classmethod
     def ephemeral(cls, folder: Path) -> MooncakeMaster:
         """One on free ports, started."""
-        return cls(folder, free_port(), free_port()).start()
+        port, metrics = free_port(), free_port()
+        while metrics == port:  # both free when drawn, neither bound yet: a draw can repeat (a master exited so once)
+            metrics = free_port()
+        return cls(folder, port, metrics).start()
 
     @property
     def address(self) -> str:
