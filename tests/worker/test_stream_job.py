@@ -25,8 +25,6 @@ from tests.stream.test_stream import CONSUME, assert_byte_equal_to_store, env, f
 
 ROWS, SHARD = 40, 10
 UNACKED = 3  # each producer's bound
-# The workers' own stream setting (the job names the rest): the memory each lends Mooncake Store.
-WORKER_ENV = {"LAYERTAP_MOONCAKE_SEGMENT_MIB": "64"}
 
 
 def job_fields(master: MooncakeMaster, redis: RedisServer, name: str) -> dict:
@@ -52,7 +50,7 @@ def test_a_streamed_job_delivers_every_sample_once_byte_equal_to_its_store(
     start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
 ) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=11, max_words=10))
-    cluster = start_cluster(workers=2, **WORKER_ENV)
+    cluster = start_cluster(workers=2)
     name, keys = "job-stream", Keys()
     reader = consumer(redis_server, mooncake_master, name, tmp_path, "a")
     try:
@@ -78,7 +76,7 @@ def test_a_worker_killed_holding_unacked_samples_loses_none_and_delivers_none_tw
     start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
 ) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=12, max_words=10))
-    cluster = start_cluster(workers=2, **WORKER_ENV)
+    cluster = start_cluster(workers=2)
     name, keys, state = "job-killed", Keys(), cluster.state
     # The first consumer acks two samples and dies holding the third: the producers fill up to their bounds.
     first = consumer(redis_server, mooncake_master, name, tmp_path, "a", "--hang-after", "3")
@@ -126,7 +124,7 @@ def test_a_cancelled_jobs_stream_reads_paused_to_its_consumers_and_resumes_with_
     start_cluster, tiny_llama, mooncake_master, redis_server, tmp_path
 ) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(20, seed=13, max_words=10))
-    cluster = start_cluster(workers=1, **WORKER_ENV)
+    cluster = start_cluster(workers=1)
     name, keys, state = "job-paused", Keys(), cluster.state
     # A consumer of the trainers' group that only watches (it registers the group the job's samples wait for).
     watcher = StreamConsumer(redis_server.url, name, master=mooncake_master.address, block_ms=100)
@@ -171,7 +169,7 @@ def test_a_stream_only_job_writes_no_sample_and_its_store_records_what_was_acked
     """``stream_only``: each shard attempt puts its samples from the capture and writes none; the job is done once
     every sample is acked, and its folder's index then holds exactly the acked samples."""
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=13, max_words=10))
-    cluster = start_cluster(workers=2, **WORKER_ENV)
+    cluster = start_cluster(workers=2)
     name, keys = "job-only", Keys()
     reader = consumer(redis_server, mooncake_master, name, tmp_path, "a")
     try:
