@@ -1,7 +1,7 @@
 """A stream producer's put of one sample into Mooncake Store (layertap's ``put_packed``) by where it lands: pages of
 the segment used before (each object removed after its put, so the next reuses its place), fresh pages (none
-removed: each put lands where nothing was), and fresh places of a segment whose pages the producer faulted in at
-connect (`layertap.stream.segment`); and how long that faulting in took.
+removed: each put lands where nothing was), and fresh places of a segment whose pages the producer faulted in
+before its puts (`layertap.stream.segment`, asked for the whole segment); and how long that faulting in took.
 
 Why: on one H100 (gpu_stream.md at 89724c9) a producer's put took 24-30 ms a 37 MB sample in the run, 4-7 ms alone.
 
@@ -11,7 +11,6 @@ Why: on one H100 (gpu_stream.md at 89724c9) a producer's put took 24-30 ms a 37 
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
             t0 = time.perf_counter()
-            while any(t.name.startswith("segment-prefault") for t in threading.enumerate()):  # the second store's
-                time.sleep(0.01)
+            stores[1]._store.prefaulting.advance(segment)  # all of it, before its puts
+            stores[1]._store.prefaulting.wait(timeout=600)
             fill = time.perf_counter() - t0
 
             def put(store: MooncakeHiddenStatesStore) -> Callable[[str], None]:

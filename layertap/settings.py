@@ -106,7 +106,7 @@ class RunSettings(BaseModel):
         default=4096,
         gt=0,
         description="With --stream mooncake: the memory this process lends Mooncake Store for its samples (MiB), "
-        "all of it taken as the producer connects; it must hold --stream-unacked of them.",
+        "faulted in ahead of the puts; it must hold --stream-unacked of them.",
     )
     stream_redis_url: str = Field(
         default="redis://127.0.0.1:6379/0", description="The Redis holding the stream's manifests (--stream)."

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-import threading
 import time
 from typing import Any
 
@@ -75,7 +74,7 @@ class PinnedPuts:
     pressure and which places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
     producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
-    def __init__(self, client: Any, prefaulting: threading.Event) -> None:
+    def __init__(self, client: Any, prefaulting: segment.Prefault) -> None:
         from mooncake.store import ReplicateConfig
 
         self._client, self.prefaulting = client, prefaulting
@@ -84,10 +83,12 @@ class PinnedPuts:
         self._config.preferred_segment = client.get_hostname()  # the segment's name: this client's host:port
 
     def put_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        self.prefaulting.advance(size)
         return self._client.put_from(key, buffer_ptr, size, self._config)
 
     def put_parts(self, key: str, pointers: list[int], sizes: list[int]) -> int:
         """One object made of the bytes at ``pointers``, in order: Mooncake copies them into the segment in one call."""
+        self.prefaulting.advance(sum(sizes))
         return self._client.batch_put_from_multi_buffers([key], [pointers], [sizes], self._config)[0]
 
     def __getattr__(self, name: str) -> Any:
@@ -160,7 +161,7 @@ def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> lis
 def disconnect(store: MooncakeHiddenStatesStore) -> None:
     """Close the store's client, unmounting its segment (the objects in it go): hs-connectors' store has no close."""
     if isinstance(store._store, PinnedPuts):
-        store._store.prefaulting.set()
+        store._store.prefaulting.stop()
     store._store.close()
 
 
@@ -180,8 +181,8 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
     """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
     producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`), and with
-    ``prefault`` the segment's pages are faulted in by threads of their own (`segment.prefault`; without, by the puts
-    that first touch them: `benchmarks/put_bench.py` compares).
+    ``prefault`` the segment's pages are faulted in ahead of the puts by threads of their own (`segment.Prefault`;
+    without, by the puts that first touch them: `benchmarks/put_bench.py` compares).
 
     The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
     makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
@@ -201,7 +202,7 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
     store = MooncakeHiddenStatesStore(config)
     if pin:
-        stop = segment.prefault(segment.anonymous_regions() - mapped, segment_bytes) if prefault else threading.Event()
-        client = PinnedPuts(client, stop)
+        new = segment.anonymous_regions() - mapped
+        client = PinnedPuts(client, segment.prefault(new, segment_bytes) if prefault else segment.Prefault([]))
     store._store = client  # the one client the store keeps
     return store

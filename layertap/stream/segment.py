@@ -1,13 +1,14 @@
-"""A producer's Mooncake segment, its pages faulted in by threads of their own before the puts need them.
+"""A producer's Mooncake segment, its pages faulted in by threads of their own ahead of the puts.
 
 Mooncake's client allocates the segment it mounts and leaves its pages untouched, so the first put into each page
 faults it in (the kernel zeroes it): a put into fresh pages costs several times one into pages used before
 (`benchmarks/results/put.md`, measured on an H100 host), and a run's puts land at offsets no put used before until
-the segment's objects wrap. Faulting the whole segment in at once (``MADV_POPULATE_WRITE``, Linux 5.14;
-``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages) costs those pages once, off the puts' path, while
-the run starts (`benchmarks/results/gpu_stream.md` says what it changed). The segment then takes its whole size of the
-host's memory for the process's life: the memory a producer lends Mooncake (``--mooncake-segment-mib``) is its own
-from the start.
+the segment's objects wrap. `Prefault` faults the pages in from the segment's start (``MADV_POPULATE_WRITE``, Linux
+5.14; ``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages), off the puts' path, and keeps ``LOOKAHEAD``
+bytes ahead of the bytes put: Mooncake's allocator carves each new object from the lowest free offset, so no object
+ends past the bytes put so far, and a short run does not pay for a whole segment it never uses (on a small machine,
+faulting in all of it held a short run back). `benchmarks/results/gpu_stream.md` says what faulting in changed. What
+was faulted in stays the process's until the segment is unmounted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # <linux/mman.h>
 CHUNK = 64 << 20  # one madvise call: the mm's lock is let go between chunks, so a munmap elsewhere waits on one only
+LOOKAHEAD = 1 << 30  # ~25 samples of 4 states at Kimi-K2's width: faulted in ahead in well under a second
 THREADS = 4  # page faults of one process scale with threads (the mm's lock is shared while faulting)
 
 Region = tuple[int, int]
@@ -37,34 +39,66 @@ def anonymous_regions() -> set[Region]:
     return regions
 
 
-def prefault(new: set[Region], size: int) -> threading.Event:
-    """Fault in, in background threads, the mappings of ``new`` that can hold a segment of ``size`` bytes (the ones
-    Mooncake's setup mapped: `anonymous_regions` after it, less those before). Returns the event that stops them
-    between chunks (set it before the segment is unmounted)."""
-    stop = threading.Event()
+class Prefault:
+    """Threads that fault in, in address order, the mappings of ``regions`` (those Mooncake's setup mapped:
+    `anonymous_regions` after it, less those before, that can hold the segment), up to ``LOOKAHEAD`` bytes past what
+    `advance` was told was put. `stop` before the segment is unmounted."""
+
+    def __init__(self, regions: list[Region]) -> None:
+        self.chunks = [(at, min(CHUNK, end - at)) for start, end in sorted(regions) for at in range(start, end, CHUNK)]
+        self.taken = self.done = 0  # chunks handed to a thread, chunks faulted in
+        self.wanted = LOOKAHEAD  # bytes from the segment's start to have faulted in
+        self.stopped = False
+        self.cond = threading.Condition()
+        madvise = _madvise()
+        for start, end in regions:
+            madvise(start, end - start, MADV_HUGEPAGE)  # advice: refused where THP is off, and then 4 KB pages
+        for i in range(THREADS if self.chunks else 0):
+            threading.Thread(target=self._populate, args=(madvise,), name=f"segment-prefault-{i}", daemon=True).start()
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more are being put into the segment."""
+        with self.cond:
+            self.wanted += nbytes
+            self.cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Until the pages asked for so far are faulted in (or the threads stopped); False when ``timeout`` passed."""
+        with self.cond:
+            asked = min(len(self.chunks), -(-self.wanted // CHUNK))
+            return self.cond.wait_for(lambda: self.stopped or self.done >= asked, timeout)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def _populate(self, madvise: Callable[[int, int, int], int]) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda: self.stopped or self.taken * CHUNK < self.wanted or self.taken == len(self.chunks)
+                )
+                if self.stopped or self.taken == len(self.chunks):
+                    return
+                chunk = self.chunks[self.taken]
+                self.taken += 1
+            if madvise(*chunk, MADV_POPULATE_WRITE) != 0:
+                log.info("faulting the Mooncake segment in stopped (errno %d)", ctypes.get_errno())
+                self.stop()
+                return
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
+
+
+def prefault(new: set[Region], size: int) -> Prefault:
+    """A `Prefault` of the mappings of ``new`` that can hold a segment of ``size`` bytes (none found: one that does
+    nothing, the pages then faulting in as the puts touch them)."""
     regions = [(start, end) for start, end in new if end - start >= size]
     if not regions:
         log.info("Mooncake's segment not found among the new mappings: its pages fault in as the puts touch them")
-        return stop
-    madvise = _madvise()
-    chunks = iter([(at, min(CHUNK, end - at)) for start, end in regions for at in range(start, end, CHUNK)])
-    lock = threading.Lock()
-    for start, end in regions:
-        madvise(start, end - start, MADV_HUGEPAGE)  # advice: refused where THP is off, and then 4 KB pages
-
-    def populate() -> None:
-        while not stop.is_set():
-            with lock:
-                chunk = next(chunks, None)
-            if chunk is None or madvise(*chunk, MADV_POPULATE_WRITE) != 0:
-                if chunk is not None:
-                    log.info("populating the Mooncake segment stopped (errno %d)", ctypes.get_errno())
-                    stop.set()
-                return
-
-    for i in range(THREADS):
-        threading.Thread(target=populate, name=f"segment-prefault-{i}", daemon=True).start()
-    return stop
+    return Prefault(regions)
 
 
 def _madvise() -> Callable[[int, int, int], int]:

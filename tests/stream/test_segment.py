@@ -1,16 +1,15 @@
-"""A producer's Mooncake segment is faulted in at connect (`layertap.stream.segment`), against a real
-``mooncake_master``: its pages are the process's before any put, and a sample put into them reads back byte-equal."""
+"""A producer's Mooncake segment is faulted in ahead of its puts (`layertap.stream.segment`), against a real
+``mooncake_master``: its first pages are the process's before any put, more follow the puts by the lookahead, and a
+sample put into them reads back byte-equal."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
 
 from harness.mooncake import MooncakeMaster
 from layertap.store.index import SampleRecord
+from layertap.stream import segment
 from layertap.stream.mooncake import connect, disconnect, get_packed, put_packed, sample_manifest
 
 SEGMENT = 256 << 20
@@ -22,8 +21,10 @@ def resident() -> int:
         return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
 
 
-def faulting_in() -> bool:
-    return any(t.name.startswith("segment-prefault") for t in threading.enumerate())
+def sample(n: int) -> tuple[dict, dict]:
+    tensors = {"hidden_states": torch.randn(300, 4, 256).to(torch.bfloat16), "token_ids": torch.arange(300),
+               "loss_mask": torch.ones(300, dtype=torch.uint8)}  # fmt: skip
+    return sample_manifest(f"seg-{n}", tensors, SampleRecord("s", n, 300, "", 0, "", "", ((0, 300),)), "t"), tensors
 
 
 @pytest.mark.parametrize("prefault", [True, False])
@@ -31,20 +32,36 @@ def test_a_producers_segment_is_resident_before_its_first_put(mooncake_master: M
     before = resident()
     store = connect(mooncake_master.address, segment_bytes=SEGMENT, pin=True, prefault=prefault)
     try:
-        deadline = time.monotonic() + 60
-        while faulting_in() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not faulting_in()
+        assert store._store.prefaulting.wait(timeout=60)
         grown = resident() - before
         if prefault:
-            assert grown >= SEGMENT  # every page of it, before any put
+            assert grown >= SEGMENT  # every page of it (smaller than the lookahead), before any put
         else:
-            assert grown < SEGMENT // 2  # left to the puts: what the prefault is measured against
-        tensors = {"hidden_states": torch.randn(300, 4, 256).to(torch.bfloat16), "token_ids": torch.arange(300),
-                   "loss_mask": torch.ones(300, dtype=torch.uint8)}  # fmt: skip
-        manifest = sample_manifest("seg-0", tensors, SampleRecord("s", 0, 300, "", 0, "", "", ((0, 300),)), "test")
+            assert grown < SEGMENT // 2  # left to the puts: what the faulting in is measured against
+        manifest, tensors = sample(0)
         put_packed(store, manifest, tensors)
         got = get_packed(store, manifest, timeout=10)
         assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+    finally:
+        disconnect(store)
+
+
+def test_the_faulted_in_pages_run_ahead_of_the_puts_not_over_the_whole_segment(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segment, "LOOKAHEAD", 32 << 20)
+    monkeypatch.setattr(segment, "CHUNK", 4 << 20)
+    samples = [sample(n) for n in range(8)]  # 8 x 0.6 MB
+    before = resident()
+    store = connect(mooncake_master.address, segment_bytes=SEGMENT, pin=True)
+    try:
+        assert store._store.prefaulting.wait(timeout=60)
+        first = resident() - before
+        assert 32 << 20 <= first < 96 << 20  # the lookahead, not the segment's 256 MB
+        for manifest, tensors in samples:
+            put_packed(store, manifest, tensors)
+        store._store.prefaulting.advance(64 << 20)  # as if 64 MB more were put
+        assert store._store.prefaulting.wait(timeout=60)
+        assert 96 << 20 <= resident() - before < SEGMENT - (64 << 20)
     finally:
         disconnect(store)
