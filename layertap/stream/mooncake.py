@@ -195,14 +195,14 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
     config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
                                  global_segment_size=segment_bytes, local_buffer_size=LOCAL_BUFFER_BYTES)  # fmt: skip
     client = MooncakeDistributedStore()
-    mapped = segment.anonymous_regions()
+    mapped = segment.anonymous_regions() if pin and prefault else set()  # a consumer's connect reads no maps
     status = client.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
                           config.local_buffer_size, config.protocol, config.device_name, config.master_server_address)  # fmt: skip
     if status != 0:
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
     store = MooncakeHiddenStatesStore(config)
     if pin:
-        new = segment.anonymous_regions() - mapped
+        new = segment.anonymous_regions() - mapped if prefault else set()
         client = PinnedPuts(client, segment.prefault(new, segment_bytes) if prefault else segment.Prefault([]))
     store._store = client  # the one client the store keeps
     return store
