@@ -4,6 +4,8 @@ Copy this file to ``/tmp/site/sitecustomize.py`` (on ``PYTHONPATH`` there), put 
 bundle, and set ``LT_PROF`` to a folder: every ``layertap extract`` (named by its ``--out`` folder) and every stream
 bench consumer (``consume``, named by its stream) then records two profiles in raw (collapsed) form while it runs:
 ``NAME-gil.txt`` (the thread holding the GIL) and ``NAME-busy.txt`` (each thread's non-idle samples, the thread first).
+With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``: its launcher and the
+processes it spawns, the scheduler whose threads write the dumps among them).
 py-spy samples without pausing the process (``--nonblocking``), yet the process runs slower: time nothing with it.
 """
 
@@ -12,7 +14,9 @@ import sys
 
 _argv = getattr(sys, "orig_argv", sys.argv)
 _out = os.environ.get("LT_PROF")
-if _out and (("layertap" in _argv and "extract" in _argv) or "consume" in _argv):
+_extract, _consume = "layertap" in _argv and "extract" in _argv, "consume" in _argv
+_server = os.environ.get("LT_PROF_SERVER") == "1" and any("sglang" in a or "spawn_main" in a for a in _argv)
+if _out and (_extract or _consume or _server):
     import contextlib
     import ctypes
     import shutil
@@ -20,10 +24,12 @@ if _out and (("layertap" in _argv and "extract" in _argv) or "consume" in _argv)
 
     with contextlib.suppress(OSError, AttributeError):  # Yama's scope 1 lets only ancestors attach: allow any
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
-    if "consume" in _argv:
+    if _consume:
         _name = "consumer-" + _argv[_argv.index("consume") + 2]
-    else:
+    elif _extract:
         _name = os.path.basename(_argv[_argv.index("--out") + 1]) if "--out" in _argv else str(os.getpid())
+    else:
+        _name = f"server-{os.getpid()}"
     for _mode, _flag in (("gil", "--gil"), ("busy", "--threads")):
         with open(f"{_out}/{_name}-{_mode}.log", "w") as _log:  # py-spy's own messages (a refused attach)
             subprocess.Popen(
