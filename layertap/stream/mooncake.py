@@ -78,18 +78,32 @@ class PinnedPuts:
         from mooncake.store import ReplicateConfig
 
         self._client, self.prefaulting = client, prefaulting
+        self.sizes: dict[str, int] = {}  # key -> bytes, of the objects put and not yet settled
         self._config = ReplicateConfig()
         self._config.with_hard_pin = True
         self._config.preferred_segment = client.get_hostname()  # the segment's name: this client's host:port
 
     def put_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        self.prefaulting.advance(size)
-        return self._client.put_from(key, buffer_ptr, size, self._config)
+        self._putting(key, size)
+        return self._put(key, self._client.put_from(key, buffer_ptr, size, self._config))
 
     def put_parts(self, key: str, pointers: list[int], sizes: list[int]) -> int:
         """One object made of the bytes at ``pointers``, in order: Mooncake copies them into the segment in one call."""
-        self.prefaulting.advance(sum(sizes))
-        return self._client.batch_put_from_multi_buffers([key], [pointers], [sizes], self._config)[0]
+        self._putting(key, sum(sizes))
+        return self._put(key, self._client.batch_put_from_multi_buffers([key], [pointers], [sizes], self._config)[0])
+
+    def settled(self, keys: list[str]) -> None:
+        """The objects of ``keys`` are removed (or about to be: their consumers are done with them)."""
+        self.prefaulting.retire(sum(self.sizes.pop(key, 0) for key in keys))
+
+    def _putting(self, key: str, size: int) -> None:
+        self.sizes[key] = size
+        self.prefaulting.advance(size)
+
+    def _put(self, key: str, status: int) -> int:
+        if status != 0:
+            self.settled([key])
+        return status
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -156,6 +170,13 @@ def objects_present(store: MooncakeHiddenStatesStore, handles: list[str]) -> lis
     """Which of ``handles`` Mooncake Store holds, in order (hs-connectors' store asks its client; it has no call of
     its own)."""
     return [found == 1 for found in store._store.batch_is_exist(handles)]
+
+
+def settled(store: MooncakeHiddenStatesStore, handles: list[str]) -> None:
+    """Tell a producer's store that the objects of ``handles`` are done with (acked or dead-lettered: their consumers
+    remove them), so its segment's faulting in follows what it holds (`segment.Prefault`)."""
+    if isinstance(store._store, PinnedPuts):
+        store._store.settled(handles)
 
 
 def disconnect(store: MooncakeHiddenStatesStore) -> None:

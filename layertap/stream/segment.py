@@ -4,10 +4,11 @@ Mooncake's client allocates the segment it mounts and leaves its pages untouched
 faults it in (the kernel zeroes it): a put into fresh pages costs several times one into pages used before
 (`benchmarks/results/put.md`, measured on an H100 host), and a run's puts land at offsets no put used before until
 the segment's objects wrap. `Prefault` faults the pages in from the segment's start (``MADV_POPULATE_WRITE``, Linux
-5.14; ``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages), off the puts' path, and keeps ``LOOKAHEAD``
-bytes ahead of the bytes put: Mooncake's allocator carves each new object from the lowest free offset, so no object
-ends past the bytes put so far, and a short run does not pay for a whole segment it never uses (on a small machine,
-faulting in all of it held a short run back). `benchmarks/results/gpu_stream.md` says what faulting in changed. What
+5.14; ``MADV_HUGEPAGE`` first, so the kernel may back it with 2 MB pages), off the puts' path, ``LOOKAHEAD`` bytes
+past the most the segment has held at once: Mooncake's allocator carves each new object from the lowest free offset,
+and a consumer removes each object it is done with, so the objects stay near the segment's start (a producer's bound
+of unacked samples keeps them there). A run does not pay for pages it never uses: on a small machine, faulting in a
+whole segment held a short run back, and a long run faulted in all of it while it ran. `benchmarks/results/gpu_stream.md` says what faulting in changed. What
 was faulted in stays the process's until the segment is unmounted.
 """
 
@@ -41,12 +42,14 @@ def anonymous_regions() -> set[Region]:
 
 class Prefault:
     """Threads that fault in, in address order, the mappings of ``regions`` (those Mooncake's setup mapped:
-    `anonymous_regions` after it, less those before, that can hold the segment), up to ``LOOKAHEAD`` bytes past what
-    `advance` was told was put. `stop` before the segment is unmounted."""
+    `anonymous_regions` after it, less those before, that can hold the segment), up to ``LOOKAHEAD`` bytes past the
+    most the segment held at once (`advance` on each put, `retire` once its object is removed). `stop` before the
+    segment is unmounted."""
 
     def __init__(self, regions: list[Region]) -> None:
         self.chunks = [(at, min(CHUNK, end - at)) for start, end in sorted(regions) for at in range(start, end, CHUNK)]
         self.taken = self.done = 0  # chunks handed to a thread, chunks faulted in
+        self.held = 0  # bytes of the objects put and not yet removed
         self.wanted = LOOKAHEAD  # bytes from the segment's start to have faulted in
         self.stopped = False
         self.cond = threading.Condition()
@@ -59,8 +62,15 @@ class Prefault:
     def advance(self, nbytes: int) -> None:
         """``nbytes`` more are being put into the segment."""
         with self.cond:
-            self.wanted += nbytes
-            self.cond.notify_all()
+            self.held += nbytes
+            if self.held + LOOKAHEAD > self.wanted:
+                self.wanted = self.held + LOOKAHEAD
+                self.cond.notify_all()
+
+    def retire(self, nbytes: int) -> None:
+        """``nbytes`` put before are gone from the segment (their objects removed, or their puts failed)."""
+        with self.cond:
+            self.held -= nbytes
 
     def wait(self, timeout: float) -> bool:
         """Until the pages asked for so far are faulted in (or the threads stopped); False when ``timeout`` passed."""

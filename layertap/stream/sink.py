@@ -44,6 +44,7 @@ from layertap.stream.mooncake import (
     put_packed,
     run_identity,
     sample_manifest,
+    settled,
 )
 
 log = logging.getLogger(__name__)
@@ -288,9 +289,10 @@ class MooncakeSink:
             return
         acked, dead = settled_samples(self.redis, self.keys, self.name, ids)
         with self.lock:
-            records = [self.unacked.pop(sample_id)[1] for sample_id in acked]
-            for sample_id in dead:  # a dead-lettered sample is settled, counted dead, not delivered
-                del self.unacked[sample_id]
+            delivered = [self.unacked.pop(sample_id) for sample_id in acked]
+            # a dead-lettered sample is settled, counted dead, not delivered
+            handles = [handle for handle, _ in delivered] + [self.unacked.pop(sample_id)[0] for sample_id in dead]
             self.dead += len(dead)
-        for record in records:
+        settled(self.store, handles)
+        for _, record in delivered:
             self.on_acked(record)

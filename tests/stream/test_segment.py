@@ -1,6 +1,6 @@
 """A producer's Mooncake segment is faulted in ahead of its puts (`layertap.stream.segment`), against a real
-``mooncake_master``: its first pages are the process's before any put, more follow the puts by the lookahead, and a
-sample put into them reads back byte-equal."""
+``mooncake_master``: its first pages are the process's before any put, more follow the puts by the lookahead, no more
+than the objects held at once need however much is put, and a sample put into them reads back byte-equal."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from harness.mooncake import MooncakeMaster
 from layertap.store.index import SampleRecord
 from layertap.stream import segment
-from layertap.stream.mooncake import connect, disconnect, get_packed, put_packed, sample_manifest
+from layertap.stream.mooncake import connect, disconnect, get_packed, put_packed, sample_manifest, settled
 
 SEGMENT = 256 << 20
 
@@ -37,8 +37,8 @@ def resident() -> int:
         return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
 
 
-def sample(n: int) -> tuple[dict, dict]:
-    tensors = {"hidden_states": torch.randn(300, 4, 256).to(torch.bfloat16), "token_ids": torch.arange(300),
+def sample(n: int, hidden: int = 256) -> tuple[dict, dict]:
+    tensors = {"hidden_states": torch.randn(300, 4, hidden).to(torch.bfloat16), "token_ids": torch.arange(300),
                "loss_mask": torch.ones(300, dtype=torch.uint8)}  # fmt: skip
     return sample_manifest(f"seg-{n}", tensors, SampleRecord("s", n, 300, "", 0, "", "", ((0, 300),)), "t"), tensors
 
@@ -78,5 +78,33 @@ def test_the_faulted_in_pages_run_ahead_of_the_puts_not_over_the_whole_segment(
         prefaulting.advance(64 << 20)  # as if 64 MB more were put
         assert prefaulting.wait(timeout=60)
         assert 96 << 20 <= faulted_in(prefaulting) < SEGMENT - (64 << 20)
+    finally:
+        disconnect(store)
+
+
+def test_a_long_run_faults_in_what_its_objects_held_at_once_not_everything_it_put(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a consumer removes each object it acked, Mooncake puts the next at the lowest free offset: 300 MB put through
+    a 256 MB segment, two 4.9 MB objects held at a time, fault in the lookahead and those two, not the segment."""
+    monkeypatch.setattr(segment, "LOOKAHEAD", 32 << 20)
+    monkeypatch.setattr(segment, "CHUNK", 4 << 20)
+    manifest, tensors = sample(0, hidden=2048)
+    size = manifest["metadata"]["total_aligned_bytes"]
+    store = connect(mooncake_master.address, segment_bytes=SEGMENT, pin=True)
+    prefaulting, held = store._store.prefaulting, []
+    try:
+        for n in range(-(-(300 << 20) // size)):
+            handle = f"long-{n}"
+            put_packed(store, {**manifest, "handle": handle}, tensors)
+            held.append(handle)
+            if len(held) == 2:
+                gone = held.pop(0)
+                assert store._store.remove(gone, force=True) == 0
+                settled(store, [gone])
+        assert prefaulting.wait(timeout=60)
+        assert faulted_in(prefaulting) < (32 << 20) + 2 * size + (16 << 20)  # lookahead + 2 objects + chunk slack
+        got = get_packed(store, {**manifest, "handle": held[-1]}, timeout=10)
+        assert all(torch.equal(got[name], tensors[name]) for name in tensors)
     finally:
         disconnect(store)
