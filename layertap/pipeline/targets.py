@@ -69,6 +69,7 @@ class StreamSink(Protocol):
 
     name: str
     dead: int
+    dead_letters: set[str]
     on_acked: Callable[[SampleRecord], None]
 
     def open(self, store: OutputStore, server: str | None) -> None: ...
@@ -145,7 +146,8 @@ class StreamTarget:
         unacked = sorted((r for r in _within(self.store.records(), start, stop) if r.sample_id not in acked),
                          key=lambda r: (r.sample_id not in put, r.index))  # fmt: skip
         if unacked:
-            log.info("stream %s: putting the %d samples in the store no consumer acked", self.sink.name, len(unacked))
+            log.info("stream %s: putting the %d samples in the store no consumer acked (%d dead-lettered: counted, not "
+                     "put)", self.sink.name, len(unacked), len(self.sink.dead_letters & {r.sample_id for r in unacked}))  # fmt: skip
         for record in unacked:
             tensors = self.store.format.load(self.store.root / record.file)
             self.sink.put(record, {**tensors, "loss_mask": record.loss_mask()})

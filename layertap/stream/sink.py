@@ -112,7 +112,8 @@ class MooncakeSink:
         self.lock = threading.Lock()  # ``unacked``, ``putting`` and the counts: the commit threads put side by side
         self.turn = threading.Lock()  # one commit thread at a time checks the bound (and waits at it)
         self.put_count = 0
-        self.dead = 0  # samples put that a consumer dead-lettered
+        self.dead = 0  # samples put that a consumer dead-lettered (this run's, or an earlier run's: `put`)
+        self.dead_letters: set[str] = set()  # the stream's dead-lettered samples when this run opened it
         self.held_since: float | None = None  # time.time() when the wait at the bound began; None while it puts
         self.held_s = 0.0  # this run's waits at the bound, ended ones summed
         self.ended = False
@@ -129,7 +130,9 @@ class MooncakeSink:
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.stream_run(self.name), mapping=run)
             pipe.zadd(self.keys.streams, {self.name: round(time.time() * 1000)})
-            pipe.execute()
+            pipe.hkeys(self.keys.stream_dead(self.name))
+            *_, dead = pipe.execute()
+        self.dead_letters = {sample_id.decode() for sample_id in dead}
 
     def acked(self) -> set[str]:
         """The ids of the samples consumers acked on this stream (a resumed run's done, whoever put them)."""
@@ -151,7 +154,13 @@ class MooncakeSink:
         """One committed sample (``tensors``: speculators' sample and its ``loss_mask``), put and announced; returns
         once it is put (the tensors may be views of a dump the engine frees next). Waits while ``max_unacked``
         samples wait for their acks (not put once ``keep_going`` turns False: the shard's next attempt puts it).
-        Called by the commit threads side by side: they take turns only to check the bound (and wait at it)."""
+        Called by the commit threads side by side: they take turns only to check the bound (and wait at it). A sample
+        the stream dead-lettered before (a resumed run's) is counted put and dead, not put again: the dead-letter list
+        settles it for every group, so no consumer would read it or remove its object."""
+        if record.sample_id in self.dead_letters:
+            with self.lock:
+                self.put_count, self.dead = self.put_count + 1, self.dead + 1
+            return
         with self.turn:
             if self.broken is not None:
                 raise self.broken

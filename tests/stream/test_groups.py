@@ -3,7 +3,8 @@ Redis, a real ``layertap extract --stream mooncake`` producer with the HF engine
 (tests/stream/consume.py) and ``layertap stream-verify`` (its own group) each get every sample, an object removed
 only once both acked; a sample whose object is altered after its put is dead-lettered, shown (the streams view,
 metrics, the producer's line, stream-verify's problems), and settles its producer, which ends saying not all were
-delivered."""
+delivered; the command run again puts nothing again (the dead-lettered sample counted, not put: no consumer would read
+or remove it) and ends as honestly."""
 
 from __future__ import annotations
 
@@ -150,3 +151,11 @@ def test_a_sample_altered_after_its_put_is_dead_lettered_shown_and_settles_its_p
     metrics = scraped(f"{coordinator.url}/metrics")
     assert metrics[("layertap_stream_samples", (("status", "dead"), ("stream", name)))] == 1
     assert scraped(mooncake_master.metrics_url)[("master_key_count", ())] == 0
+
+    rerun = streamed_run(tiny_llama, mooncake_master, redis_server, tmp_path, name, rows=rows, log="rerun.log")
+    try:
+        assert exit_code(rerun, redis_client, name) == 1, rerun.log_tail()
+    finally:
+        rerun.kill(signal.SIGKILL)
+    assert (redis_client.hget(keys.stream_run(name), "put"), redis_client.xlen(keys.stream(name))) == ("8", rows)
+    assert "1 dead-lettered by a consumer" in said(tmp_path / "rerun.log"), said(tmp_path / "rerun.log")

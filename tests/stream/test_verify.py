@@ -22,11 +22,13 @@ from tests.core.datasets import conversation_rows, write_jsonl
 from tests.stream.test_stream import env, stream_args
 
 
-def streamed_run(tiny_llama, master: MooncakeMaster, redis: RedisServer, tmp_path, name: str, rows: int) -> Proc:
+def streamed_run(
+    tiny_llama, master: MooncakeMaster, redis: RedisServer, tmp_path, name: str, rows: int, log: str = "extract.log"
+) -> Proc:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(rows, seed=11, max_words=10))
     return Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers", "1,3,5",
                             "--out", str(tmp_path / "out"), *stream_args(master, redis, name)],
-                env(), tmp_path / "extract.log").start()  # fmt: skip
+                env(), tmp_path / log).start()  # fmt: skip
 
 
 def stream_verify(layertap_cli, master: MooncakeMaster, redis: RedisServer, name: str, *args: str):
