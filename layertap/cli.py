@@ -57,10 +57,10 @@ def extract(out: Path, **options: Any) -> None:
     _quiet_libraries()
     import time
 
-    from layertap.pipeline import ProgressEvents, Run
+    from layertap.pipeline import ProgressEvents, Run, StageTimes
     from layertap.progress import RichProgress
 
-    started = time.monotonic()
+    started, stages = time.monotonic(), StageTimes()
     with failing_on_errors():
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
@@ -70,15 +70,16 @@ def extract(out: Path, **options: Any) -> None:
             factory = hf_engine_factory(settings)
         else:
             dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
-            factory = sglang_engine_factory(
-                spec, settings, job=out.name, dump_root=dumps, log_path=dumps.parent / "sglang-server.log"
-            )
+            factory = sglang_engine_factory(spec, settings, job=out.name, dump_root=dumps,
+                                            log_path=dumps.parent / "sglang-server.log", observe=stages.observe)  # fmt: skip
         run = Run.create(spec, out, factory, settings, _stream_sink(settings, out))
     stream = run.target.view() is not None
     progress = RichProgress(console, stream=run.target.view if stream else None)
     try:
         with failing_on_errors():
-            report = run.finish(run.rows(events=ProgressEvents(progress)), started=started)
+            report = run.rows(events=ProgressEvents(progress))
+            report.stage_seconds.update(stages.seconds)
+            report = run.finish(report, started=started)
     finally:
         progress.stop()
         run.close()

@@ -63,6 +63,7 @@ ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE, only = --strea
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 IN_FLIGHT = 16
+STAGES = ("prefill", "dump_wait", "validate", "commit")  # a run report's stage_seconds
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
 
@@ -183,7 +184,7 @@ class Part:
             raise RuntimeError(f"extract {out.name} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         [run] = [json.loads(p.read_text()) for p in sorted((out / "reports").glob("run-*.json"))][-1:]
         return {"samples": len(run["computed"]), "tokens": run["tokens"], "seconds": run["seconds"], "wall_s": wall,
-                "rows_s": run["rows_seconds"], "finish_s": run["finish_seconds"],
+                "rows_s": run["rows_seconds"], "finish_s": run["finish_seconds"], "stages": run.get("stage_seconds", {}),
                 "bytes": sum(p.stat().st_size for p in out.glob("samples/*.safetensors")), "folder_bytes": folder_bytes(out),
                 "written_bytes": written}  # fmt: skip
 
@@ -271,7 +272,8 @@ def part_lines(part: dict) -> list[str]:
               f"{samples_s[arm] / base:.2f}" if base else "", f"{folder[arm] / 1e6:,.1f}", f"{written[arm] / 1e9:,.3f}",
               ", ".join(f"{r['seconds']:.1f}" for r in rows if r["arm"] == arm)) for arm in samples_s]  # fmt: skip
     phases = [(f"{r['arm']} #{r['round']}", f"{r['seconds']:.1f}", f"{r['seconds'] - r['rows_s'] - r['finish_s']:.1f}",
-               f"{r['rows_s']:.1f}", f"{r['finish_s']:.1f}") for r in rows if "rows_s" in r]  # fmt: skip
+               f"{r['rows_s']:.1f}", f"{r['finish_s']:.1f}", *(f"{r['stages'][s] / r['samples'] * 1e3:.1f}" if s in
+               r.get("stages", {}) else "" for s in STAGES)) for r in rows if "rows_s" in r]  # fmt: skip
     where = []
     for r in rows:
         if "consumer" not in r:
@@ -294,8 +296,10 @@ def part_lines(part: dict) -> list[str]:
         *headline(part), "",
         *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the "
            "store opened; rows = reading, tokenizing, capturing and committing the rows; finish = the store finalized "
-           "and, streaming, every sample acked):", "",
-           *report.table_lines(("run", "run s", "start s", "rows s", "finish s"), phases), ""] if phases else []),
+           f"and, streaming, every sample acked), then a sample's mean ms in each stage ({IN_FLIGHT} requests overlap): "
+           "prefill = its request's round trip, dump_wait = its reply to its dump, validate = the dump read, commit:", "",
+           *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
+                               phases), ""] if phases else []),
         "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
         "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
         f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "

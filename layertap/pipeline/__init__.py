@@ -2,7 +2,15 @@
 -> commit): the plan (`plan`), the steps (`steps`, `rows`, `generate`, `capture`), where samples go (`targets`), the
 ledger (`ledger`) and the run that assembles them (`run`)."""
 
-from layertap.pipeline.ledger import Committed, FailureTally, ProgressEvents, RunReport, ShardEvents, run_verdict
+from layertap.pipeline.ledger import (
+    Committed,
+    FailureTally,
+    ProgressEvents,
+    RunReport,
+    ShardEvents,
+    StageTimes,
+    run_verdict,
+)
 from layertap.pipeline.plan import RunPlan, plan_run
 from layertap.pipeline.run import Run, run_extraction, target_for
 
@@ -14,6 +22,7 @@ __all__ = [
     "RunPlan",
     "RunReport",
     "ShardEvents",
+    "StageTimes",
     "plan_run",
     "run_extraction",
     "run_verdict",

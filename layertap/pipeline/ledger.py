@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -170,6 +172,10 @@ class RunReport:
     seconds: float = 0.0
     rows_seconds: float = 0.0  # of ``seconds``: the rows (read, plan, capture, commit); the rest starts the run
     finish_seconds: float = 0.0  # of ``seconds``: the finish (the store finalized, the stream's samples acked)
+    # Each capture stage's seconds summed over the samples, which overlap (`StageTimes`): commit (into the target, in
+    # its commit thread) and, from an SGLang engine the CLI ran, prefill (the request's round trip), dump_wait (its
+    # reply to its dump folder) and validate (the dump read and checked)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
     stopped: bool = False  # the run was told to stop before its rows were all handled
     engine: dict = field(default_factory=dict)
@@ -184,6 +190,19 @@ class RunReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1))
         return path
+
+
+class StageTimes:
+    """Seconds per capture stage summed over the samples, told by the threads that time them (an engine's
+    ``observe``): where a run's time goes, in its report (a worker's go to its metrics instead)."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def observe(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
 
 
 class Ledger:
@@ -227,6 +246,7 @@ class Ledger:
         """A sample is in its target: counted, told to the events."""
         self.report.computed.append(done.sample.sample_id)
         self.report.tokens += done.sample.num_tokens
+        self.report.stage_seconds["commit"] = self.report.stage_seconds.get("commit", 0.0) + done.seconds
         self.events.committed(done)
 
     def retired(self, record: SampleRecord, why: str) -> None:

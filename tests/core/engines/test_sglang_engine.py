@@ -253,3 +253,10 @@ def test_cli_extract_engine_sglang_launches_its_server(
         states = store.format.load(out / rec.file)["hidden_states"]
         hidden, pre = ref.states(store.format.load(out / rec.file)["token_ids"])
         assert rel(states[:, 1], hidden[3]) < REL_TOL and rel(states[:, 3], pre) < REL_TOL
+    # Where the run's time went, in its report: every stage timed for every sample, and no stage's sum above what
+    # its overlapping workers (8 requests in flight, the commit threads) could spend within the rows' seconds.
+    [report] = [json.loads(p.read_text()) for p in (out / "reports").glob("run-*.json")]
+    stages, rows_s = report["stage_seconds"], report["rows_seconds"]
+    assert set(stages) == {"prefill", "dump_wait", "validate", "commit"} and min(stages.values()) > 0, stages
+    assert max(stages["prefill"], stages["dump_wait"], stages["validate"]) < 8 * rows_s, (stages, rows_s)
+    assert stages["prefill"] > stages["validate"], stages  # a CPU server's forward pass, against reading a small dump
