@@ -63,7 +63,7 @@ ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE, only = --strea
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 IN_FLIGHT = 16
-STAGES = ("prefill", "dump_wait", "validate", "commit")  # a run report's stage_seconds
+STAGES = ("prefill", "dump_wait", "validate", "handover", "commit")  # a run report's stage_seconds
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
 
@@ -294,10 +294,9 @@ def part_lines(part: dict) -> list[str]:
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
                              "run seconds, each round"), table), "",
         *headline(part), "",
-        *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the "
-           "store opened; rows = reading, tokenizing, capturing and committing the rows; finish = the store finalized "
-           f"and, streaming, every sample acked), then a sample's mean ms in each stage ({IN_FLIGHT} requests overlap): "
-           "prefill = its request's round trip, dump_wait = its reply to its dump, validate = the dump read, commit:", "",
+        *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the store "
+           "opened; rows = the rows read, tokenized, captured, committed; finish = the store finalized, a stream acked), "
+           f"then a sample's mean ms in each stage ({IN_FLIGHT} in flight; `layertap.pipeline.ledger.RunReport`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
         "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "

@@ -82,7 +82,8 @@ class SGLangEngine(Engine):
     ) -> None:
         """``folder`` is the model folder (as the run read it) the server must serve (`server_facts`: checked here, before any sample, and
         after every restart; ``allow_dummy_weights`` lets a benchmark's random-weight server through).
-        ``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times;
+        ``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times, and its handover
+        (from its end to the caller taking it: the caller's own work, e.g. its commits, holding the next requests);
         ``on_writer(stats)`` the server's writer stats each dump carries (`DumpMeta.writer`: how long
         the forward pass waited for the writers, queue depth, host memory held), since the plugin
         runs in the server's process and has no metrics endpoint of its own."""
@@ -140,13 +141,13 @@ class SGLangEngine(Engine):
 
     # -- one request ------------------------------------------------------------------------------
 
-    def _request(self, sample: TokenizedSample) -> tuple[list[CapturedSample], str]:
+    def _request(self, sample: TokenizedSample) -> tuple[list[CapturedSample], str, float]:
         """Prefill one sample and read back its dump, sent again while the server drops it
         (`ServerSession.until_served`): the capture in a list of one, which `capture` empties as it yields it (a
-        finished future keeps its result: the dump's mapping stays alive only where its consumer holds it), and the
-        rid; SampleError if this attempt is unusable."""
+        finished future keeps its result: the dump's mapping stays alive only where its consumer holds it), the rid and
+        when it ended (perf_counter); SampleError if this attempt is unusable."""
         captured, rid = self.session.until_served(lambda: self._try(sample))
-        return [captured], rid
+        return [captured], rid, time.perf_counter()
 
     def _try(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
         """One request for ``sample`` under a fresh rid; ServerDown when the server dropped it."""
@@ -248,10 +249,11 @@ class SGLangEngine(Engine):
                     for fut in done:
                         sample = pending.pop(fut)
                         try:
-                            handed, rid = fut.result()
+                            handed, rid, ended = fut.result()
                         except SampleError as exc:
                             yield FailedCapture(sample, str(exc))
                             continue
+                        self._observe("handover", ended)  # a finished request waiting for the caller to take it
                         self._sent.discard(rid)
                         self._yielded[sample.sample_id] = rid
                         yield handed.pop()  # held by no name here: the consumer's reference is the last

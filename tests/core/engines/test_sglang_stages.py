@@ -1,4 +1,4 @@
-"""The SGLang engine's stage timings reach the worker's histograms: prefill, dump_wait and validate,
+"""The SGLang engine's stage timings reach the worker's histograms: prefill, dump_wait, validate and handover,
 once per captured sample, on a real CPU capture server; and the writer stats its dumps carry reach
 the writer series."""
 
@@ -19,7 +19,7 @@ from layertap.spec import resolve_capture
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.sglang
-STAGES = ("prefill", "dump_wait", "validate")
+STAGES = ("prefill", "dump_wait", "validate", "handover")
 
 
 def test_each_sample_reports_its_prefill_dump_wait_and_validate_times(sglang_llama, tiny_llama) -> None:
