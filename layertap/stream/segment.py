@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,9 @@ log = logging.getLogger(__name__)
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # <linux/mman.h>
 CHUNK = 64 << 20  # one madvise call: the mm's lock is let go between chunks, so a munmap elsewhere waits on one only
 LOOKAHEAD = 1 << 30  # ~25 samples of 4 states at Kimi-K2's width: faulted in ahead in well under a second
-THREADS = 4  # page faults of one process scale with threads (the mm's lock is shared while faulting)
+# Page faults of one process scale with threads (the mm's lock is shared while faulting), up to half the host's cores:
+# on a 2-core box, four of them beside a put once stalled it 0.57 s.
+THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 Region = tuple[int, int]
 
@@ -53,10 +56,12 @@ class Prefault:
         self.wanted = LOOKAHEAD  # bytes from the segment's start to have faulted in
         self.stopped = False
         self.cond = threading.Condition()
+        if not self.chunks:  # nothing to fault in: the pages fault in as the puts touch them
+            return
         madvise = _madvise()
         for start, end in regions:
             madvise(start, end - start, MADV_HUGEPAGE)  # advice: refused where THP is off, and then 4 KB pages
-        for i in range(THREADS if self.chunks else 0):
+        for i in range(THREADS):
             threading.Thread(target=self._populate, args=(madvise,), name=f"segment-prefault-{i}", daemon=True).start()
 
     def advance(self, nbytes: int) -> None:
