@@ -62,7 +62,6 @@ FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
 ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE, only = --stream-only; --arms takes any such pair
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
-IN_FLIGHT = 16
 STAGES = ("prefill", "dump_wait", "validate", "handover", "commit")  # a run report's stage_seconds
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
@@ -126,7 +125,7 @@ class Part:
         # CPU SGLang has no INT4 MoE kernel: the smoke serves the bf16 wrapper of the same shape.
         self.model = build_tiny_model("kimi-k2.5", work / "bf16", dtype=torch.bfloat16) if self.smoke else self.int4
         self.data = write_jsonl(work / "chats.jsonl", chat_rows(args.chats, random.Random(20261205), max_words=400))
-        self.warm_data = write_jsonl(work / "warm.jsonl", chat_rows(IN_FLIGHT, random.Random(1), max_words=400))
+        self.warm_data = write_jsonl(work / "warm.jsonl", chat_rows(args.in_flight, random.Random(1), max_words=400))
         self.cache = work / "kernel-cache"
         if args.kernel_cache_tgz:
             unpack_kernel_cache([args.kernel_cache_tgz], self.cache)
@@ -169,7 +168,7 @@ class Part:
         with log_path.open("w") as log_file:
             proc = layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
                             self.dumps, "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)),
-                            "--format", FORMAT, "--out", out, "--in-flight", IN_FLIGHT, "--trust-remote-code",
+                            "--format", FORMAT, "--out", out, "--in-flight", self.args.in_flight, "--trust-remote-code",
                             *stream, env={**os.environ, "COLUMNS": "200"}, stdout=log_file,
                             stderr=subprocess.STDOUT)  # fmt: skip
             written = 0
@@ -231,11 +230,11 @@ class Part:
         rows = [self.arm(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
         arms_s = time.perf_counter() - t0
         with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
-            plain = plain_rate(client, self.server.url, self.prompts, IN_FLIGHT) if self.prompts else None
+            plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight) if self.prompts else None
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu,
                 "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
-                "arms_s": arms_s, "plain_tok_s": plain, "rows": rows}  # fmt: skip
+                "arms_s": arms_s, "plain_tok_s": plain, "in_flight": self.args.in_flight, "rows": rows}  # fmt: skip
 
 
 def write_bytes(pid: int) -> int:
@@ -294,9 +293,10 @@ def part_lines(part: dict) -> list[str]:
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
                              "run seconds, each round"), table), "",
         *headline(part), "",
-        *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the store "
-           "opened; rows = the rows read, tokenized, captured, committed; finish = the store finalized, a stream acked), "
-           f"then a sample's mean ms in each stage ({IN_FLIGHT} in flight; `layertap.pipeline.ledger.RunReport`):", "",
+        *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the "
+           "store opened; rows = the rows read, tokenized, captured, committed; finish = the store finalized, a "
+           f"stream acked), then a sample's mean ms in each stage ({part.get('in_flight', 16)} requests in flight; "
+           "`RunReport.stage_seconds`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
         "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chats", type=int, default=480)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--in-flight", type=int, default=16, help="requests each `layertap extract` keeps in flight")
     ap.add_argument("--kernel-cache-tgz", type=Path, default=None, help="a node's kernel builds (section I)")
     args = ap.parse_args(argv)
     if args.report:
