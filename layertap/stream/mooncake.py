@@ -223,7 +223,9 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
     store = MooncakeHiddenStatesStore(config)
     if pin:
-        new = segment.anonymous_regions() - mapped if prefault else set()
-        client = PinnedPuts(client, segment.prefault(new, segment_bytes) if prefault else segment.Prefault([]))
+        faults = (
+            segment.prefault(segment.anonymous_regions() - mapped, segment_bytes) if prefault else segment.Prefault([])
+        )
+        client = PinnedPuts(client, faults)
     store._store = client  # the one client the store keeps
     return store
