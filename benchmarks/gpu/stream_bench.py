@@ -59,7 +59,8 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE, only = --stream-only; --arms takes any such pair
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-host], only = --stream-only; -host: its consumer
+# keeps CUDA hidden, as a trainer on another node leaves the capture's GPU alone (without, it copies onto that GPU)
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 STAGES = ("prefill", "dump_wait", "validate", "handover", "commit")  # a run report's stage_seconds
@@ -71,9 +72,8 @@ SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57
 
 
 def consume(redis_url: str, name: str, master: str, result: Path) -> None:
-    """Read the stream ``name`` to its end as one trainer does: each sample received (hs-connectors' reader, quick
-    checks), its tensors moved onto the GPU (where a trainer's step wants them), then acked; the time in each part
-    and the bytes received written to ``result``."""
+    """Read the stream ``name`` to its end as one trainer does: each sample received (quick checks), moved onto the GPU
+    when it sees one (where a trainer's step wants it), then acked; the time in each part and the bytes to ``result``."""
     from layertap.stream.consumer import StreamConsumer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,9 +138,8 @@ class Part:
         self.prompts: list[list[int]] = []
 
     def close(self) -> None:
-        self.server.stop()
-        self.master.stop()
-        self.redis.stop()
+        for service in (self.server, self.master, self.redis):
+            service.stop()
 
     def start(self) -> None:
         t0 = time.perf_counter()
@@ -188,7 +187,7 @@ class Part:
                 "written_bytes": written}  # fmt: skip
 
     def arm(self, arm: str, rnd: int) -> dict:
-        kind, where = arm.split("-")
+        kind, where, *host = arm.split("-")
         name = f"{arm}-{rnd}"
         out = self.dirs[where] / name
         if kind == "file":
@@ -199,6 +198,7 @@ class Part:
             result = self.logs / f"consumer-{name}.json"
             reader = subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
                                        self.master.address, str(result)], cwd=REPO_ROOT,
+                                      env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if host else {})},
                                       stdout=(self.logs / f"consumer-{name}.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
