@@ -272,8 +272,16 @@ class StreamConsumer:
                 pipe.hlen(key)
             (ended, paused), put, group_acked, acked, dead = pipe.execute()
         if ended == b"1" and max(group_acked, acked) + dead >= put:
+            self._ack_stale()
             return "ended"
         return "paused" if paused == b"1" else "running"
+
+    def _ack_stale(self) -> None:
+        """Once every sample is settled for the group, ack out of it the entries still pending: each is a sample's
+        stale entry (a dead producer's, given up when its object was gone and not yet reclaimed when the sample's
+        new entry was acked), so an ended group has nothing pending."""
+        while pending := self.redis.xpending_range(self.stream, self.group, min="-", max="+", count=1000):
+            self.redis.xack(self.stream, self.group, *(p["message_id"] for p in pending))
 
     def finished(self) -> bool:
         """Whether the stream has ended for this group (`state`)."""
