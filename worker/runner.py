@@ -10,7 +10,8 @@ the job's store, and its target. A job that streams (``JobSpec.streaming``, the 
 names none) makes each shard attempt a producer of its own (`layertap.stream.sink.MooncakeSink`, its segment in this
 process): with files too it first puts again what the shard's rows hold that no consumer acked (stream-only: what no
 consumer acked is recomputed), and the shard completes only once every sample it put is acked, so a shard done never
-has samples left in a segment that could die; the finalizer ends the stream.
+has samples left in a segment that could die; the finalizer ends the stream. The process keeps its Mooncake client
+from one attempt to the next while the segment holds nothing of the last (`layertap.stream.sink.KeptClients`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from worker.instrument import queue_wait_s
 from worker.metrics import WorkerMetrics, serve
 
 if TYPE_CHECKING:
-    from layertap.stream.sink import MooncakeSink
+    from layertap.stream.sink import KeptClients, MooncakeSink
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class WorkerContext:
         self.redis = connect_redis(settings.redis_url)
         self.keys = Keys(settings.key_prefix)
         self.engines = EngineCache(settings)
+        self.producers: KeptClients | None = None  # the streams' Mooncake clients kept between attempts (at the first)
         self.meter = RateMeter()
         self.generation = RateMeter()
         self.metrics = WorkerMetrics(self.name)
@@ -197,8 +199,8 @@ class WorkerContext:
                 raise
             finally:
                 store.close()
-                if sink is not None:
-                    sink.close()  # what no consumer acked goes with the segment; the shard's next attempt puts it
+                if sink is not None and self.producers is not None:  # what no consumer acked goes with the segment
+                    self.producers.give_back(sink)  # (the shard's next attempt puts it); a clean one is kept
             report.seconds = time.monotonic() - t0
             report.save()
         if report.stopped:
@@ -232,11 +234,14 @@ class WorkerContext:
         samples come from every worker's (the store's server notes refuse one that computes otherwise)."""
         settings = self.settings.tuned(spec.streaming())
         if settings.stream is None:
+            if self.producers is not None:
+                self.producers.close()  # a segment kept for streamed jobs is not held through others'
             return None
-        from layertap.stream.sink import open_sink
+        from layertap.stream.sink import KeptClients  # the stream extra: only a worker whose jobs stream needs it
 
         assert spec.out is not None
-        return open_sink(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
+        self.producers = self.producers or KeptClients()
+        return self.producers.open(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
 
     def end_stream(self, spec: JobSpec) -> None:
         """Tell the job's stream's consumers it has put its last sample (every shard done, each one's acked)."""
@@ -354,4 +359,6 @@ class WorkerContext:
     def close(self) -> None:
         self.heartbeat.close()
         self.engines.close()
+        if self.producers is not None:
+            self.producers.close()
         self.redis.close()

@@ -10,7 +10,9 @@ segment run outside it, so the puts of several commit threads overlap. The objec
 `drain` keeps it alive until every sample put is acked.
 
 A job's shard attempt is a producer of its own (``worker.runner``): it opens the sink on its rows, waits for its
-acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`).
+acks (`wait_acked`) before the shard counts done, and the job's finalizer ends the stream (`end_stream`). The worker
+keeps the sink's Mooncake client from one attempt to the next (`KeptClients`) while nothing an attempt put is left in
+its segment.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
 from redis import Redis
 from redis.exceptions import RedisError
 
@@ -66,6 +69,36 @@ def open_sink(settings: RunSettings, out: Path, **options: Any) -> MooncakeSink:
                         **options)  # fmt: skip
 
 
+class KeptClients:
+    """A worker's producers' Mooncake clients, one per master and segment size, kept from one shard attempt to the
+    next. Mooncake's close holds the GIL ~2 s (every thread of the worker stops) and a new segment is faulted in
+    again: at each attempt, about what a GPU shard of 100 samples takes to capture. An attempt's sink borrows the
+    client (`open`) and gives it back (`give_back`): kept when all it put was settled (`MooncakeSink.detach`),
+    otherwise unmounted as before, so what an attempt leaves unacked still goes with its segment."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[str, int], MooncakeHiddenStatesStore] = {}
+
+    def open(self, settings: RunSettings, out: Path, **options: Any) -> MooncakeSink:
+        """`open_sink` through the client kept for ``settings``' master and segment, if any."""
+        store = self.kept.pop((settings.mooncake_master, settings.mooncake_segment_mib << 20), None)
+        try:
+            return open_sink(settings, out, store=store, **options)
+        except BaseException:  # Redis refused: the client is not left mounted with no one to close it
+            if store is not None:
+                disconnect(store)
+            raise
+
+    def give_back(self, sink: MooncakeSink) -> None:
+        if (store := sink.detach()) is not None:
+            self.kept[(sink.master, sink.segment_bytes)] = store
+
+    def close(self) -> None:
+        """Unmount every kept client's segment (a worker leaving, or taking a shard that does not stream)."""
+        while self.kept:
+            disconnect(self.kept.popitem()[1])
+
+
 def end_stream(redis: Redis, keys: Keys, name: str) -> None:
     """Tell the stream's consumers that its run put its last sample (they end once every sample put is acked)."""
     redis.hset(keys.stream_run(name), "ended", 1)
@@ -100,10 +133,11 @@ class MooncakeSink:
         poll_s: float = 0.02,
         keep_going: Callable[[], bool] = lambda: True,
         on_acked: Callable[[SampleRecord], None] = lambda record: None,
+        store: MooncakeHiddenStatesStore | None = None,
     ) -> None:
-        self.store = connect(master, segment_bytes=segment_bytes, pin=True)
+        self.store = store if store is not None else connect(master, segment_bytes=segment_bytes, pin=True)
         self.redis = redis_client(redis_url)
-        self.keys, self.name, self.master = Keys(prefix), name, master
+        self.keys, self.name, self.master, self.segment_bytes = Keys(prefix), name, master, segment_bytes
         self.max_unacked, self.poll_s, self.keep_going, self.on_acked = max_unacked, poll_s, keep_going, on_acked
         self.nonce = uuid.uuid4().hex[:12]  # this producer's handles: a resumed run never meets a dead one's key
         self.unacked: dict[str, tuple[str, SampleRecord]] = {}  # sample id -> (handle, record), put and not acked
@@ -218,8 +252,20 @@ class MooncakeSink:
 
     def close(self) -> None:
         """Unmount the segment (its objects go with it) and drop the Redis client."""
-        disconnect(self.store)
+        if (store := self.detach()) is not None:
+            disconnect(store)
+
+    def detach(self) -> MooncakeHiddenStatesStore | None:
+        """Drop the Redis client and give up the Mooncake client: returned when every sample put through this sink
+        was settled (its segment holds none of them, so a later producer may put through it), else unmounted (its
+        objects go with it: a resumed run puts them again) and None."""
         self.redis.close()
+        with self.lock:
+            clean = self.broken is None and not self.unacked and not self.putting
+        if clean:
+            return self.store
+        disconnect(self.store)
+        return None
 
     def view(self) -> StreamView:
         """This run's puts against its consumers, from what the producer knows (no round trip: the CLI's bar draws it

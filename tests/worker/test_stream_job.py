@@ -21,6 +21,7 @@ from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.stream.consumer import StreamConsumer
 from tests.core.datasets import conversation_rows, write_jsonl
+from tests.monitoring.test_live import scraped
 from tests.stream.test_stream import CONSUME, assert_byte_equal_to_store, env, first_acks
 
 ROWS, SHARD = 40, 10
@@ -70,6 +71,8 @@ def test_a_streamed_job_delivers_every_sample_once_byte_equal_to_its_store(
     assert sorted(first_acks(tmp_path / "a.log")) == sorted(records)
     assert state.xpending(keys.stream(name), "trainers")["pending"] == 0
     assert_byte_equal_to_store(out, tmp_path / "received")
+    # Each worker mounted its segment once for its shards, not once an attempt (Mooncake's close freezes it ~2 s).
+    assert scraped(mooncake_master.metrics_url)[("master_mount_segment_requests_total", ())] <= 2 < ROWS // SHARD
 
 
 def test_a_worker_killed_holding_unacked_samples_loses_none_and_delivers_none_twice(
