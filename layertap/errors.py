@@ -61,6 +61,14 @@ class RowError(LayertapError):
         who = f" (id {self.sample_id!r})" if self.sample_id is not None else ""
         return f"row {self.row}{who}: {self.reason}"
 
+    def __reduce__(self) -> tuple:
+        """Pickled with its keywords (a row planned in another process: `layertap.pipeline.lookahead`)."""
+        return _row_error, (type(self), self.reason, self.row, self.sample_id, self.kind)
+
+
+def _row_error(cls: type[RowError], reason: str, row: int, sample_id: str | None, kind: str) -> RowError:
+    return cls(reason, row=row, sample_id=sample_id, kind=kind)
+
 
 class OverlongRow(RowError):
     """A row longer than ``max_length`` under the ``skip`` policy: counted apart from bad rows."""

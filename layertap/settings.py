@@ -88,6 +88,12 @@ class RunSettings(BaseModel):
     commit_threads: int = Field(
         default=COMMIT_THREADS, gt=0, description="Threads checking (sha256, finiteness) and committing samples."
     )
+    plan_processes: int = Field(
+        default=0,
+        ge=0,
+        description="Processes planning rows ahead (read, parse, chat template, tokenize: pure Python) off the run's "
+        "own process, whose GIL its request and commit threads share; 0: planned in the run's process.",
+    )
     stream: Literal["mooncake"] | None = Field(
         default=None,
         description="Also stream each committed sample to trainers: mooncake puts it into Mooncake Store in vLLM "

@@ -34,6 +34,8 @@ from typing import Any
 from layertap.data.reader import Row, iter_rows
 from layertap.data.rows import Conversation, parse_row
 from layertap.errors import LayertapError, RowError
+from layertap.models.folder import ModelFolder
+from layertap.pipeline.lookahead import Lookahead
 from layertap.pipeline.steps import Item, Tokenize, identify, unrequestable
 from layertap.regenerate import RowJob, stored_conversation, turns_to_regenerate
 from layertap.sample import TokenizedSample
@@ -41,6 +43,8 @@ from layertap.spec import ExtractionSpec
 from layertap.store.index import SampleRecord
 
 log = logging.getLogger(__name__)
+Outcome = TokenizedSample | RowJob | RowError  # a row's, as `RowPlanner.outcome` plans it
+LOOKAHEAD_ROWS = 32  # rows planned ahead per planning process: a few hundred ms of a GPU run's captures
 
 
 class RowPlanner:
@@ -61,12 +65,14 @@ class RowPlanner:
         duplicates: Mapping[int, int] | None = None,
         regenerated: Mapping[str, dict[str, Any]] | None = None,
         rid: tuple[str, str] | None = None,
+        processes: int = 0,
     ) -> None:
         self.spec = spec
         self.tokenize = tokenize
         self.duplicates = duplicates or {}
         self.regenerated = regenerated or {}
         self.rid = rid
+        self.processes = processes
 
     def plan(
         self,
@@ -84,15 +90,29 @@ class RowPlanner:
         for rec in records.values():
             if rec.index >= start and (stop is None or rec.index < stop):
                 by_row.setdefault(rec.index, []).append(rec)
-        for row, data in iter_rows(self.spec.data, start=start, stop=stop):
-            recs = by_row.pop(row, [])
-            if recs or unrecorded:
-                yield from self._plan_row(row, data, recs)
+        wanted = ((row, data) for row, data in iter_rows(self.spec.data, start=start, stop=stop)
+                  if unrecorded or row in by_row)  # fmt: skip
+        for row, data, outcome in self._outcomes(wanted):
+            yield from self._plan_row(row, data, by_row.pop(row, []), outcome)
         for rec in (rec for _, recs in sorted(by_row.items()) for rec in recs):  # in row order, as the stream
             yield Item(rec.index, "changed", record=rec, why=f"row {rec.index} is not in {self.spec.data}")
 
-    def _plan_row(self, row: int, data: Row | RowError, recs: list[SampleRecord]) -> Iterator[Item]:
-        outcome = self.outcome(row, data)
+    def _outcomes(self, rows: Iterator[tuple[int, Row | RowError]]) -> Iterator[tuple[int, Row | RowError, Outcome]]:
+        """Each row with its `outcome`: planned here, or with ``processes`` ahead in processes of their own
+        (`Lookahead`)."""
+        if not self.processes:
+            yield from ((row, data, self.outcome(row, data)) for row, data in rows)
+            return
+        make = (_planner, (*self.tokenize.made_of, self.duplicates, self.rid))
+        ahead = Lookahead(self.outcome, make, processes=self.processes, ahead=LOOKAHEAD_ROWS * self.processes)
+        try:
+            yield from ahead.outcomes(rows)
+        finally:
+            ahead.close()
+            log.info("rows planned ahead in %d processes: %d, in this one: %d", self.processes,
+                     ahead.planned["ahead"], ahead.planned["here"])  # fmt: skip
+
+    def _plan_row(self, row: int, data: Row | RowError, recs: list[SampleRecord], outcome: Outcome) -> Iterator[Item]:
         kept = None
         for rec in recs:
             if (why := self._why_changed(row, data, rec, outcome)) is None:
@@ -111,7 +131,7 @@ class RowPlanner:
         else:
             yield Item(row, "todo", sample=outcome)
 
-    def outcome(self, row: int, data: Row | RowError, within: int | None = None) -> TokenizedSample | RowJob | RowError:
+    def outcome(self, row: int, data: Row | RowError, within: int | None = None) -> Outcome:
         """Row ``row`` (its ``data`` as read) identified, parsed and tokenized (``within`` a stored sample's own length
         instead of the run's input limit); under ``regenerate``: the `RowJob` of the parsed row, refused when it has no
         turn to regenerate; or the RowError that row is: a bug met on one row is that row's error (kind
@@ -180,3 +200,9 @@ class RowPlanner:
                                  within=rec.num_tokens if rec.truncated else None)  # fmt: skip
         except RowError as err:
             return err
+
+
+def _planner(folder: ModelFolder, spec: ExtractionSpec, input_limit: int | None, duplicates: Mapping[int, int],
+             rid: tuple[str, str] | None) -> RowPlanner:  # fmt: skip
+    """A planning process's `RowPlanner` (`Lookahead`): the run's, its own tokenizer loaded."""
+    return RowPlanner(spec, Tokenize(folder, spec, input_limit), duplicates=duplicates, rid=rid)

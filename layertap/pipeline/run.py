@@ -25,6 +25,7 @@ from layertap.data.scan import load_duplicates
 from layertap.engines.base import Engine
 from layertap.engines.factory import EngineFactory
 from layertap.errors import ServerError, SpecError
+from layertap.pipeline import lookahead
 from layertap.pipeline.capture import Capture, admit
 from layertap.pipeline.generate import regenerate, regenerator_for
 from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, ShardEvents
@@ -54,7 +55,8 @@ def target_for(store: OutputStore, sink: StreamSink | None) -> Target:
 class Run:
     """One run (or a job's shard of it): ``plan`` bound to ``engine``, its ``store`` and ``target``; ``attempts``
     per sample (the spec's), committed samples re-checked at ``check_level`` on resume, ``commit_threads`` commits
-    at once. ``duplicates``: the rows whose id an earlier row has (the plan's scan, else the store's record of it)."""
+    at once. ``duplicates``: the rows whose id an earlier row has (the plan's scan, else the store's record of it).
+    ``plan_processes``: rows planned ahead in processes of their own (`lookahead`)."""
 
     plan: RunPlan
     engine: Engine
@@ -63,6 +65,7 @@ class Run:
     check_level: CheckLevel = "full"
     commit_threads: int = COMMIT_THREADS
     duplicates: dict[int, int] = field(default_factory=dict)
+    plan_processes: int = 0
 
     @classmethod
     def create(
@@ -80,6 +83,8 @@ class Run:
         takes minutes to start). Close it with `close` (which closes the engine and the sink too)."""
         settings = settings or RunSettings()
         engine = None
+        if settings.plan_processes:
+            lookahead.prepare()  # its imports made while the run starts
         try:
             if problem := stream_format_problem(settings.stream, spec.format):
                 raise SpecError(problem)
@@ -100,7 +105,7 @@ class Run:
             raise
         assert plan.scan is not None  # a plan of its own, not a store's: its scan's repeated ids go to the planner
         run = cls(plan, engine, store, target_for(store, sink), settings.resume_check, settings.commit_threads,
-                  plan.scan.duplicates)  # fmt: skip
+                  plan.scan.duplicates, settings.plan_processes)  # fmt: skip
         try:
             run.target.open(None if engine.provenance is None else engine.provenance.url, 0, None)
         except BaseException:
@@ -150,7 +155,7 @@ class Run:
         tokenize = Tokenize(self.plan.folder, spec, self.plan.input_limit)
         regenerated = self.store.regenerated_rows(done) if spec.regenerate is not None else None
         planner = RowPlanner(spec, tokenize, duplicates=self.duplicates or load_duplicates(self.store.root),
-                             regenerated=regenerated, rid=self.plan.engine.rid)  # fmt: skip
+                             regenerated=regenerated, rid=self.plan.engine.rid, processes=self.plan_processes)  # fmt: skip
         regenerator = regenerator_for(spec, self.engine, tokenize, job=self.store.writer_id, attempts=self.attempts)
         steps: list[Step] = [
             lambda _: planner.plan(done, start=start, stop=stop),

@@ -90,6 +90,7 @@ class Tokenize:
         )
         self.overlong = spec.overlong
         self.input_limit = input_limit
+        self.made_of = (folder, spec, input_limit)  # what another process makes the same step of
 
     def __call__(
         self,
