@@ -59,8 +59,8 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-host], only = --stream-only; -host: its consumer
-# keeps CUDA hidden, as a trainer on another node leaves the capture's GPU alone (without, it copies onto that GPU)
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-host][-plan], only = --stream-only; -host: its
+# consumer without CUDA (unpinned buffers; without, it copies onto the server's GPU); -plan: --plan-processes 2
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 STAGES = ("prefill", "dump_wait", "validate", "handover", "commit")  # a run report's stage_seconds
@@ -187,24 +187,24 @@ class Part:
                 "written_bytes": written}  # fmt: skip
 
     def arm(self, arm: str, rnd: int) -> dict:
-        kind, where, *host = arm.split("-")
-        name = f"{arm}-{rnd}"
+        kind, where, *extra = arm.split("-")
+        name, plan = f"{arm}-{rnd}", ["--plan-processes", 2] if "plan" in extra else []
         out = self.dirs[where] / name
         if kind == "file":
-            row = self.extract(out, self.data)
+            row = self.extract(out, self.data, *plan)
             if not self.prompts:  # the tokens every arm captures, for plain prefill
                 self.prompts = [load_file(f)["token_ids"].tolist() for f in sorted(out.glob("samples/*.safetensors"))]
         else:
             result = self.logs / f"consumer-{name}.json"
             reader = subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
                                        self.master.address, str(result)], cwd=REPO_ROOT,
-                                      env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if host else {})},
+                                      env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if "host" in extra else {})},
                                       stdout=(self.logs / f"consumer-{name}.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
                                    "--stream-redis-url", self.redis.url, "--stream-name", name,
                                    "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED,
-                                   *(["--stream-only"] if kind == "only" else []), reader=reader)  # fmt: skip
+                                   *(["--stream-only"] if kind == "only" else []), *plan, reader=reader)  # fmt: skip
                 if reader.wait(timeout=120) != 0:
                     raise RuntimeError(f"the consumer of {name} exited {reader.returncode}")
             finally:
