@@ -1,12 +1,14 @@
 """The row planner's steps run ahead in processes of their own (``--plan-processes``).
 
-Identify, parse and tokenize are pure Python: a chat template, and often a Python tokenizer (Kimi-K2.5's tiktoken
-wrapper: 6.9 ms a row on the CPU box). In the run's process they hold the GIL its request and commit threads need, on
-the thread that also takes every capture and hands it to a commit: on an H100 that thread was the host's busiest and
-what bounded the run (benchmarks/results/gpu_stream_stages.md). `Lookahead` plans up to ``ahead`` rows in a pool of
-processes, each outcome sent back pickled, in row order. Until the pool's first process is ready (it imports torch and
-loads the tokenizer) rows are planned in the run's process, so a short run does not wait on the pool; a pool that
-breaks (a process killed) leaves the rest to the run's process, which plans them as it would have.
+Identify, parse and tokenize are pure Python: a chat template, and often a Python tokenizer (with Kimi-K2.5's tiktoken
+wrapper, 6.9 ms a row on the CPU box). In the run's process they hold the GIL its request and commit threads need, on
+the thread that also takes every capture and hands it to a commit: on an H100 that thread ran at 62% of a core, half
+the host idle, while finished requests waited 58-85 ms each for it (benchmarks/results/gpu_stream_stages.md).
+
+`Lookahead` plans up to ``ahead`` rows in a pool of processes, each outcome sent back pickled, in row order. Until the
+pool's first process is ready (it imports torch and loads the tokenizer) rows are planned in the run's process, so a
+short run does not wait on the pool; a pool that breaks (a process killed) leaves the rest to the run's process, which
+plans them as it would have.
 """
 
 from __future__ import annotations
