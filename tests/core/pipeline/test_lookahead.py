@@ -12,6 +12,7 @@ import signal
 import pytest
 import torch
 
+from layertap.data.reader import iter_rows
 from layertap.data.scan import scan_dataset
 from layertap.errors import OverlongRow, RowError
 from layertap.models.folder import ModelFolder
@@ -65,8 +66,7 @@ def test_rows_planned_ahead_are_the_rows_planned_here(tiny_kimi25, tmp_path, ove
     ahead = Lookahead(planner.outcome, make, processes=2, ahead=8)
     try:
         ahead.warm.result(timeout=300)  # every row then goes to the pool
-        planned = [planner._plan_row(row, data, [], outcome) for row, data, outcome in
-                   ahead.outcomes(iter(enumerate_rows(planner)))]  # fmt: skip
+        planned = [planner._plan_row(row, read, [], outcome) for row, read, outcome in ahead.outcomes(iter_rows(data))]
     finally:
         ahead.close()
     assert ahead.planned == {"ahead": 41, "here": 0}
@@ -77,23 +77,17 @@ def test_rows_planned_ahead_are_the_rows_planned_here(tiny_kimi25, tmp_path, ove
     assert all(same(a, b) for a, b in zip(here, with_pool, strict=True))
 
 
-def enumerate_rows(planner: RowPlanner):
-    from layertap.data.reader import iter_rows
-
-    return iter_rows(planner.spec.data)
-
-
 def test_a_planning_process_killed_leaves_its_rows_to_the_run(tiny_kimi25, tmp_path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(60, seed=4, max_words=30))
     spec = ExtractionSpec(model=tiny_kimi25, data=data, layers=(1,), format="speculators", trust_remote_code=True)
     folder = ModelFolder.read(tiny_kimi25)
     planner = RowPlanner(spec, Tokenize(folder, spec, None))
-    here = [planner.outcome(row, data) for row, data in enumerate_rows(planner)]
+    here = [planner.outcome(row, read) for row, read in iter_rows(data)]
     ahead = Lookahead(planner.outcome, (_planner, (folder, spec, None, {}, None)), processes=2, ahead=8)
     got = []
     try:
         ahead.warm.result(timeout=300)
-        for n, (_, _, outcome) in enumerate(ahead.outcomes(iter(enumerate_rows(planner)))):
+        for n, (_, _, outcome) in enumerate(ahead.outcomes(iter_rows(data))):
             got.append(outcome)
             if n == 5:
                 os.kill(next(iter(ahead.pool._processes)), signal.SIGKILL)  # the pool breaks
