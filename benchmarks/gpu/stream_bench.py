@@ -1,9 +1,8 @@
-"""Streaming to a trainer through Mooncake Store against the file path, on one H200: `layertap extract --stream
-mooncake` (files and stream: its store on tmpfs or on local disk) and `--stream-only` (no sample file: its run folder
-on local disk), a consumer process on the same node reading every sample with hs-connectors' reader onto the GPU and
-acking it, against the same run writing files only, to tmpfs and to local disk, and against plain prefill of the same
-tokens; samples/s and bytes/s as ratios within one run, the bytes each run wrote (its process's ``write_bytes``), and
-where the stream's time goes.
+"""Streaming to a trainer through Mooncake Store against the file path, on one GPU: `layertap extract --stream mooncake`
+(files and stream: its store on tmpfs or local disk) and `--stream-only` (no sample file: its run folder on local
+disk), a consumer process on the same node reading every sample onto the GPU and acking it, against the same run
+writing files only, to tmpfs and to local disk, and against plain prefill of the same tokens; samples/s and bytes/s
+as ratios within one run, the bytes each run wrote (its process's ``write_bytes``), and where the time goes.
 
     python3 -m benchmarks stream --layers-deep 4 --out "$OUT/stream-4" --kernel-cache-tgz .whl2/kernel-cache-h200.tgz
     python3 -m benchmarks stream --layers-deep 12 --out "$OUT/stream-12" ...     # a second call: the deeper folder
@@ -59,11 +58,12 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-host][-plan], only = --stream-only; -host: its
-# consumer without CUDA (unpinned buffers; without, it copies onto the server's GPU); -plan: --plan-processes 2
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., only = --stream-only; -host: the
+# consumer without CUDA (unpinned buffers; else onto the server's GPU); the other suffixes add extract's flags:
+SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "wide": ("--commit-threads", 16)}
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
-STAGES = ("prefill", "dump_wait", "validate", "handover", "commit")  # a run report's stage_seconds
+STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle")  # a run report's stage_seconds
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
 
@@ -188,7 +188,7 @@ class Part:
 
     def arm(self, arm: str, rnd: int) -> dict:
         kind, where, *extra = arm.split("-")
-        name, plan = f"{arm}-{rnd}", ["--plan-processes", 2] if "plan" in extra else []
+        name, plan = f"{arm}-{rnd}", [flag for suffix in extra for flag in SUFFIX_FLAGS.get(suffix, ())]
         out = self.dirs[where] / name
         if kind == "file":
             row = self.extract(out, self.data, *plan)

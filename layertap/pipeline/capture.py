@@ -90,6 +90,7 @@ class Capture:
         def feed() -> Iterator[TokenizedSample]:
             nonlocal source_error
             while self.ledger.keep_going():
+                t0 = time.perf_counter()
                 try:
                     sample = next(samples)
                 except StopIteration:
@@ -97,6 +98,7 @@ class Capture:
                 except BaseException as exc:  # the dataset or the store, not the engine: never a suspect
                     source_error = exc
                     raise
+                self.ledger.timed("plan", time.perf_counter() - t0)  # the engine's free slots wait meanwhile
                 held[sample.sample_id] = sample
                 yield sample
 
@@ -142,11 +144,14 @@ class Capture:
 
     def _settle(self, commit: Future, sample: TokenizedSample) -> None:
         """Account for one finished commit (in the calling thread, so the ledger needs no lock)."""
+        t0 = time.perf_counter()
         try:
             done = commit.result()
         except SampleError as err:
             self._attempt_failed(sample, str(err))
             return
+        finally:  # the run's thread held at the commits' bound: finished requests wait for it meanwhile
+            self.ledger.timed("settle", time.perf_counter() - t0)
         self.ledger.committed(done)
 
     def _attempt_failed(self, sample: TokenizedSample, reason: str) -> None:

@@ -173,8 +173,10 @@ class RunReport:
     rows_seconds: float = 0.0  # of ``seconds``: the rows (read, plan, capture, commit); the rest starts the run
     finish_seconds: float = 0.0  # of ``seconds``: the finish (the store finalized, the stream's samples acked)
     # Each capture stage's seconds summed over the samples, which overlap (`StageTimes`): commit (into the target, in
-    # its commit thread) and, from an SGLang engine the CLI ran, prefill (the request's round trip), dump_wait (its
-    # reply to its dump folder), validate (the dump read and checked) and handover (done, waiting for the run to take it)
+    # its commit thread), plan and settle (the run's own thread: the next sample planned, a commit waited for once
+    # 2 x commit_threads are pending) and, from an SGLang engine the CLI ran, prefill (the request's round trip),
+    # dump_wait (its reply to its dump folder), validate (the dump read and checked) and handover (done, waiting for
+    # the run's thread to take it)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
     stopped: bool = False  # the run was told to stop before its rows were all handled
@@ -246,8 +248,12 @@ class Ledger:
         """A sample is in its target: counted, told to the events."""
         self.report.computed.append(done.sample.sample_id)
         self.report.tokens += done.sample.num_tokens
-        self.report.stage_seconds["commit"] = self.report.stage_seconds.get("commit", 0.0) + done.seconds
+        self.timed("commit", done.seconds)
         self.events.committed(done)
+
+    def timed(self, stage: str, seconds: float) -> None:
+        """``seconds`` more in ``stage`` of the report's `RunReport.stage_seconds` (told by the run's own thread)."""
+        self.report.stage_seconds[stage] = self.report.stage_seconds.get(stage, 0.0) + seconds
 
     def retired(self, record: SampleRecord, why: str) -> None:
         """A committed sample its row no longer gives (``why``): retired from the store, no longer counted done."""
