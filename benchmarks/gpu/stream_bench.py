@@ -58,8 +58,8 @@ from layertap.tiny import build_tiny_model
 
 LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
-ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., only = --stream-only; -host: the
-# consumer without CUDA (unpinned buffers; else onto the server's GPU); the other suffixes add extract's flags:
+ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., only = --stream-only; -host: consumers
+# without CUDA (unpinned buffers; else onto the server's GPU); -cN: N consumers (1); the others add extract's flags:
 SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "wide": ("--commit-threads", 16)}
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
@@ -69,15 +69,13 @@ SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57
 
 
 # -- the consumer (a process of its own, as a trainer is) ----------------------------------------------------
-
-
 def consume(redis_url: str, name: str, master: str, result: Path) -> None:
     """Read the stream ``name`` to its end as one trainer does: each sample received (quick checks), moved onto the GPU
     when it sees one (where a trainer's step wants it), then acked; the time in each part and the bytes to ``result``."""
     from layertap.stream.consumer import StreamConsumer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    consumer = StreamConsumer(redis_url, name, master=master, consumer="bench", block_ms=50)
+    consumer = StreamConsumer(redis_url, name, master=master, consumer=result.stem, block_ms=50)
     torch.zeros(1, device=device)  # the device's context made before the first sample, not in its copy
     spent = {"receive_s": 0.0, "to_device_s": 0.0, "ack_s": 0.0}
     samples = nbytes = 0
@@ -106,8 +104,6 @@ def consume(redis_url: str, name: str, master: str, result: Path) -> None:
 
 
 # -- one part: a folder, its server, every arm ----------------------------------------------------------------
-
-
 class Part:
     """One folder's run: its server, Redis and Mooncake master up once; each arm a `layertap extract` against them."""
 
@@ -158,10 +154,10 @@ class Part:
             start_attempts=1,
         )  # fmt: skip
 
-    def extract(self, out: Path, data: Path, *stream: str, reader: subprocess.Popen | None = None) -> dict:
+    def extract(self, out: Path, data: Path, *stream: str, readers: tuple[subprocess.Popen, ...] = ()) -> dict:
         """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds, the sample
         files' bytes, the run folder's and what the process wrote (its last ``write_bytes`` seen: storage writes, tmpfs
-        not counted). Stopped when ``reader`` (its stream's consumer) fails: the run would wait for its acks for ever."""
+        not counted). Stopped when one of ``readers`` (its stream's consumers) fails: the run would wait for ever."""
         t0 = time.perf_counter()
         log_path = self.logs / f"extract-{out.name}.log"
         with log_path.open("w") as log_file:
@@ -172,9 +168,9 @@ class Part:
                             stderr=subprocess.STDOUT)  # fmt: skip
             written = 0
             while proc.poll() is None:
-                if reader is not None and reader.poll() not in (None, 0):
+                if any(reader.poll() not in (None, 0) for reader in readers):
                     proc.kill()
-                    raise RuntimeError(f"the consumer of {out.name} exited {reader.returncode}")
+                    raise RuntimeError(f"a consumer of {out.name} failed")
                 written = max(written, write_bytes(proc.pid))
                 time.sleep(0.2)
         wall = time.perf_counter() - t0
@@ -195,21 +191,25 @@ class Part:
             if not self.prompts:  # the tokens every arm captures, for plain prefill
                 self.prompts = [load_file(f)["token_ids"].tolist() for f in sorted(out.glob("samples/*.safetensors"))]
         else:
-            result = self.logs / f"consumer-{name}.json"
-            reader = subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
-                                       self.master.address, str(result)], cwd=REPO_ROOT,
-                                      env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if "host" in extra else {})},
-                                      stdout=(self.logs / f"consumer-{name}.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+            n = next((int(suffix[1:]) for suffix in extra if suffix[:1] == "c" and suffix[1:].isdigit()), 1)
+            results = [self.logs / f"consumer-{name}-{i}.json" for i in range(n)]
+            readers = tuple(subprocess.Popen([sys.executable, "-m", __name__, "consume", self.redis.url, name,
+                                              self.master.address, str(result)], cwd=REPO_ROOT,
+                                             env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if "host" in extra else {})},
+                                             stdout=result.with_suffix(".log").open("w"), stderr=subprocess.STDOUT)
+                            for result in results)  # fmt: skip
             try:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
                                    "--stream-redis-url", self.redis.url, "--stream-name", name,
                                    "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED,
-                                   *(["--stream-only"] if kind == "only" else []), *plan, reader=reader)  # fmt: skip
-                if reader.wait(timeout=120) != 0:
-                    raise RuntimeError(f"the consumer of {name} exited {reader.returncode}")
+                                   *(["--stream-only"] if kind == "only" else []), *plan, readers=readers)  # fmt: skip
+                if any(reader.wait(timeout=120) != 0 for reader in readers):
+                    raise RuntimeError(f"a consumer of {name} failed")
             finally:
-                reader.kill()
-            got = json.loads(result.read_text())
+                for reader in readers:
+                    reader.kill()
+            gots = [json.loads(result.read_text()) for result in results]  # summed, the span the longest
+            got = {key: (max if key == "span_s" else sum)(g[key] for g in gots) for key in gots[0]}
             run = stream_run_facts(self.redis.url, name)
             row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0))}
             assert got["samples"] == row["samples"], (got, row)
@@ -253,8 +253,6 @@ def stream_run_facts(url: str, name: str) -> dict[str, str]:
 
 
 # -- the report -----------------------------------------------------------------------------------------------
-
-
 def median_by_arm(rows: list[dict], key: str) -> dict[str, float]:
     arms = dict.fromkeys(r["arm"] for r in rows)
     return {arm: statistics.median(r[key] for r in rows if r["arm"] == arm) for arm in arms}
