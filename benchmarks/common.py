@@ -123,8 +123,6 @@ def stop_stack(services: Services, redis: RedisServer | None) -> None:
 
 
 # -- data -----------------------------------------------------------------------------------------------------
-
-
 def chat_rows(n: int, rng: random.Random, *, max_words: int = 160) -> list[dict]:
     """``n`` synthetic chats of 1-3 turns (replies of up to ``max_words`` words), ShareGPT and OpenAI shaped in
     turn, with unique ids."""
@@ -175,8 +173,6 @@ def prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:
 
 
 # -- SGLang ---------------------------------------------------------------------------------------------------
-
-
 def plain_rate(client: httpx.Client, url: str, batch: list[list[int]], in_flight: int,
                finishes: list[tuple[float, int]] | None = None) -> float:  # fmt: skip
     """Plain prefill tok/s of a server: rids outside the capture namespace, so the hooks return at once. With

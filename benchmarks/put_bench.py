@@ -1,7 +1,8 @@
 """A stream producer's put of one sample into Mooncake Store (layertap's ``put_packed``) by where it lands: pages of
 the segment used before (each object removed after its put, so the next reuses its place), fresh pages (none
 removed: each put lands where nothing was), and fresh places of a segment whose pages the producer faulted in
-before its puts (`layertap.stream.segment`, asked for the whole segment); and how long that faulting in took.
+before its puts (`layertap.stream.segment`, asked for the whole segment); and how long that faulting in took. Then
+a consumer's unpinned read of one sample (`get_packed`) into fresh memory and into a kept buffer (`ReadBuffers`).
 
 Why: on one H100 (gpu_stream.md at 89724c9) a producer's put took 24-30 ms a 37 MB sample in the run, 4-7 ms alone.
 
@@ -21,7 +22,7 @@ from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
 from benchmarks import report
 from harness.mooncake import MooncakeMaster
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import connect, disconnect, put_packed, sample_manifest
+from layertap.stream.mooncake import ReadBuffers, connect, disconnect, get_packed, put_packed, sample_manifest
 
 
 def per_put(store: MooncakeHiddenStatesStore, put: Callable[[str], None], puts: int, *, remove: bool) -> float:
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         master = MooncakeMaster.ephemeral(Path(work))
         try:
             stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
+            stores.append(connect(master.address, segment_bytes=0))  # a consumer's client: no segment of its own
             t0 = time.perf_counter()
             stores[1]._store.prefaulting.advance(segment)  # all of it, before its puts
             stores[1]._store.prefaulting.wait(timeout=600)
@@ -64,20 +66,27 @@ def main(argv: list[str] | None = None) -> None:
                 return lambda handle: put_packed(store, sample_manifest(handle, tensors, record, "bench"), tensors)
 
             per_put(stores[0], put(stores[0]), 3, remove=True)  # first-use costs
-            rows = [("pages used before", per_put(stores[0], put(stores[0]), args.puts, remove=True)),
-                    ("fresh pages", per_put(stores[0], put(stores[0]), args.puts, remove=False)),
-                    ("a faulted-in segment", per_put(stores[1], put(stores[1]), args.puts, remove=False))]  # fmt: skip
+            rows = [("a put: pages used before", per_put(stores[0], put(stores[0]), args.puts, remove=True)),
+                    ("a put: fresh pages", per_put(stores[0], put(stores[0]), args.puts, remove=False)),
+                    ("a put: a faulted-in segment", per_put(stores[1], put(stores[1]), args.puts, remove=False))]  # fmt: skip
+            manifest = sample_manifest("read", tensors, record, "bench")
+            put_packed(stores[0], manifest, tensors)
+            for where, buffers in (("a read: fresh memory", None), ("a read: a kept buffer", ReadBuffers())):
+                t0 = time.perf_counter()
+                for _ in range(args.puts):  # each sample's views dropped before the next read, as a trainer's are
+                    get_packed(stores[2], manifest, timeout=10, buffers=buffers)
+                rows.append((where, (time.perf_counter() - t0) / args.puts))
         finally:
             for store in stores:
                 disconnect(store)
             master.stop()
     nbytes = sum(t.nbytes for t in tensors.values())
     lines = [
-        f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts "
-        "each way (Mooncake over TCP, one master and producer on this machine); the faulted-in segment "
+        f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts or reads "
+        "each way (Mooncake over TCP, one master, producer and consumer on this machine); the faulted-in segment "
         f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in.",
         "",
-        *report.table_lines(("the put lands in", "ms a put"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),
+        *report.table_lines(("it lands in", "ms"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),
     ]
     report.write(args.out, report.result("put", "\n".join(lines), parameters=vars(args), rows=rows))
     print("\n".join(lines))

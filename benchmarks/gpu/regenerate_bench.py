@@ -163,8 +163,6 @@ def chats(n: int) -> list[dict[str, Any]]:
 
 
 # -- plain SGLang generation of the same prompts -----------------------------------------------------------------
-
-
 def plain_generation(url: str, model: Path, rows: list[dict[str, Any]], settings: dict[str, Any], in_flight: int
                      ) -> dict[str, Any]:  # fmt: skip
     """Regenerate every assistant turn of ``rows`` the way a plain script would, through ``url``'s ``/generate``:
@@ -239,8 +237,6 @@ def stock_server(model: Path, server_args: list[str], env: dict[str, str], log: 
 
 
 # -- the stages ---------------------------------------------------------------------------------------------------
-
-
 def generation_args(args: argparse.Namespace) -> list[str]:
     return ["--regenerate", "all", "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
             "--layers", LAYERS, "--trust-remote-code"]  # fmt: skip
@@ -356,8 +352,6 @@ def scrape_stages(url: str) -> dict[str, float]:
 
 
 # -- the table ----------------------------------------------------------------------------------------------------
-
-
 def ratio_to_plain(part: dict[str, Any], plain: dict[str, Any] | None) -> str:
     """``part``'s generation rate over plain SGLang's, compared only when both ran on one node: plain SGLang ran
     at 19,013 and at 15,073 tok/s on two H200 nodes a day apart (INT4, `gpu_regenerate_first_runs.md`)."""

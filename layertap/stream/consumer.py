@@ -39,7 +39,7 @@ from layertap.state.keys import Keys
 from layertap.store.formats import get_format
 from layertap.store.formats.base import CheckLevel
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import connect, disconnect, get_packed
+from layertap.stream.mooncake import ReadBuffers, connect, disconnect, get_packed
 from layertap.stream.sink import redis_client
 from sglang_patch.contract import SampleLayout
 
@@ -129,6 +129,7 @@ class StreamConsumer:
         self.stream = self.keys.stream(name)
         scripts.STREAM_JOIN([self.stream, self.keys.stream_groups(name)], [group], client=self.redis)
         self.transfer = MooncakeTransfer(connect(master, segment_bytes=0))
+        self.buffers = ReadBuffers()  # without CUDA: each sample read into memory read into before, once unheld
 
     def receive(self) -> Delivery | None:
         """The next sample for this consumer (`poll`), its quick checks passed: one that fails them (not of its
@@ -164,9 +165,8 @@ class StreamConsumer:
         while True:
             manifest = {**manifest, "handle": current}  # a resumed run's object of the sample: the same bytes
             try:
-                tensors = get_packed(
-                    self.transfer.store, manifest, timeout=self.fetch_timeout_s, pin=torch.cuda.is_initialized()
-                )  # a trainer on its GPU: pinned
+                tensors = get_packed(self.transfer.store, manifest, timeout=self.fetch_timeout_s,
+                                     pin=torch.cuda.is_initialized(), buffers=self.buffers)  # fmt: skip
                 break
             except (TimeoutError, RuntimeError) as exc:  # absent, or its segment unreachable (a get_into failed)
                 if (current := self._release(entry_id.decode(), sample_id, current)) is None:

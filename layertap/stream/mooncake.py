@@ -132,14 +132,52 @@ def put_packed(store: MooncakeHiddenStatesStore, manifest: dict[str, Any], tenso
         raise RuntimeError(f"Mooncake put of {manifest['handle']} returned {status}")
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # how many hold a storage (tensors, views, the caller's)
+_BUFFER_ROUND = 16 << 20  # a kept buffer's size rounds up to this, so samples a little longer still fit it
+
+
+class ReadBuffers:
+    """Host memory a consumer reads unpinned samples into, a buffer read into again once nothing holds a view of it.
+    Each fresh buffer faults its pages in as the read lands (glibc maps every block over 32 MB anew): a CPU consumer
+    received at 1.4 GB/s on the H100 host against 2.6 pinned (gpu_stream_stages.md); a 40 MB read took 61.9 ms into
+    fresh memory and 23.3 ms into a kept buffer on the CPU box (`benchmarks/results/put_cpu.md`). A buffer whose storage went to shared memory (a
+    DataLoader worker pickling a sample moves it there in place, and the main process reads it from there) is never
+    read into again. Without torch's use count of a storage, every read gets fresh memory."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, size: int) -> torch.Tensor:
+        """``size`` bytes to read a sample into: a kept buffer that nothing else holds, else a new one, kept while
+        fewer than ``keep`` are (one too small of those free is replaced)."""
+        if _USE_COUNT is None:
+            return torch.empty(size, dtype=torch.uint8)
+        self.buffers = [b for b in self.buffers if not b.untyped_storage().is_shared()]
+        free = [b for b in self.buffers if _USE_COUNT(b.untyped_storage()._cdata) <= 2]  # this list's and the call's
+        if fits := [b for b in free if b.numel() >= size]:
+            return fits[0][:size]
+        if free:  # by identity: a tensor's == is elementwise
+            self.buffers = [b for b in self.buffers if b is not free[0]]
+        buffer = torch.empty(-(-size // _BUFFER_ROUND) * _BUFFER_ROUND, dtype=torch.uint8)
+        if len(self.buffers) < self.keep:
+            self.buffers.append(buffer)
+        return buffer[:size]
+
+
 def get_packed(
-    store: MooncakeHiddenStatesStore, manifest: dict[str, Any], *, timeout: float, pin: bool = False
+    store: MooncakeHiddenStatesStore,
+    manifest: dict[str, Any],
+    *,
+    timeout: float,
+    pin: bool = False,
+    buffers: ReadBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
     """A sample's tensors, as ``manifest`` packs them, read straight into one buffer of their own (pinned with
-    ``pin``, so a trainer's copy onto its GPU runs at full speed) and returned as views of it: no staging buffer and no
-    copy out of it, as hs-connectors' ``get_sample`` makes (with the fresh pages each copy faults in, the copy cost as
-    much as the read). TimeoutError when the object is not there within ``timeout`` seconds, MooncakeIntegrityError (a
-    RuntimeError) when it is not what the manifest says."""
+    ``pin``, so a trainer's copy onto its GPU runs at full speed; else one of ``buffers`` when given) and returned as
+    views of it: no staging buffer and no copy out of it, as hs-connectors' ``get_sample`` makes (with the fresh pages
+    each copy faults in, the copy cost as much as the read). TimeoutError when the object is not there within
+    ``timeout`` seconds, MooncakeIntegrityError (a RuntimeError) when it is not what the manifest says."""
     handle, size = manifest["handle"], manifest["metadata"]["total_aligned_bytes"]
     if manifest.get("version") != VERSION:
         raise MooncakeIntegrityError(f"{handle}: manifest version {manifest.get('version')}, not {VERSION}")
@@ -150,7 +188,7 @@ def get_packed(
         time.sleep(0.01)
     if found != size:
         raise MooncakeIntegrityError(f"{handle} holds {found} bytes, its manifest says {size}")
-    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin) if pin or buffers is None else buffers.take(size)
     if (got := store._store.get_into(handle, buffer.data_ptr(), size)) != size:
         raise MooncakeIntegrityError(f"reading {handle} gave {got} of its {size} bytes")
     return {name: _view(buffer, handle, name, spec) for name, spec in manifest["tensors"].items()}
