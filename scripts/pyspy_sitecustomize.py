@@ -2,7 +2,7 @@
 
 Copy this file to ``/tmp/site/sitecustomize.py`` (on ``PYTHONPATH`` there), put py-spy's manylinux wheel in the call's
 bundle, and set ``LT_PROF`` to a folder: every ``layertap extract`` (named by its ``--out`` folder) and every stream
-bench consumer (``consume``, named by its stream) then records two profiles in raw (collapsed) form while it runs:
+bench consumer (``consume``, named by its result file) then records two profiles in raw (collapsed) form while it runs:
 ``NAME-gil.txt`` (the thread holding the GIL) and ``NAME-busy.txt`` (each thread's non-idle samples, the thread first).
 With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``: its launcher and the
 processes it spawns, the scheduler whose threads write the dumps among them).
@@ -25,7 +25,7 @@ if _out and (_extract or _consume or _server):
     with contextlib.suppress(OSError, AttributeError):  # Yama's scope 1 lets only ancestors attach: allow any
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
     if _consume:
-        _name = "consumer-" + _argv[_argv.index("consume") + 2]
+        _name = os.path.basename(_argv[_argv.index("consume") + 4]).removesuffix(".json")  # consumer-ARM-ROUND-I
     elif _extract:
         _name = os.path.basename(_argv[_argv.index("--out") + 1]) if "--out" in _argv else str(os.getpid())
     else:
