@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             master.stop()
     nbytes = sum(t.nbytes for t in tensors.values())
     lines = [
-        f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts or reads "
-        "each way (Mooncake over TCP, one master, producer and consumer on this machine); the faulted-in segment "
+        f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts or "
+        "reads each way (Mooncake over TCP, one master, producer and consumer on this machine); the faulted-in segment "
         f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in.",
         "",
         *report.table_lines(("it lands in", "ms"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),

@@ -140,9 +140,10 @@ class ReadBuffers:
     """Host memory a consumer reads unpinned samples into, a buffer read into again once nothing holds a view of it.
     Each fresh buffer faults its pages in as the read lands (glibc maps every block over 32 MB anew): a CPU consumer
     received at 1.4 GB/s on the H100 host against 2.6 pinned (gpu_stream_stages.md); a 40 MB read took 61.9 ms into
-    fresh memory and 23.3 ms into a kept buffer on the CPU box (`benchmarks/results/put_cpu.md`). A buffer whose storage went to shared memory (a
-    DataLoader worker pickling a sample moves it there in place, and the main process reads it from there) is never
-    read into again. Without torch's use count of a storage, every read gets fresh memory."""
+    fresh memory and 23.3 ms into a kept buffer on the CPU box (`benchmarks/results/put_cpu.md`). A buffer whose
+    storage went to shared memory (a DataLoader worker pickling a sample moves it there in place, and the main process
+    reads it from there) is never read into again. Without torch's use count of a storage, every read gets fresh
+    memory."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
