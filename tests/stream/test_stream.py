@@ -299,15 +299,21 @@ def test_a_consumer_that_falls_behind_holds_the_producer_at_its_bound_as_every_v
     assert f"stream {name}: 20 put, 20 acked, 0 in flight (bound {UNACKED}), every one acked, held " in said
 
 
-def test_stream_dataset_yields_the_stores_samples(tiny_llama, mooncake_master, redis_server, redis_client, tmp_path):
+# With workers, each sample leaves its worker through shared memory. They are started by a forkserver: a process
+# forked after this one made a Mooncake client (the in-process case's consumer) hangs in its own client's setup.
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_dataset_yields_the_stores_samples(
+    tiny_llama, mooncake_master, redis_server, redis_client, tmp_path, workers: int
+) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(12, seed=6, max_words=10))
-    out, name = tmp_path / "out", "hf-run"
+    out, name = tmp_path / "out", f"hf-run-{workers}"
     producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
                                 "1,3,5", "--out", str(out), *stream_args(mooncake_master, redis_server, name)],
                     env(), tmp_path / "extract.log").start()  # fmt: skip
     try:
         samples = list(torch.utils.data.DataLoader(StreamDataset(redis_server.url, name, master=mooncake_master.address),
-                                                   batch_size=None))  # fmt: skip
+                                                   batch_size=None, num_workers=workers,
+                                                   multiprocessing_context="forkserver" if workers else None))  # fmt: skip
         assert producer.popen.wait(timeout=120) == 0, producer.log_tail()
     finally:
         producer.kill(signal.SIGKILL)
