@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import time
 from typing import Any
@@ -35,6 +36,7 @@ from layertap.stream import segment
 IDENTITY_FIELDS = ("format", "model_config_sha256", "tokenizer_sha256", "chat_template_sha256", "dataset_sha256",
                    "compute_dtype", "store_dtype", "hidden_size", "capture_indices", "final_pre_norm")  # fmt: skip
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's own bounce buffer: hs-connectors registers its staging buffers itself
+_CLIENT_PID: int | None = None  # the process that made this one's first client (a forked child inherits it: `connect`)
 
 
 class StreamError(LayertapError):
@@ -246,9 +248,18 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
 
     The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
     makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
-    connects, ~0.5 s and hundreds of MB of the GPU its server uses, which a TCP transport does not need."""
+    connects, ~0.5 s and hundreds of MB of the GPU its server uses, which a TCP transport does not need.
+
+    StreamError in a process forked from one that had made a client (a DataLoader worker forked after the trainer
+    read in its own process): its setup would hang there (tests/stream/test_stream.py found it)."""
     from mooncake.store import MooncakeDistributedStore
 
+    global _CLIENT_PID
+    if _CLIENT_PID not in (None, os.getpid()):
+        raise StreamError(
+            "this process was forked from one that had made a Mooncake client, and a client set up after such a fork "
+            "hangs: start it otherwise (DataLoader(..., multiprocessing_context='forkserver'), or 'spawn')"
+        )
     check_master(address)
     host = address.rpartition(":")[0]
     local = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
@@ -260,6 +271,7 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
                           config.local_buffer_size, config.protocol, config.device_name, config.master_server_address)  # fmt: skip
     if status != 0:
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
+    _CLIENT_PID = os.getpid()
     store = MooncakeHiddenStatesStore(config)
     if pin:
         faults = (
