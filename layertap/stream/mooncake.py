@@ -36,6 +36,11 @@ from layertap.stream import segment
 IDENTITY_FIELDS = ("format", "model_config_sha256", "tokenizer_sha256", "chat_template_sha256", "dataset_sha256",
                    "compute_dtype", "store_dtype", "hidden_size", "capture_indices", "final_pre_norm")  # fmt: skip
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's own bounce buffer: hs-connectors registers its staging buffers itself
+# Mooncake copies a put into its own client's segment with memcpy only where it finds no transport but TCP; on a host
+# with an RDMA NIC (a GPU node) it sends each put to itself over TCP loopback instead: a 40 MB put took 36-41 ms wall
+# and 43-48 ms of CPU that way on the CPU box, 4.7-5.0 ms with memcpy (`benchmarks/results/put_cpu.md`). A producer
+# asks for memcpy unless the user set the variable; Mooncake reads it as each client is set up.
+LOCAL_MEMCPY_ENV = "MC_STORE_MEMCPY"
 _CLIENT_PID: int | None = None  # the process that made this one's first client (a forked child inherits it: `connect`)
 
 
@@ -244,7 +249,8 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
     producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`), and with
     ``prefault`` the segment's pages are faulted in ahead of the puts by threads of their own (`segment.Prefault`;
-    without, by the puts that first touch them: `benchmarks/put_bench.py` compares).
+    without, by the puts that first touch them: `benchmarks/put_bench.py` compares), and its puts are memcpys into its
+    own segment (`LOCAL_MEMCPY_ENV`), not sends to itself over TCP.
 
     The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
     makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
@@ -261,6 +267,8 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
             "hangs: start it otherwise (DataLoader(..., multiprocessing_context='forkserver'), or 'spawn')"
         )
     check_master(address)
+    if pin:
+        os.environ.setdefault(LOCAL_MEMCPY_ENV, "1")
     host = address.rpartition(":")[0]
     local = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
     config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
