@@ -1,9 +1,8 @@
 """A stream producer's put of one sample into Mooncake Store (layertap's ``put_packed``) by where it lands: pages of
-the segment used before (each object removed after its put, so the next reuses its place), fresh pages (none
-removed: each put lands where nothing was), and fresh places of a segment whose pages the producer faulted in
-before its puts (`layertap.stream.segment`, asked for the whole segment); and how long that faulting in took. Then
-a consumer's unpinned read of one sample (`get_packed`) into fresh memory and into a kept buffer (`ReadBuffers`).
-
+the segment used before (each object removed after its put, so the next reuses its place), fresh pages (none removed:
+each put lands where nothing was), fresh places of a segment the producer faulted in before its puts (and how long
+that took), and used pages sent over TCP (Mooncake's own pick on a host with an RDMA NIC, not memcpy). Then a
+consumer's unpinned read of one sample (`get_packed`) into fresh memory and into a kept buffer (`ReadBuffers`).
 Why: on one H100 (gpu_stream.md at 89724c9) a producer's put took 24-30 ms a 37 MB sample in the run, 4-7 ms alone.
 
     .venv/bin/python -m benchmarks put [--tokens 700 --hidden 7168 --puts 30] --out benchmarks/results/put.md
@@ -16,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
@@ -23,15 +23,8 @@ from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
 from benchmarks import report
 from harness.mooncake import MooncakeMaster
 from layertap.store.index import SampleRecord
-from layertap.stream.mooncake import (
-    LOCAL_MEMCPY_ENV,
-    ReadBuffers,
-    connect,
-    disconnect,
-    get_packed,
-    put_packed,
-    sample_manifest,
-)
+from layertap.stream import mooncake
+from layertap.stream.mooncake import ReadBuffers, connect, disconnect, get_packed, put_packed, sample_manifest
 
 
 def per_put(store: MooncakeHiddenStatesStore, put: Callable[[str], None], puts: int, *, remove: bool) -> float:
@@ -46,17 +39,6 @@ def per_put(store: MooncakeHiddenStatesStore, put: Callable[[str], None], puts: 
     for handle in handles if not remove else ():
         store._store.remove(handle, True)
     return seconds
-
-
-def tcp_producer(address: str, segment_bytes: int) -> MooncakeHiddenStatesStore:
-    """A producer's client whose puts Mooncake sends to itself over TCP (``MC_STORE_MEMCPY=0``): what it picks by itself
-    on a host with an RDMA NIC, and what a producer did before it asked for memcpy."""
-    before = os.environ.get(LOCAL_MEMCPY_ENV)
-    os.environ[LOCAL_MEMCPY_ENV] = "0"
-    try:
-        return connect(address, segment_bytes=segment_bytes, pin=True, prefault=False)
-    finally:
-        os.environ.pop(LOCAL_MEMCPY_ENV) if before is None else os.environ.update({LOCAL_MEMCPY_ENV: before})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
             stores.append(connect(master.address, segment_bytes=0))  # a consumer's client: no segment of its own
-            stores.append(tcp_producer(master.address, segment // args.puts))
+            with mock.patch.dict(os.environ, {mooncake.LOCAL_MEMCPY_ENV: "0"}):  # TCP: Mooncake's pick with RDMA
+                stores.append(connect(master.address, segment_bytes=segment // args.puts, pin=True, prefault=False))
             t0 = time.perf_counter()
             stores[1]._store.prefaulting.advance(segment)  # all of it, before its puts
             stores[1]._store.prefaulting.wait(timeout=600)
@@ -107,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts or "
         "reads each way (Mooncake over TCP, one master, producer and consumer on this machine); the faulted-in segment "
         f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in. A put is a memcpy into the producer's own segment "
-        f"({LOCAL_MEMCPY_ENV}=1, as layertap's producer asks), but in the row sent over TCP: what Mooncake picks by itself "
+        f"({mooncake.LOCAL_MEMCPY_ENV}=1, as layertap's producer asks), but in the row sent over TCP: what Mooncake picks by itself "
         "on a host with an RDMA NIC.",
         "",
         *report.table_lines(("it lands in", "ms"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),

@@ -180,15 +180,12 @@ def capture_rate(bench: Bench, root: Path, work: Path, batch: list[list[int]], i
     def total(key: str) -> float:
         return sum(float(stats.get(key, 0.0)) for stats in writer)
 
-    def spread(key: str) -> float:
-        values = [float(stats.get(key, 0.0)) for stats in writer] or [0.0]
-        return max(values) - min(values)
-
+    grown = [float(stats.get("pinned_alloc_s", 0.0)) for stats in writer] or [0.0]
     return CaptureRun(tok_s=done.report.tokens / dt, bytes_s=nbytes / dt, waited_s=total("wait_s"),
                       writers_busy=total("write_s") / writer_time, copy_wait=total("ready_s") / writer_time,
                       commit_busy=done.times.seconds / (dt * commit_threads),
                       pinned_held=max((float(s.get("pinned_held_bytes", 0)) for s in writer), default=0.0),
-                      pinned_alloc_s=spread("pinned_alloc_s"), store=store_root if keep else None)  # fmt: skip
+                      pinned_alloc_s=max(grown) - min(grown), store=store_root if keep else None)  # fmt: skip
 
 
 def start_servers(shapes: tuple[Shape, ...], args: argparse.Namespace, smoke: bool, *, layout: str = "specforge",

@@ -93,9 +93,8 @@ def consume(redis_url: str, name: str, master: str, result: Path) -> None:
         t2 = time.perf_counter()
         consumer.ack(delivery)
         last = time.perf_counter()
-        spent["receive_s"] += t1 - t0
-        spent["to_device_s"] += t2 - t1
-        spent["ack_s"] += last - t2
+        for part, seconds in zip(spent, (t1 - t0, t2 - t1, last - t2), strict=True):  # receive, to device, ack
+            spent[part] += seconds
         samples += 1
         nbytes += sum(t.nbytes for t in on_device.values())
     consumer.close()
