@@ -37,8 +37,8 @@ IDENTITY_FIELDS = ("format", "model_config_sha256", "tokenizer_sha256", "chat_te
                    "compute_dtype", "store_dtype", "hidden_size", "capture_indices", "final_pre_norm")  # fmt: skip
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's own bounce buffer: hs-connectors registers its staging buffers itself
 # Mooncake copies a put into its own client's segment with memcpy only where it finds no transport but TCP; on a host
-# with an RDMA NIC (a GPU node) it sends each put to itself over TCP loopback instead: a 40 MB put took 36-41 ms wall
-# and 43-48 ms of CPU that way on the CPU box, 4.7-5.0 ms with memcpy (`benchmarks/results/put_cpu.md`). A producer
+# with an RDMA NIC (a GPU node) it sends each put to itself over TCP loopback instead, a 40 MB put in 23.3 ms on the CPU
+# box against 5.6 ms by memcpy (`benchmarks/results/put_cpu.md`; a CPU's worth of kernel copies besides). A producer
 # asks for memcpy unless the user set the variable; Mooncake reads it as each client is set up.
 LOCAL_MEMCPY_ENV = "MC_STORE_MEMCPY"
 _CLIENT_PID: int | None = None  # the process that made this one's first client (a forked child inherits it: `connect`)
