@@ -27,6 +27,7 @@ def test_a_smoke_run_writes_its_json_and_the_table_rendered_from_it(tmp_path: Pa
     result = json.loads((tmp_path / "put.json").read_text())
     assert set(result) == SCHEMA and result["benchmark"] == "put" and result["source"] == "measured"
     assert [row[0] for row in result["rows"]] == ["a put: pages used before", "a put: fresh pages",
-                                                  "a put: a faulted-in segment", "a read: fresh memory",
+                                                  "a put: a faulted-in segment", "a put: pages used before, sent over TCP",
+                                                  "a read: fresh memory",
                                                   "a read: a kept buffer"]  # fmt: skip
     assert render(result) == (tmp_path / "put.md").read_text()
