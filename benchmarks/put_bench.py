@@ -57,29 +57,29 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as work:
         master = MooncakeMaster.ephemeral(Path(work))
         try:
-            stores = [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
-            stores.append(connect(master.address, segment_bytes=0))  # a consumer's client: no segment of its own
+            stores = [connect(master.address, segment_bytes=0)]  # a consumer, first: Mooncake logs its own pick
+            stores += [connect(master.address, segment_bytes=segment, pin=True, prefault=p) for p in (False, True)]
             with mock.patch.dict(os.environ, {mooncake.LOCAL_MEMCPY_ENV: "0"}):  # TCP: Mooncake's pick with RDMA
                 stores.append(connect(master.address, segment_bytes=segment // args.puts, pin=True, prefault=False))
             t0 = time.perf_counter()
-            stores[1]._store.prefaulting.advance(segment)  # all of it, before its puts
-            stores[1]._store.prefaulting.wait(timeout=600)
+            stores[2]._store.prefaulting.advance(segment)  # all of it, before its puts
+            stores[2]._store.prefaulting.wait(timeout=600)
             fill = time.perf_counter() - t0
 
             def put(store: MooncakeHiddenStatesStore) -> Callable[[str], None]:
                 return lambda handle: put_packed(store, sample_manifest(handle, tensors, record, "bench"), tensors)
 
-            per_put(stores[0], put(stores[0]), 3, remove=True)  # first-use costs
-            rows = [("a put: pages used before", per_put(stores[0], put(stores[0]), args.puts, remove=True)),
-                    ("a put: fresh pages", per_put(stores[0], put(stores[0]), args.puts, remove=False)),
-                    ("a put: a faulted-in segment", per_put(stores[1], put(stores[1]), args.puts, remove=False)),
+            per_put(stores[1], put(stores[1]), 3, remove=True)  # first-use costs
+            rows = [("a put: pages used before", per_put(stores[1], put(stores[1]), args.puts, remove=True)),
+                    ("a put: fresh pages", per_put(stores[1], put(stores[1]), args.puts, remove=False)),
+                    ("a put: a faulted-in segment", per_put(stores[2], put(stores[2]), args.puts, remove=False)),
                     ("a put: pages used before, sent over TCP", per_put(stores[3], put(stores[3]), args.puts, remove=True))]  # fmt: skip
             manifest = sample_manifest("read", tensors, record, "bench")
-            put_packed(stores[0], manifest, tensors)
+            put_packed(stores[1], manifest, tensors)
             for where, buffers in (("a read: fresh memory", None), ("a read: a kept buffer", ReadBuffers())):
                 t0 = time.perf_counter()
                 for _ in range(args.puts):  # each sample's views dropped before the next read, as a trainer's are
-                    get_packed(stores[2], manifest, timeout=10, buffers=buffers)
+                    get_packed(stores[0], manifest, timeout=10, buffers=buffers)
                 rows.append((where, (time.perf_counter() - t0) / args.puts))
         finally:
             for store in stores:

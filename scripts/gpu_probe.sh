@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A device call's stream bench wrapped in host probes (call 3 of docs/performance.md's recipe, .whl3 carried, the
+# A device call's put and stream benches wrapped in host probes (call 3 of docs/performance.md's recipe, .whl3 carried, the
 # kernel cache at /tmp/kc.tgz from call 2): /proc/vmstat before and after (THP compaction, faults), vmstat each second,
 # top's busiest threads every 2 s, into $OUT beside the bench's part and its logs (gpu_stream_stages.md came from it).
 #   bash scripts/gpu_probe.sh SHA LAYERS CHATS ROUNDS ARMS    e.g. bash scripts/gpu_probe.sh abc1234 4 480 3 file-tmpfs,only-disk
@@ -11,7 +11,9 @@ lscpu > "$OUT/lscpu.txt" 2>&1
 vmstat -t 1 > "$OUT/vmstat-$2.txt" 2>&1 &
 VM=$!
 (top -b -H -d 2 -w 200 2>&1 | awk '/^top -/{n=0} {n++; if (n<=32) print}' > "$OUT/top-$2.txt") &
-timeout -s INT 540 bash benchmarks/gpu/on_device.sh install .whl3 -- -m benchmarks stream --layers-deep "$2" --chats "$3" --rounds "$4" --arms "$5" --out "$OUT/stream-$2" --kernel-cache-tgz /tmp/kc.tgz
+# where a put lands on this host, by memcpy and sent over TCP (~15 s): what Mooncake picks by itself here reads off it
+timeout -s INT 60 bash benchmarks/gpu/on_device.sh install .whl3 -- -m benchmarks put --out "$OUT/put-gpu" > "$OUT/put-gpu.log" 2>&1
+timeout -s INT 500 bash benchmarks/gpu/on_device.sh install .whl3 -- -m benchmarks stream --layers-deep "$2" --chats "$3" --rounds "$4" --arms "$5" --out "$OUT/stream-$2" --kernel-cache-tgz /tmp/kc.tgz
 kill $VM; pkill -x top
 grep -E 'compact|thp_|pgfault|pgmajfault|numa_' /proc/vmstat > "$OUT/vmstat-after-$2.txt"
 cd "$OUT" && tar czf "logs$2.tgz" "stream-$2-logs" && rm -rf "stream-$2-logs"
