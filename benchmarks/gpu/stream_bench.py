@@ -78,8 +78,7 @@ def consume(redis_url: str, name: str, master: str, result: Path) -> None:
     consumer = StreamConsumer(redis_url, name, master=master, consumer=result.stem, block_ms=50)
     torch.zeros(1, device=device)  # the device's context made before the first sample, not in its copy
     spent = {"receive_s": 0.0, "to_device_s": 0.0, "ack_s": 0.0}
-    samples = nbytes = 0
-    first = last = None
+    samples, nbytes, first, last = 0, 0, None, None
     while not consumer.finished():
         t0 = time.perf_counter()
         delivery = consumer.receive()
@@ -208,7 +207,7 @@ class Part:
                 for reader in readers:
                     reader.kill()
             gots = [json.loads(result.read_text()) for result in results]  # summed, the span the longest
-            got = {key: (max if key == "span_s" else sum)(g[key] for g in gots) for key in gots[0]}
+            got = {key: (max if key == "span_s" else sum)(g[key] for g in gots) for key in gots[0]} | {"consumers": n}
             run = stream_run_facts(self.redis.url, name)
             row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0))}
             assert got["samples"] == row["samples"], (got, row)
@@ -300,8 +299,8 @@ def part_lines(part: dict) -> list[str]:
         "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
         f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
         "onto the GPU, then the ack and the object's removal):", "",
-        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumer receive s", "receive GB/s",
-                             "to GPU s", "ack s", "first to last delivery s"), where), "",
+        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
+                             "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where), "",
     ]  # fmt: skip
 
 
@@ -320,13 +319,14 @@ def headline(part: dict) -> list[str]:
         put = statistics.median(r["put_s"] for r in streams)
         held = statistics.median(r["held_s"] for r in streams)
         receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
+        n = streams[0]["consumer"].get("consumers", 1)
         bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
                  "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
         out.append(
             f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
             f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the commit "
-            f"threads, beside the captures) and its waits at the bound {held:.1f} s; the consumer received at {receive / 1e9:.2f} "
+            f"threads, beside the captures) and its waits at the bound {held:.1f} s; {'the consumer' if n == 1 else f'each of its {n} consumers'} received at {receive / 1e9:.2f} "
             f"GB/s. What bounds it: {bound}."
         )
     return out
