@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         f"One sample of {args.tokens} tokens at hidden {args.hidden} ({nbytes / 1e6:.1f} MB), {args.puts} puts or "
         "reads each way (Mooncake over TCP, one master, producer and consumer on this machine); the faulted-in segment "
         f"({segment / 2**30:.2f} GiB) took {fill:.2f} s to fault in. A put is a memcpy into the producer's own segment "
-        f"({mooncake.LOCAL_MEMCPY_ENV}=1, as layertap's producer asks), but in the row sent over TCP: what Mooncake picks by itself "
-        "on a host with an RDMA NIC.",
+        f"({mooncake.LOCAL_MEMCPY_ENV}=1, as layertap's producer asks), but in the row sent over TCP: what Mooncake "
+        "picks by itself on a host with an RDMA NIC.",
         "",
         *report.table_lines(("it lands in", "ms"), [(n, f"{t * 1e3:.1f}") for n, t in rows]),
     ]

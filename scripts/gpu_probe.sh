@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A device call's put and stream benches wrapped in host probes (call 3 of docs/performance.md's recipe, .whl3 carried, the
-# kernel cache at /tmp/kc.tgz from call 2): /proc/vmstat before and after (THP compaction, faults), vmstat each second,
-# top's busiest threads every 2 s, into $OUT beside the bench's part and its logs (gpu_stream_stages.md came from it).
+# A device call's put and stream benches wrapped in host probes (call 3 of docs/performance.md's recipe, .whl3
+# carried, the kernel cache at /tmp/kc.tgz from call 2): /proc/vmstat before and after (THP compaction, faults),
+# vmstat each second, top's busiest threads every 2 s, into $OUT beside the bench's part and its logs
+# (gpu_stream_stages.md came from it).
 #   bash scripts/gpu_probe.sh SHA LAYERS CHATS ROUNDS ARMS    e.g. bash scripts/gpu_probe.sh abc1234 4 480 3 file-tmpfs,only-disk
 set -u
 export BENCH_COMMIT=$1 PYTHONUNBUFFERED=1

@@ -319,15 +319,15 @@ def headline(part: dict) -> list[str]:
         put = statistics.median(r["put_s"] for r in streams)
         held = statistics.median(r["held_s"] for r in streams)
         receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
-        n = streams[0]["consumer"].get("consumers", 1)
+        readers = f"each of its {n} consumers" if (n := streams[0]["consumer"]["consumers"]) > 1 else "the consumer"
         bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
                  "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
         out.append(
             f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
             f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the commit "
-            f"threads, beside the captures) and its waits at the bound {held:.1f} s; {'the consumer' if n == 1 else f'each of its {n} consumers'} received at {receive / 1e9:.2f} "
-            f"GB/s. What bounds it: {bound}."
+            f"threads, beside the captures) and its waits at the bound {held:.1f} s; {readers} received at "
+            f"{receive / 1e9:.2f} GB/s. What bounds it: {bound}."
         )
     return out
 
