@@ -221,18 +221,31 @@ class Part:
         return row
 
     def run(self) -> dict:
-        """The warm-up run (the capture path's first-use kernels), then every arm ``rounds`` times."""
+        """The warm-up run (the capture path's first-use kernels), then every arm ``rounds`` times. Interrupted (a
+        device call's time limit: SIGINT), it keeps the runs that ended, says how many of how many, and skips plain
+        prefill: a part cut short is still written."""
         t0 = time.perf_counter()
         warm = self.extract(self.dirs["tmpfs"] / "warm", self.warm_data)
         log(f"warm-up: {warm['samples']} samples in {warm['seconds']:.1f} s")
-        rows = [self.arm(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
+        planned = [(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
+        rows: list[dict] = []
+        try:
+            for arm, rnd in planned:
+                rows.append(self.arm(arm, rnd))
+        except KeyboardInterrupt:
+            log(f"interrupted after {len(rows)} of {len(planned)} runs")
+            if not rows:
+                raise
         arms_s = time.perf_counter() - t0
-        with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
-            plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight) if self.prompts else None
+        plain = None
+        if self.prompts and len(rows) == len(planned):
+            with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
+                plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight)
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu,
                 "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
-                "arms_s": arms_s, "plain_tok_s": plain, "in_flight": self.args.in_flight, "rows": rows}  # fmt: skip
+                "arms_s": arms_s, "plain_tok_s": plain, "in_flight": self.args.in_flight, "rows": rows,
+                "runs_planned": len(planned)}  # fmt: skip
 
 
 def write_bytes(pid: int) -> int:
@@ -279,11 +292,13 @@ def part_lines(part: dict) -> list[str]:
                       f"{c['bytes'] / c['receive_s'] / 1e9:.2f}" if c["receive_s"] else "", f"{c['to_device_s']:.1f}",
                       f"{c['ack_s']:.1f}", f"{c['span_s']:.1f}"))  # fmt: skip
     r0 = rows[0]
+    planned = part.get("runs_planned", len(rows))
+    cut = f" (stopped by its time limit after {len(rows)} of {planned} runs)" if len(rows) < planned else ""
     return [
         f"### {part['layers']} layers (folder {part['folder_bytes'] / 1e9:,.1f} GB, built in {part['build_s']:.0f} s; "
         f"server up in {part['start_s']:.0f} s; arms {part['arms_s']:.0f} s)", "",
         f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['states'] / 1e9:,.2f} GB of states a run; medians "
-        f"of {rounds} rounds; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = its "
+        f"of {rounds} rounds{cut}; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = its "
         "size after the run; written = the process's storage writes (`/proc/PID/io` write_bytes; tmpfs not "
         "counted).", "",
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
@@ -295,12 +310,13 @@ def part_lines(part: dict) -> list[str]:
            "`RunReport.stage_seconds`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
-        "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
-        "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
-        f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
-        "onto the GPU, then the ack and the object's removal):", "",
-        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
-                             "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where), "",
+        *(["Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put "
+           "side by side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait "
+           f"at the bound of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned "
+           "buffer, then the copy onto the GPU, then the ack and the object's removal):", "",
+           *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
+                                "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where),
+           ""] if where else []),
     ]  # fmt: skip
 
 
