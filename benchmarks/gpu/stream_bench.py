@@ -124,10 +124,7 @@ class Part:
         if args.kernel_cache_tgz:
             unpack_kernel_cache([args.kernel_cache_tgz], self.cache)
         self.dumps = tmpfs / "dumps"
-        for service in ("redis", "mooncake"):
-            (work / service).mkdir()
-        self.redis = RedisServer.ephemeral(work / "redis")
-        self.master = MooncakeMaster.ephemeral(work / "mooncake")
+        self.redis, self.master = RedisServer.ephemeral(work), MooncakeMaster.ephemeral(work)
         self.server = SGLangServer(self.server_config())
         self.prompts: list[list[int]] = []
 
@@ -221,14 +218,12 @@ class Part:
         return row
 
     def run(self) -> dict:
-        """The warm-up run (the capture path's first-use kernels), then every arm ``rounds`` times. Interrupted (a
-        device call's time limit: SIGINT), it keeps the runs that ended, says how many of how many, and skips plain
-        prefill: a part cut short is still written."""
+        """The warm-up run (the capture path's first-use kernels), then every arm ``rounds`` times; stopped by SIGINT (a
+        device call's time limit), the runs that ended, no plain prefill: a part cut short is still written."""
         t0 = time.perf_counter()
         warm = self.extract(self.dirs["tmpfs"] / "warm", self.warm_data)
         log(f"warm-up: {warm['samples']} samples in {warm['seconds']:.1f} s")
-        planned = [(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")]
-        rows: list[dict] = []
+        planned, rows = [(arm, rnd) for rnd in range(self.args.rounds) for arm in self.args.arms.split(",")], []
         try:
             for arm, rnd in planned:
                 rows.append(self.arm(arm, rnd))
@@ -237,10 +232,9 @@ class Part:
             if not rows:
                 raise
         arms_s = time.perf_counter() - t0
-        plain = None
-        if self.prompts and len(rows) == len(planned):
-            with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
-                plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight)
+        with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
+            whole = self.prompts and len(rows) == len(planned)
+            plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight) if whole else None
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu,
                 "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
@@ -291,15 +285,14 @@ def part_lines(part: dict) -> list[str]:
                       f"{c['receive_s']:.1f}",
                       f"{c['bytes'] / c['receive_s'] / 1e9:.2f}" if c["receive_s"] else "", f"{c['to_device_s']:.1f}",
                       f"{c['ack_s']:.1f}", f"{c['span_s']:.1f}"))  # fmt: skip
-    r0 = rows[0]
-    planned = part.get("runs_planned", len(rows))
+    r0, planned = rows[0], part.get("runs_planned", len(rows))
     cut = f" (stopped by its time limit after {len(rows)} of {planned} runs)" if len(rows) < planned else ""
     return [
         f"### {part['layers']} layers (folder {part['folder_bytes'] / 1e9:,.1f} GB, built in {part['build_s']:.0f} s; "
         f"server up in {part['start_s']:.0f} s; arms {part['arms_s']:.0f} s)", "",
         f"{r0['samples']} samples, {r0['tokens']:,} tokens, {r0['states'] / 1e9:,.2f} GB of states a run; medians "
-        f"of {rounds} rounds{cut}; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = its "
-        "size after the run; written = the process's storage writes (`/proc/PID/io` write_bytes; tmpfs not "
+        f"of {rounds} rounds{cut}; ratio = samples/s over the file path to tmpfs; only = --stream-only; run folder = "
+        "its size after the run; written = the process's storage writes (`/proc/PID/io` write_bytes; tmpfs not "
         "counted).", "",
         *report.table_lines(("arm", "samples/s", "GB/s", "vs file-tmpfs", "run folder MB", "written GB",
                              "run seconds, each round"), table), "",
@@ -310,13 +303,12 @@ def part_lines(part: dict) -> list[str]:
            "`RunReport.stage_seconds`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
-        *(["Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put "
-           "side by side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait "
-           f"at the bound of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned "
-           "buffer, then the copy onto the GPU, then the ack and the object's removal):", "",
-           *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
-                                "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where),
-           ""] if where else []),
+        "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
+        "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
+        f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
+        "onto the GPU, then the ack and the object's removal):", "",
+        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
+                             "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where), "",
     ]  # fmt: skip
 
 
@@ -339,12 +331,10 @@ def headline(part: dict) -> list[str]:
         bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
                  "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
-        out.append(
-            f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
-            f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the commit "
-            f"threads, beside the captures) and its waits at the bound {held:.1f} s; {readers} received at "
-            f"{receive / 1e9:.2f} GB/s. What bounds it: {bound}."
-        )
+        out.append(f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
+                   f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the "
+                   f"commit threads, beside the captures) and its waits at the bound {held:.1f} s; {readers} received "
+                   f"at {receive / 1e9:.2f} GB/s. What bounds it: {bound}.")  # fmt: skip
     return out
 
 
