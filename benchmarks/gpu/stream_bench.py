@@ -232,8 +232,8 @@ class Part:
             if not rows:
                 raise
         arms_s = time.perf_counter() - t0
+        whole = self.prompts and len(rows) == len(planned)
         with httpx.Client(timeout=600) as client:  # the same tokens, no capture: what the GPU alone allows
-            whole = self.prompts and len(rows) == len(planned)
             plain = plain_rate(client, self.server.url, self.prompts, self.args.in_flight) if whole else None
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         return {"layers": self.args.layers_deep, "smoke": self.smoke, "gpu": gpu,

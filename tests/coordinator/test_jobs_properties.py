@@ -86,12 +86,11 @@ def job_bodies(draw: st.DrawFn, good: dict[str, str], files: dict[str, str]) -> 
 
 @pytest.fixture
 def coordinator(services, redis_server, redis_client: Redis, tmp_path: Path):
-    """A coordinator on an empty Redis whose watchdog passes once, at its start: a pass reading what an earlier test
-    left (a shard queued, its message gone) and requeueing it after an example's FLUSHALL put a message in the queue
-    (a loaded box, 2026-12-07)."""
+    """A coordinator started after ``redis_client`` flushed the session Redis, whose watchdog passes once, at its start:
+    started first, its passes read what an earlier test left (a shard queued, its message gone) and one requeued it
+    after an example's FLUSHALL (a loaded box, 2026-12-07)."""
     output_root = tmp_path / "outputs"
     output_root.mkdir()
-    redis_client.flushall()
     return services.coordinator(redis_server.url, output_root, LAYERTAP_REAPER_INTERVAL_S="3600"), output_root
 
 
