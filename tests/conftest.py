@@ -53,12 +53,27 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# --- What runs together on one pytest-xdist worker (scripts/test.sh's --dist loadgroup): a test module, or modules
+# whose tests ask for the same CPU servers, so a worker starts each server once instead of each worker starting it
+# (a start is 25-100 s on the 2-core box; the suite's summary lists the starts by server).
+SHARE_SERVERS = {
+    "kimi25-regenerate": (  # the tiny Kimi-K2.5's capture server and the tiny Llama's, started by each of them
+        "tests/core/audit/test_sglang_stores.py",
+        "tests/core/regenerate/test_extract_regenerate.py",
+        "tests/core/regenerate/test_sglang_regenerate.py",
+    ),
+}
+_GROUP_OF = {module: group for group, modules in SHARE_SERVERS.items() for module in modules}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in STARTS.items():
             if used & fixtures:
                 item.add_marker(marker)
+        module = item.path.relative_to(config.rootpath).as_posix()
+        item.add_marker(pytest.mark.xdist_group(_GROUP_OF.get(module, module)))
 
 
 # --- Property-based tests: the same examples on every run (a CI failure reproduces), each test sets its budget. ---
