@@ -14,4 +14,4 @@ export LAYERTAP_VENVS_REQUIRED=1
 # together: tests/conftest.py's SHARE_SERVERS): a serial run keeps the 2-core box under half busy (it waits on server
 # starts, Celery and timeouts); CONTRIBUTING.md has the measured times.
 # LAYERTAP_TEST_WORKERS=0 runs serially.
-exec .venv/bin/python -m pytest -m "" -n "${LAYERTAP_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -m "" -n "${LAYERTAP_TEST_WORKERS:-2}" --dist loadfile "$@"

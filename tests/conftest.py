@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from xdist.scheduler import LoadFileScheduling
 
 from layertap.tiny import build_tiny_model
 
@@ -53,9 +54,19 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
-# --- What runs together on one pytest-xdist worker (scripts/test.sh's --dist loadgroup): a test module, or modules
-# whose tests ask for the same CPU servers, so a worker starts each server once instead of each worker starting it
-# (a start is 25-100 s on the 2-core box; the suite's summary lists the starts by server).
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in STARTS.items():
+            if used & fixtures:
+                item.add_marker(marker)
+
+
+# --- What runs together on one pytest-xdist worker (scripts/test.sh's --dist loadfile): a test module, its module
+# fixtures built once, and the modules of a group of SHARE_SERVERS together, so one worker starts their CPU servers
+# once instead of each worker starting them (a start is 25-100 s on the 2-core box; the suite's summary lists the
+# starts by server). xdist's own loadgroup reads an item's `_nodeid`, which pytest 9 no longer reports.
+
 SHARE_SERVERS = {
     "kimi25-regenerate": (  # the tiny Kimi-K2.5's capture server and the tiny Llama's, started by each of them
         "tests/core/audit/test_sglang_stores.py",
@@ -66,14 +77,17 @@ SHARE_SERVERS = {
 _GROUP_OF = {module: group for group, modules in SHARE_SERVERS.items() for module in modules}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        used = set(getattr(item, "fixturenames", ()))
-        for marker, fixtures in STARTS.items():
-            if used & fixtures:
-                item.add_marker(marker)
-        module = item.path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group(_GROUP_OF.get(module, module)))
+class ModulesSharingServers(LoadFileScheduling):
+    """xdist's loadfile, a group of SHARE_SERVERS one work unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = super()._split_scope(nodeid)
+        return _GROUP_OF.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileScheduling | None:
+    return ModulesSharingServers(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 # --- Property-based tests: the same examples on every run (a CI failure reproduces), each test sets its budget. ---

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -78,9 +78,9 @@ class StreamSink(Protocol):
 
     def put_before(self) -> set[str]: ...
 
-    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord: ...
+    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> tuple[SampleRecord, Any]: ...
 
-    def put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None: ...
+    def put(self, staged: tuple[SampleRecord, Any], tensors: dict[str, torch.Tensor]) -> None: ...
 
     def drain(self) -> None: ...
 
@@ -149,8 +149,8 @@ class StreamTarget:
             log.info("stream %s: putting the %d samples in the store no consumer acked (%d dead-lettered: counted, not "
                      "put)", self.sink.name, len(unacked), len(self.sink.dead_letters & {r.sample_id for r in unacked}))  # fmt: skip
         for record in unacked:
-            tensors = self.store.format.load(self.store.root / record.file)
-            self.sink.put(record, {**tensors, "loss_mask": record.loss_mask()})
+            tensors = {**self.store.format.load(self.store.root / record.file), "loss_mask": record.loss_mask()}
+            self.sink.put(self.sink.staged(record, tensors), tensors)
 
     def done(self, report: RunReport, level: CheckLevel, start: int, stop: int | None) -> dict[str, SampleRecord]:
         """The both target: its files'. Stream-only: the samples consumers acked, as Redis and the store's index
@@ -172,10 +172,12 @@ class StreamTarget:
                    "loss_mask": captured.sample.loss_mask.to(torch.uint8)}  # fmt: skip
         if self.files is not None:
             record = self.files.commit(captured)
+            staged = self.sink.staged(record, tensors)
         else:
-            record = self.sink.staged(self.store.record_for(captured), tensors)
+            staged = self.sink.staged(self.store.record_for(captured), tensors)
+            record = staged[0]
             self.store.log_streamed(captured.sample, record)
-        self.sink.put(record, tensors)
+        self.sink.put(staged, tensors)
         return record
 
     def delivered(self, *, last: bool) -> bool:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
@@ -114,6 +114,13 @@ def redis_client(url: str) -> Redis:
     return client
 
 
+class Staged(NamedTuple):
+    """A sample's record as streamed and the manifest its put announces (`MooncakeSink.staged`)."""
+
+    record: SampleRecord
+    manifest: dict[str, Any]
+
+
 class MooncakeSink:
     """Puts a run's committed samples into Mooncake Store (hard-pinned, in hs-connectors' packed layout) and their
     manifests on the Redis stream ``{prefix}:stream:{name}``; at most ``max_unacked`` of them unacked at once.
@@ -176,21 +183,25 @@ class MooncakeSink:
         """The ids of the samples any producer of this stream put (acked or not)."""
         return {k.decode() for k in self.redis.hkeys(self.keys.stream_current(self.name))}
 
-    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> SampleRecord:
-        """``record`` as this sink streams it: its ``file`` the object's handle, ``nbytes`` its packed size."""
+    def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> Staged:
+        """``record`` as this sink streams it (its ``file`` the object's handle, ``nbytes`` its packed size) with the
+        manifest its put announces: built once, before a stream-only run logs the record (`put` takes both)."""
         manifest = sample_manifest(self.handle(record), tensors, record, self.run)
-        return replace(record, file=manifest["handle"], nbytes=manifest["metadata"]["total_aligned_bytes"])
+        return Staged(replace(record, file=manifest["handle"], nbytes=manifest["metadata"]["total_aligned_bytes"]),
+                      manifest)  # fmt: skip
 
     def handle(self, record: SampleRecord) -> str:
         return f"lt-{self.nonce}-{record.index}"
 
-    def put(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> None:
-        """One committed sample (``tensors``: speculators' sample and its ``loss_mask``), put and announced; returns
-        once it is put (the tensors may be views of a dump the engine frees next). Waits while ``max_unacked``
-        samples wait for their acks (not put once ``keep_going`` turns False: the shard's next attempt puts it).
+    def put(self, staged: Staged, tensors: dict[str, torch.Tensor]) -> None:
+        """One committed sample (``staged`` from its ``tensors``: speculators' sample and its ``loss_mask``), put and
+        announced; returns once it is put (the tensors may be views of a dump the engine frees next). Waits while
+        ``max_unacked`` samples wait for their acks (not put once ``keep_going`` turns False: the shard's next attempt
+        puts it).
         Called by the commit threads side by side: they take turns only to check the bound (and wait at it). A sample
         the stream dead-lettered before (a resumed run's) is counted put and dead, not put again: the dead-letter list
         settles it for every group, so no consumer would read it or remove its object."""
+        record, manifest = staged
         if record.sample_id in self.dead_letters:
             with self.lock:
                 self.put_count, self.dead = self.put_count + 1, self.dead + 1
@@ -205,7 +216,6 @@ class MooncakeSink:
             with self.lock:
                 self.putting += 1
         t0 = time.perf_counter()
-        manifest = sample_manifest(self.handle(record), tensors, record, self.run)
         announced = False
         try:
             self._put(record, manifest, tensors, t0)
