@@ -34,7 +34,7 @@ def test_a_clean_producers_client_is_kept_and_one_that_left_a_sample_unacked_is_
         assert second.store is first.store and second.nonce != first.nonce  # new handles through the same segment
         assert scraped(mooncake_master.metrics_url)[MOUNTS] == 1
 
-        second.put(SampleRecord("s0", 0, 50, "", 0, "", "", ((0, 50),)), tensors)
+        second.put(second.staged(SampleRecord("s0", 0, 50, "", 0, "", "", ((0, 50),)), tensors), tensors)
         [(handle, _)] = second.unacked.values()
         assert objects_present(reader, [handle]) == [True]
         clients.give_back(second)  # its sample unacked: the segment goes, and the object with it
