@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A device call's put and stream benches wrapped in host probes (call 3 of docs/performance.md's recipe, .whl3
 # carried, the kernel cache at /tmp/kc.tgz from call 2): /proc/vmstat before and after (THP compaction, faults),
-# vmstat each second, top's busiest threads every 2 s, into $OUT beside the bench's part and its logs
+# vmstat each second, top's busiest threads every 2 s, archived with the bench's logs beside its part
 # (gpu_stream_stages.md came from it).
 #   bash scripts/gpu_probe.sh SHA LAYERS CHATS ROUNDS ARMS    e.g. bash scripts/gpu_probe.sh abc1234 4 480 3 file-tmpfs,only-disk
 # STREAM_LIMIT_S (default 500) stops the stream bench by SIGINT: it writes the runs that ended (keep it under the call's
@@ -19,5 +19,6 @@ timeout -s INT 60 bash benchmarks/gpu/on_device.sh install .whl3 -- -m benchmark
 timeout -s INT "${STREAM_LIMIT_S:-500}" bash benchmarks/gpu/on_device.sh install .whl3 -- -m benchmarks stream --layers-deep "$2" --chats "$3" --rounds "$4" --arms "$5" --out "$OUT/stream-$2" --kernel-cache-tgz /tmp/kc.tgz
 kill $VM; pkill -x top
 grep -E 'compact|thp_|pgfault|pgmajfault|numa_' /proc/vmstat > "$OUT/vmstat-after-$2.txt"
-cd "$OUT" && tar czf "logs$2.tgz" "stream-$2-logs" && rm -rf "stream-$2-logs"
-gzip -f top-$2.txt
+# one archive of the logs and probes: a call brings back only a few files from $OUT (the probes were left out once)
+cd "$OUT" && tar czf "logs$2.tgz" "stream-$2-logs" top-$2.txt vmstat-*$2.txt thp-$2.txt lscpu.txt \
+  && rm -rf "stream-$2-logs" top-$2.txt vmstat-*$2.txt thp-$2.txt lscpu.txt
