@@ -6,8 +6,8 @@ captures a stream of samples (several requests in flight); each capture is commi
 ``commit_threads`` (check, hash, write or rename, put, fsync: they release the GIL) while the engine goes on. The
 commit thread owns its capture: it releases it (`Engine.release`) and drops its last reference, so a dump's mapping is
 unmapped and its pages freed there, not in the thread that drives the capture and sends the next requests (py-spy
-found that work there: gpu_stream.md's note). A sample that fails is retried alone, a bounded number of times, so one
-poison sample never fails its batch-mates.
+found that work there: the note of gpu_stream.md at 601a115). A sample that fails is retried alone, a bounded number of
+times, so one poison sample never fails its batch-mates.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ past the most the segment has held at once: Mooncake's allocator carves each new
 and a consumer removes each object it is done with, so the objects stay near the segment's start (a producer's bound
 of unacked samples keeps them there). A run does not pay for pages it never uses: on a small machine, faulting in a
 whole segment held a short run back, and a long run faulted in all of it while it ran. What was faulted in stays the
-process's until the segment is unmounted. `benchmarks/results/gpu_stream.md` says what faulting in changed.
+process's until the segment is unmounted. `benchmarks/results/gpu_stream.md` as of 601a115 (against
+`gpu_stream_before_prefault.md`) says what faulting in changed.
 """
 
 from __future__ import annotations
