@@ -60,7 +60,7 @@ LAYERS = (1, 2, 3)
 FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
 ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., only = --stream-only; -host: consumers
 # without CUDA (unpinned buffers; else onto the server's GPU); -cN: N consumers (1); the others add extract's flags:
-SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "wide": ("--commit-threads", 16)}
+SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "plan4": ("--plan-processes", 4), "wide": ("--commit-threads", 16)}
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle")  # a run report's stage_seconds
