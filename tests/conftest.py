@@ -1,5 +1,7 @@
 """Shared pytest fixtures. Keep each group together under its heading."""
 
+import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for marker, fixtures in STARTS.items():
             if used & fixtures:
                 item.add_marker(marker)
+    items.sort(key=lambda item: _longest_first(_unit(item.nodeid)))  # stable: a module's tests keep their order
 
 
 # --- What runs together on one pytest-xdist worker (scripts/test.sh's --dist loadfile): a test module, its module
@@ -67,22 +70,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # once instead of each worker starting them (a start is 25-100 s on the 2-core box; the suite's summary lists the
 # starts by server). xdist's own loadgroup reads an item's `_nodeid`, which pytest 9 no longer reports.
 
-SHARE_SERVERS = {
-    "kimi25-regenerate": (  # the tiny Kimi-K2.5's capture server and the tiny Llama's, started by each of them
+SHARE_SERVERS = {  # each group's modules ask for the same three servers, a worker's share (`live_servers_per_worker`)
+    "kimi25-regenerate": (  # the tiny Llama's, the tiny Kimi-K2's and the tiny Kimi-K2.5's
         "tests/core/audit/test_sglang_stores.py",
         "tests/core/regenerate/test_extract_regenerate.py",
         "tests/core/regenerate/test_sglang_regenerate.py",
+        "tests/worker/test_regenerate_job.py",
+    ),
+    "engine-and-plugin": (  # the tiny Llama's, the tiny Kimi-K2's and the tiny Llama's with --keep-radix-cache
+        "tests/core/engines/test_sglang_engine.py",
+        "tests/sglang_patch/test_server.py",
     ),
 }
 _GROUP_OF = {module: group for group, modules in SHARE_SERVERS.items() for module in modules}
 
 
+# Units go to the workers longest first (as measured: tests/durations.json, `scripts/suite_durations.py`), so the run
+# ends on short ones on both workers; xdist's own order (most tests first) ended it on a long module on one worker.
+_SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
+_UNIT_SECONDS = {unit: sum(_SECONDS.get(m, 0.0) for m in modules) for unit, modules in SHARE_SERVERS.items()}
+_MEDIAN_SECONDS = statistics.median(_SECONDS.values())
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return _GROUP_OF.get(module, module)
+
+
+def _longest_first(unit: str) -> tuple[float, str]:
+    """The sort key of a work unit: its measured seconds, descending (a new module counts as the median)."""
+    return -_UNIT_SECONDS.get(unit, _SECONDS.get(unit, _MEDIAN_SECONDS)), unit
+
+
 class ModulesSharingServers(LoadFileScheduling):
-    """xdist's loadfile, a group of SHARE_SERVERS one work unit."""
+    """xdist's loadfile, a group of SHARE_SERVERS one work unit, the units in the collection's order (longest first:
+    `pytest_collection_modifyitems`)."""
+
+    def __init__(self, config: pytest.Config, log: object) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False  # xdist would reorder them by their number of tests
 
     def _split_scope(self, nodeid: str) -> str:
-        module = super()._split_scope(nodeid)
-        return _GROUP_OF.get(module, module)
+        return _unit(nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)
