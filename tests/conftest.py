@@ -86,9 +86,8 @@ _GROUP_OF = {module: group for group, modules in SHARE_SERVERS.items() for modul
 
 
 # Units go to the workers longest first (as measured: tests/durations.json, `scripts/suite_durations.py`), so the run
-# ends on short ones on both workers; xdist's own order (most tests first) ended it on a long module on one worker.
+# ends on short ones on both workers; xdist's own order is by number of tests, whatever they take.
 _SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
-_UNIT_SECONDS = {unit: sum(_SECONDS.get(m, 0.0) for m in modules) for unit, modules in SHARE_SERVERS.items()}
 _MEDIAN_SECONDS = statistics.median(_SECONDS.values())
 
 
@@ -98,8 +97,8 @@ def _unit(nodeid: str) -> str:
 
 
 def _longest_first(unit: str) -> tuple[float, str]:
-    """The sort key of a work unit: its measured seconds, descending (a new module counts as the median)."""
-    return -_UNIT_SECONDS.get(unit, _SECONDS.get(unit, _MEDIAN_SECONDS)), unit
+    """The sort key of a work unit: its modules' measured seconds, descending (a new module counts as the median)."""
+    return -sum(_SECONDS.get(m, _MEDIAN_SECONDS) for m in SHARE_SERVERS.get(unit, (unit,))), unit
 
 
 class ModulesSharingServers(LoadFileScheduling):
