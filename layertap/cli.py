@@ -64,6 +64,7 @@ def extract(out: Path, **options: Any) -> None:
     with failing_on_errors():
         spec = ExtractionSpec(**model_values(ExtractionSpec, options))
         settings = RunSettings(**model_values(RunSettings, options))
+        dumps = None
         if settings.engine == "hf":
             if spec.regenerate is not None:
                 fail("--regenerate generates on the SGLang capture server: run it with --engine sglang")
@@ -72,7 +73,7 @@ def extract(out: Path, **options: Any) -> None:
             dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
             factory = sglang_engine_factory(spec, settings, job=out.name, dump_root=dumps,
                                             log_path=dumps.parent / "sglang-server.log", observe=stages.observe)  # fmt: skip
-        run = Run.create(spec, out, factory, settings, _stream_sink(settings, out))
+        run = Run.create(spec, out, factory, settings, _stream_sink(settings, out, dumps))
     stream = run.target.view() is not None
     progress = RichProgress(console, stream=run.target.view if stream else None)
     try:
@@ -109,14 +110,15 @@ def extract(out: Path, **options: Any) -> None:
     click.echo((out / GUIDE).read_text())
 
 
-def _stream_sink(settings: RunSettings, out: Path) -> MooncakeSink | None:
+def _stream_sink(settings: RunSettings, out: Path, dumps: Path | None) -> MooncakeSink | None:
     """The run's Mooncake sink (`layertap.stream`), connected before its server starts: a master or Redis it cannot
-    reach is refused first. None when the run does not stream."""
+    reach is refused first; its segment a file in the server's dump root ``dumps``, which the server writes samples
+    into. None when the run does not stream."""
     if settings.stream is None:
         return None
     from layertap.stream.sink import open_sink
 
-    return open_sink(settings, out)
+    return open_sink(settings, out, segment_dir=dumps)
 
 
 @main.command()

@@ -63,7 +63,9 @@ class CapturedSample:
     ``source``: set when these tensors are views of a file already in a store format; a store in
     that format and dtype commits by moving that file instead of writing one. ``scales`` float32
     [T, k+1, 1]: set when ``aux`` and ``final_pre`` are already FP8 (quantized by the capture server,
-    `sglang_patch.sample_files.quantize_fp8`), one scale per token and state.
+    `sglang_patch.sample_files.quantize_fp8`), one scale per token and state. ``placed``: the key of the
+    stream object the capture server wrote this sample into (`layertap.engines.base.Placer`), the tensors
+    views of it.
     """
 
     sample: TokenizedSample
@@ -72,6 +74,7 @@ class CapturedSample:
     final_pre: torch.Tensor | None
     source: SampleFile | None = None
     scales: torch.Tensor | None = None
+    placed: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ class Piece:
 
 
 class Prompts(Mapping[str, int]):
-    """Full prompt length of each captured rid (and the loss mask runs its client sent, if any),
+    """Full prompt length of each captured rid (and the custom params its client sent, if any),
     recorded when SGLang builds a pass from its requests; the mapping gives the lengths.
 
     A forward batch says where each request's rows sit but not where its prompt ends, and sglang
@@ -54,25 +54,25 @@ class Prompts(Mapping[str, int]):
         self._rid_prefix = rid_prefix
         self._capacity = capacity
         self._lengths: OrderedDict[str, int] = OrderedDict()
-        self._masks: dict[str, object] = {}
+        self._params: dict[str, dict[str, object]] = {}
 
-    def record(self, rid: str | None, prompt_len: int, loss_mask_runs: object = None) -> None:
+    def record(self, rid: str | None, prompt_len: int, params: dict[str, object] | None = None) -> None:
         if rid is None or not rid_matches(rid, self._rid_prefix):
             return
         self._lengths[rid] = prompt_len
         self._lengths.move_to_end(rid)
-        if loss_mask_runs is not None:
-            self._masks[rid] = loss_mask_runs
+        if params:
+            self._params[rid] = params
         while len(self._lengths) > self._capacity:
-            self._masks.pop(self._lengths.popitem(last=False)[0], None)
+            self._params.pop(self._lengths.popitem(last=False)[0], None)
 
-    def loss_mask_runs(self, rid: str) -> object:
-        """What the client sent as the loss mask of `rid` (unchecked), or None."""
-        return self._masks.get(rid)
+    def params(self, rid: str) -> dict[str, object]:
+        """The custom params the client sent with `rid` (unchecked: its loss mask, its placement), or none."""
+        return self._params.get(rid, {})
 
     def forget(self, rid: str) -> None:
         self._lengths.pop(rid, None)
-        self._masks.pop(rid, None)
+        self._params.pop(rid, None)
 
     def __getitem__(self, rid: str) -> int:
         return self._lengths[rid]

@@ -24,6 +24,11 @@ it by renaming the file, copying no bytes. A speculators dump may be FP8 (``meta
 on the device before the copy to the host. A specforge file holds the loss mask, which the client
 sends with the request as ``sampling_params.custom_params[LOSS_MASK_PARAM]``: [start, end) runs.
 
+A *placed* speculators dump has no tensors file: the client reserved the sample's bytes in a file of its own under
+the dump root (a stream producer's Mooncake segment) and sent where as ``custom_params[PLACE_PARAM]`` (`Placement`);
+the server wrote each tensor (``token_ids``, ``hidden_states``, and ``loss_mask`` uint8 [T] from the mask's runs) at
+its span there, and ``meta.placed`` says so. A placement the sample does not fit gets an error dump, no byte written.
+
 Temp folders live under ``<dump_root>/.tmp/`` on the same filesystem, so the rename is atomic and
 a reader never sees a half-written dump.
 
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import pickle
 import struct
@@ -62,7 +68,7 @@ from urllib.parse import quote, unquote
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 3  # 3: no file_sha256 (the client hashes the file as it commits it)
+FORMAT_VERSION = 4  # 3: no file_sha256 (the client hashes the file as it commits it); 4: placed dumps
 DEFAULT_RID_PREFIX = "hscap"
 LAYER_CONVENTION = "capture"
 
@@ -76,6 +82,9 @@ FORMAT_FINAL: dict[str, str] = {SPECFORGE: "post", SPECULATORS: "pre"}
 # Dump layout -> the file holding its tensors.
 LAYOUT_FILES: dict[str, str] = {"states": STATES_FILE, SPECFORGE: "sample.ckpt", SPECULATORS: "sample.safetensors"}
 LOSS_MASK_PARAM = "layertap_loss_mask_runs"
+PLACE_PARAM = "layertap_place"
+PLACED_MASK = "loss_mask"  # a placed sample's mask (uint8 [T]), beside the speculators file's tensors
+SEGMENT_PREFIX = ".segment-"  # a stream producer's segment file under the dump root: the only files placed into
 TMP_DIR = ".tmp"
 
 INPUT_IDS = "input_ids"
@@ -241,6 +250,7 @@ class DumpMeta:
     # fsync), on a GPU "pinned_held_bytes" and "pinned_alloc_s" (torch's pinned allocator: bytes
     # held, cache included; seconds spent growing it).
     writer: dict[str, float] | None = None
+    placed: dict[str, Any] | None = None  # a placed dump: where its tensors are (`Placement.param`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
@@ -272,6 +282,44 @@ class DumpMeta:
         if self.dtype not in _SAFETENSORS_DTYPES or self.hidden_size is None:
             raise DumpError(f"dump of {self.rid!r} has no usable dtype/hidden_size: {self.dtype!r}")
         return SampleLayout(self.layout, self.layers, self.finals, self.dtype, self.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a client asks the server to write one speculators sample (see the module docstring): the object ``key``
+    (Mooncake's), bytes ``[offset, offset + size)`` of the file at ``path``, each tensor ``name -> (start, nbytes)``
+    within them."""
+
+    key: str
+    path: str
+    offset: int
+    size: int
+    tensors: dict[str, tuple[int, int]]
+
+    def param(self) -> dict[str, Any]:
+        """As sent in ``custom_params`` and kept in ``meta.placed`` (JSON)."""
+        return {**asdict(self), "tensors": {k: list(v) for k, v in self.tensors.items()}}
+
+    @classmethod
+    def from_param(cls, raw: object) -> Placement:
+        """The placement a request (or a meta.json) carries; DumpError when it is not one whose spans lie within it
+        and apart."""
+        wrong = DumpError(f"{PLACE_PARAM} must be {{key, path, offset, size, tensors}}, got {raw!r:.300}")
+        if not isinstance(raw, dict) or not isinstance(raw.get("tensors"), dict):
+            raise wrong
+        try:
+            spans = {str(k): (int(v[0]), int(v[1])) for k, v in raw["tensors"].items()}
+            place = cls(str(raw["key"]), str(raw["path"]), int(raw["offset"]), int(raw["size"]), spans)
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise wrong from None
+        end = 0
+        for name, (start, nbytes) in sorted(spans.items(), key=lambda item: item[1]):
+            if start < end or nbytes < 0:
+                raise DumpError(f"{PLACE_PARAM}: {name} overlaps the tensor before it")
+            end = start + nbytes
+        if place.offset < 0 or end > place.size:
+            raise DumpError(f"{PLACE_PARAM}: the tensors lie past the {place.size} bytes placed")
+        return place
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,4 +472,35 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
         raise DumpError(f"{path}: meta.json is for rid {meta.rid!r}")
     if meta.status == "error":
         return Dump(path=path, meta=meta, tensors=None)
+    if meta.placed is not None:
+        return _read_placed(path, meta, load_tensors)
     return _read_states_file(path / meta.file, meta, load_tensors)
+
+
+def placed_tensors(layout: SampleLayout, num_tokens: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of a placed sample: its speculators file's tensors and its loss mask."""
+    return {**layout.tensors(num_tokens), PLACED_MASK: ("uint8", (num_tokens,))}
+
+
+def _read_placed(path: Path, meta: DumpMeta, load_tensors: bool) -> Dump:
+    """A placed dump's tensors checked (spans, the input_ids hash) and, with `load_tensors`, as views of the
+    placement's bytes, mapped copy-on-write from its file."""
+    import torch
+
+    place = Placement.from_param(meta.placed)
+    expected = placed_tensors(meta.sample_layout(), meta.num_tokens)
+    sizes = {name: getattr(torch, dtype).itemsize * math.prod(shape) for name, (dtype, shape) in expected.items()}
+    if {name: nbytes for name, (_, nbytes) in place.tensors.items()} != sizes:
+        raise DumpError(f"{path}: placed tensors {place.tensors} are not those of meta.json ({sizes} bytes)")
+    skip = place.offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        with open(place.path, "rb") as f:
+            data = mmap.mmap(f.fileno(), skip + place.size, access=mmap.ACCESS_COPY, offset=place.offset - skip)
+    except (OSError, ValueError) as exc:
+        raise DumpError(f"{path}: its placement in {place.path} cannot be read: {exc}") from None
+    entries = {name: (dtype, shape, skip + place.tensors[name][0], skip + place.tensors[name][0] + sizes[name])
+               for name, (dtype, shape) in expected.items()}  # fmt: skip
+    start, end = entries[meta.sample_layout().ids_key][2:]
+    if (digest := hashlib.sha256(data[start:end]).hexdigest()) != meta.input_ids_sha256:
+        raise DumpError(f"{path}: placed input_ids hash {digest} differs from meta.json {meta.input_ids_sha256}")
+    return Dump(path=path, meta=meta, tensors=_views(data, entries) if load_tensors else None)

@@ -36,7 +36,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_patch.capture import Accumulator, Completed, Piece, Prompts, plan_pass
-from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, LOSS_MASK_PARAM, SCALES, SPECULATORS
+from sglang_patch.contract import AUX, AUX_FINAL_PRE, FINAL_TENSORS, INPUT_IDS, SCALES, SPECULATORS
 from sglang_patch.sample_files import quantize_fp8
 from sglang_patch.settings import CaptureSettings, aux_role
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging
@@ -48,7 +48,7 @@ Hook = Callable[[torch.nn.Module, tuple[Any, ...], Any], None]
 
 def _record_prompts(prompts: Prompts) -> None:
     """Wrap `ForwardBatch.init_new` so every prefill batch records its requests' prompt lengths and
-    the loss masks their clients sent in ``sampling_params.custom_params``."""
+    the custom params their clients sent (``sampling_params.custom_params``: a loss mask, a placement)."""
     func = ForwardBatch.init_new.__func__
 
     @functools.wraps(func)
@@ -57,8 +57,7 @@ def _record_prompts(prompts: Prompts) -> None:
         if mode is not None and mode.is_extend():
             for req in batch.reqs:
                 params = getattr(req.sampling_params, "custom_params", None)
-                mask = params.get(LOSS_MASK_PARAM) if isinstance(params, dict) else None
-                prompts.record(req.rid, len(req.origin_input_ids), mask)
+                prompts.record(req.rid, len(req.origin_input_ids), params if isinstance(params, dict) else None)
         return func(cls, batch, *args, **kwargs)
 
     ForwardBatch.init_new = classmethod(init_new)  # type: ignore[method-assign, assignment]
@@ -192,8 +191,8 @@ class _Capturer:
         for outcome in outcomes:
             nbytes = self._reserved.pop(outcome.rid, 0)
             if isinstance(outcome, Completed):
-                mask = self._prompts.loss_mask_runs(outcome.rid)
-                job = DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, loss_mask_runs=mask, nbytes=nbytes)
+                params = self._prompts.params(outcome.rid)
+                job = DumpJob(outcome.rid, tensors=outcome.tensors, ready=ready, params=params, nbytes=nbytes)
                 self._writer.submit(job)
             else:
                 logger.warning("layertap: capture of %s failed: %s", outcome.rid, outcome.reason)

@@ -22,7 +22,7 @@ from typing import IO
 
 import torch
 
-from sglang_patch.contract import FP8_SCALES, SCALES, SPECFORGE, SPECULATORS
+from sglang_patch.contract import FP8_SCALES, PLACED_MASK, SCALES, SPECFORGE, SPECULATORS
 
 
 def specforge_tensors(
@@ -175,8 +175,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f: IO[bytes]) -> None:
 
 def unpack_sample(fmt: str, tensors: dict[str, torch.Tensor], num_aux: int) -> dict[str, torch.Tensor]:
     """Views of a sample file's tensors as ``input_ids``, ``aux`` [T, k, H] and its final state
-    (``final_post`` or ``final_pre``), plus a specforge file's ``loss_mask`` [T] and an FP8 file's ``scales``
-    [T, k+1, 1]: the inverse of the two builders above, copying nothing."""
+    (``final_post`` or ``final_pre``), plus a specforge file's (or a placed sample's) ``loss_mask`` [T] and an FP8
+    file's ``scales`` [T, k+1, 1]: the inverse of the two builders above, copying nothing."""
     if fmt == SPECFORGE:
         ids, aux = tensors["input_ids"], tensors["aux_hidden_state"][0]
         views = {"input_ids": ids, "aux": aux.view(aux.shape[0], num_aux, -1), "final_post": tensors["hidden_state"][0]}
@@ -184,5 +184,6 @@ def unpack_sample(fmt: str, tensors: dict[str, torch.Tensor], num_aux: int) -> d
     if fmt == SPECULATORS:
         states = tensors["hidden_states"]
         views = {"input_ids": tensors["token_ids"], "aux": states[:, :num_aux], "final_pre": states[:, num_aux]}
-        return views | ({SCALES: tensors[FP8_SCALES]} if FP8_SCALES in tensors else {})
+        extra = {SCALES: FP8_SCALES, "loss_mask": PLACED_MASK}  # an FP8 file's scales; a placed sample's mask
+        return views | {name: tensors[key] for name, key in extra.items() if key in tensors}
     raise ValueError(f"unknown sample format {fmt!r}")

@@ -18,7 +18,9 @@ once as it commits it, in its own process (benchmarks/results/writer_commit.md, 
 Each dump is written to a temp folder, every file and the folder are fsynced, then the folder is
 renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point).
 The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
-captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`).
+captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`). A request that
+carries a placement has its speculators sample written there instead (`write_placed`: into a stream producer's
+Mooncake segment, the bytes its trainers read), and its dump folder holds only meta.json.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,10 +46,14 @@ from sglang_patch.contract import (
     INPUT_IDS,
     LOSS_MASK_PARAM,
     META_FILE,
+    PLACE_PARAM,
+    PLACED_MASK,
     SCALES,
+    SEGMENT_PREFIX,
     SPECFORGE,
     SPECULATORS,
     DumpMeta,
+    Placement,
     dump_dir,
     temp_dir,
 )
@@ -169,7 +175,8 @@ def pinned_allocator_stats() -> dict[str, float]:
 class DumpJob:
     """One dump to write: `tensors` (host, named as in the contract) for a capture, or an `error`.
 
-    `loss_mask_runs` is what the client sent as the sample's loss mask (unchecked; specforge needs it).
+    `params`: the custom params the client sent (unchecked): the sample's loss mask (specforge and a placement need
+    it), its placement (`contract.Placement`).
     `nbytes`: host memory reserved for `tensors` in the writer's `HostBudget`, given back once written.
     """
 
@@ -177,7 +184,7 @@ class DumpJob:
     tensors: dict[str, torch.Tensor] | None = None
     error: str | None = None
     ready: torch.cuda.Event | None = None
-    loss_mask_runs: object = None
+    params: dict[str, object] = field(default_factory=dict)
     nbytes: int = 0
 
 
@@ -295,6 +302,35 @@ def write_tensors_file(path: Path, layout: str, tensors: dict[str, torch.Tensor]
     fsync_path(path)
 
 
+def write_placed(place: Placement, tensors: dict[str, torch.Tensor]) -> None:
+    """Write each tensor at its span of ``place`` (the gaps zeroed), in calls that release the GIL; ValueError, with
+    no byte written, when the tensors are not those the placement was made for (names, sizes) or its file does not
+    hold it."""
+    sizes = {name: t.nbytes for name, t in tensors.items()}
+    if sizes != {name: nbytes for name, (_, nbytes) in place.tensors.items()}:
+        raise ValueError(f"the sample's tensors ({sizes} bytes) do not fit its placement {place.tensors}")
+    fd = os.open(place.path, os.O_WRONLY)
+    try:
+        if os.fstat(fd).st_size < place.offset + place.size:
+            raise ValueError(f"{place.path} ends before the placement's {place.offset + place.size} bytes")
+        end = 0
+        for name, (start, _) in sorted(place.tensors.items(), key=lambda item: item[1]):
+            _pwrite_all(fd, bytes(start - end), place.offset + end)
+            t = tensors[name].contiguous()
+            _pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy().data, place.offset + start)
+            end = start + t.nbytes
+        _pwrite_all(fd, bytes(place.size - end), place.offset + end)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+
+
 class DumpWriter:
     """`threads` writer threads taking `DumpJob`s from one queue (see module docstring); the host
     memory of queued dumps is accounted in `budget` and given back as each is written."""
@@ -379,26 +415,44 @@ class DumpWriter:
             job.ready.synchronize()
             stats = {**stats, **pinned_allocator_stats()}
         stats = {**stats, "ready_s": round(time.monotonic() - started, 6)}
-        tensors, error, loss_mask = job.tensors, job.error, None
-        if tensors is not None and self._layout == SPECFORGE:
-            try:
-                loss_mask = self._loss_mask(job.loss_mask_runs, int(tensors[INPUT_IDS].shape[0]))
-            except ValueError as exc:
-                tensors, error = None, str(exc)
+        tensors, error, loss_mask, placed = job.tensors, job.error, None, None
+        try:
+            if tensors is not None and self._layout == SPECFORGE:
+                loss_mask = self._loss_mask(job.params.get(LOSS_MASK_PARAM), int(tensors[INPUT_IDS].shape[0]))
+            elif tensors is not None and job.params.get(PLACE_PARAM) is not None and SCALES not in tensors:
+                written = time.monotonic()
+                placed = self._place(job.params, tensors).param()
+                stats = {**stats, "write_s": round(time.monotonic() - written, 6)}
+        except ValueError as exc:  # DumpError too
+            tensors, error = None, str(exc)
         meta = build_meta(
             job.rid, tensors, error, layers=self._layers, finals=self._finals, layout=self._layout, writer=stats
         )
+        meta = replace(meta, placed=placed)
         tag = f"{os.getpid()}-{next(self._tags)}"
-        path = write_dump(self.dump_root, meta, tensors, tag=tag, loss_mask=loss_mask)
-        logger.info(
-            "dump %s: %s, %d tokens, %.3f s", path.name, meta.status, meta.num_tokens, time.monotonic() - started
-        )
+        path = write_dump(self.dump_root, meta, None if placed else tensors, tag=tag, loss_mask=loss_mask)
+        logger.info("dump %s: %s%s, %d tokens, %.3f s", path.name, meta.status, " (placed)" * bool(placed),
+                    meta.num_tokens, time.monotonic() - started)  # fmt: skip
+
+    def _place(self, params: dict[str, object], tensors: dict[str, torch.Tensor]) -> Placement:
+        """Write a speculators sample where its client placed it (`write_placed`); ValueError when this server writes
+        no speculators dumps or the placement is not one it may write."""
+        if self._layout != SPECULATORS:
+            raise ValueError(f"this server writes {self._layout} dumps: a placement takes speculators samples")
+        place = Placement.from_param(params[PLACE_PARAM])
+        path = Path(place.path)
+        if path.parent.resolve() != self.dump_root.resolve() or not path.name.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"a placement must name a {SEGMENT_PREFIX}* file in this server's dump root "
+                             f"{self.dump_root}, not {place.path}")  # fmt: skip
+        mask = self._loss_mask(params.get(LOSS_MASK_PARAM), int(tensors[INPUT_IDS].shape[0]), torch.uint8)
+        write_placed(place, {**layout_tensors(SPECULATORS, tensors, None), PLACED_MASK: mask})
+        return place
 
     @staticmethod
-    def _loss_mask(runs: object, length: int) -> torch.Tensor:
+    def _loss_mask(runs: object, length: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
         if runs is None:
             raise ValueError(
-                "this server writes specforge dumps, which hold the loss mask, and the request carried none: "
+                "this server writes dumps that hold the loss mask, and the request carried none: "
                 f"send sampling_params.custom_params.{LOSS_MASK_PARAM} as [start, end) runs"
             )
-        return mask_from_runs(runs, length, torch.long)
+        return mask_from_runs(runs, length, dtype)

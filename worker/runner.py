@@ -241,7 +241,9 @@ class WorkerContext:
 
         assert spec.out is not None
         self.producers = self.producers or KeptClients()
-        return self.producers.open(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current)
+        segment_dir = self.settings.dump_root if self.settings.engine == "sglang" else None  # its server writes there
+        return self.producers.open(settings, spec.out, prefix=self.settings.key_prefix, keep_going=attempt.is_current,
+                                   segment_dir=segment_dir)  # fmt: skip
 
     def end_stream(self, spec: JobSpec) -> None:
         """Tell the job's stream's consumers it has put its last sample (every shard done, each one's acked)."""

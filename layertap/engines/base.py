@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from layertap.engines.server_facts import ServerFacts
 from layertap.sample import CapturedSample, FailedCapture, TokenizedSample
@@ -12,6 +12,16 @@ from layertap.spec import CaptureSpec
 
 if TYPE_CHECKING:
     from layertap.engines.sglang.session import ServerSession
+
+
+class Placer(Protocol):
+    """Where a capture server may write a sample itself (a stream target's object in its producer's segment, the
+    bytes its trainers read: `layertap.pipeline.targets.StreamTarget`), so that no one copies them after."""
+
+    def place(self, sample: TokenizedSample) -> dict[str, Any] | None:
+        """The placement to send with ``sample``'s request (`sglang_patch.contract.Placement.param`), the same for
+        each of its attempts; None: the server writes a dump of its own."""
+        ...
 
 
 class Engine(ABC):
@@ -34,6 +44,7 @@ class Engine(ABC):
     # names; None for an engine that sends no requests (in process).
     rid_prefix: str | None = None
     job: str | None = None
+    placer: Placer | None = None  # set by the run whose target takes samples where a server writes them
 
     @abstractmethod
     def capture(self, samples: Iterable[TokenizedSample]) -> Iterator[CapturedSample | FailedCapture]:

@@ -164,4 +164,5 @@ class Capture:
         if n < self.attempts:
             self.alone.append(sample)
             return
+        self.target.forget(sample.sample_id)
         self.ledger.sample_failed(sample, f"{reason} (failed all {n} attempts)")

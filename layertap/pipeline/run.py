@@ -134,6 +134,7 @@ class Run:
         log.info("rows %d-%d: %d samples already done and checked (%s)", start, end, len(done), self.check_level)
         events.start(end - start, len(done), sum(r.num_tokens for r in done.values()))
         ledger = Ledger(store, report, events)
+        engine.placer = self.target.placer()
         steps, regenerator = self.steps(ledger, done, start, stop)
         try:
             items = reduce(lambda items, step: step(items), steps, iter(()))

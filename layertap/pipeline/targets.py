@@ -5,8 +5,10 @@ returns its record, and says when what it was given is delivered. The store (the
 own record: manifest, errors, regenerated rows, the ledger of what is done.
 
 - files (`FilesTarget`): each sample a file in the store; done once its file and index record are in place.
-- stream (`StreamTarget`, ``files=False``): no sample file is written. A sample goes from the capture (its dump's
-  bytes, or the engine's tensors) into the producer's Mooncake segment; it is done once a consumer acks it, and its
+- stream (`StreamTarget`, ``files=False``): no sample file is written. A sample goes from the capture into the
+  producer's Mooncake segment: where the capture server can write it there itself (`StreamTarget.place`: a segment
+  file in its dump root, speculators samples in the compute dtype), nothing is copied; else its dump's bytes (or the
+  engine's tensors) are put. It is done once a consumer acks it, and its
   record then goes to the store's index (`OutputStore.log_acked`), so a resume trusts Redis's acks and the run
   folder alike. A sample put and not acked is recomputed on resume: its object went with its producer.
 - both (`StreamTarget`, ``files=True``): committed as files, then put from the same tensors; done once its file is.
@@ -16,15 +18,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from layertap.engines.base import Placer
 from layertap.pipeline.ledger import RunReport
-from layertap.sample import CapturedSample
+from layertap.sample import CapturedSample, TokenizedSample
 from layertap.store.formats.base import CheckLevel
 from layertap.store.index import SampleRecord
 from layertap.store.store import OutputStore
+from sglang_patch.contract import PLACED_MASK, SPECULATORS, placed_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,14 @@ class Target(Protocol):
         a stream."""
         ...
 
+    def placer(self) -> Placer | None:
+        """Where a capture server may write samples itself (`Engine.placer`), or None."""
+        ...
+
+    def forget(self, sample_id: str) -> None:
+        """A sample that failed its every attempt: what the target held for it given back."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -81,6 +94,14 @@ class StreamSink(Protocol):
     def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> tuple[SampleRecord, Any]: ...
 
     def put(self, staged: tuple[SampleRecord, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+
+    segment_file: Path | None
+
+    def place(self, sample_id: str, index: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Any: ...
+
+    def announce(self, staged: tuple[SampleRecord, Any]) -> None: ...
+
+    def cancel(self, sample_id: str | None = None) -> None: ...
 
     def drain(self) -> None: ...
 
@@ -120,6 +141,12 @@ class FilesTarget:
         return 0
 
     def view(self) -> object | None:
+        return None
+
+    def placer(self) -> Placer | None:
+        return None
+
+    def forget(self, sample_id: str) -> None:
         return None
 
     def close(self) -> None:
@@ -167,9 +194,9 @@ class StreamTarget:
 
     def commit(self, captured: CapturedSample) -> SampleRecord:
         """Commit ``captured`` (both: its file; stream-only: its record logged as put), then put it from the
-        capture's tensors; returns once it is put."""
+        capture's tensors, or announce it where the server wrote it (`place`); returns once it is put."""
         tensors = {**self.store.format.tensors(captured, self.store.layout),
-                   "loss_mask": captured.sample.loss_mask.to(torch.uint8)}  # fmt: skip
+                   PLACED_MASK: captured.sample.loss_mask.to(torch.uint8)}  # fmt: skip
         if self.files is not None:
             record = self.files.commit(captured)
             staged = self.sink.staged(record, tensors)
@@ -177,10 +204,34 @@ class StreamTarget:
             staged = self.sink.staged(self.store.record_for(captured), tensors)
             record = staged[0]
             self.store.log_streamed(captured.sample, record)
-        self.sink.put(staged, tensors)
+        if captured.placed is not None:
+            self.sink.announce(staged)
+        else:
+            self.sink.cancel(captured.sample.sample_id)  # placed, and the server wrote a dump of its own
+            self.sink.put(staged, tensors)
         return record
 
+    def placer(self) -> Placer | None:
+        """This target, where its capture server can write samples into the stream's objects itself: the sink's
+        segment a file (in the server's dump root), speculators samples stored in the dtype the server computes in
+        (an FP8 store's scales are made otherwise)."""
+        manifest = self.store.manifest
+        placeable = manifest.format == SPECULATORS and manifest.store_dtype == manifest.compute_dtype
+        return self if placeable and self.sink.segment_file is not None else None
+
+    def place(self, sample: TokenizedSample) -> dict[str, Any] | None:
+        """The object reserved for ``sample`` in the producer's segment (`MooncakeSink.place`), as its request sends
+        it; the same for each attempt."""
+        shapes = {name: (shape, getattr(torch, dtype))
+                  for name, (dtype, shape) in placed_tensors(self.store.layout, sample.num_tokens).items()}  # fmt: skip
+        place = self.sink.place(sample.sample_id, sample.index, shapes)
+        return None if place is None else place.param()
+
+    def forget(self, sample_id: str) -> None:
+        self.sink.cancel(sample_id)
+
     def delivered(self, *, last: bool) -> bool:
+        self.sink.cancel()  # reservations of samples never committed (a run told to stop)
         if last:
             self.sink.drain()
             return True

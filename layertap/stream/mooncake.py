@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,10 +82,10 @@ class PinnedPuts:
     pressure and which places an object in any mounted segment: in another producer's, which goes when that one ends, or in a killed
     producer's, which the master keeps for its ``-client_ttl`` and every put into fails (status -800)."""
 
-    def __init__(self, client: Any, prefaulting: segment.Prefault) -> None:
+    def __init__(self, client: Any, prefaulting: segment.Prefault, mapped: segment.MappedFile | None = None) -> None:
         from mooncake.store import ReplicateConfig
 
-        self._client, self.prefaulting = client, prefaulting
+        self._client, self.prefaulting, self.mapped = client, prefaulting, mapped
         self.sizes: dict[str, int] = {}  # key -> bytes, of the objects put and not yet settled
         self._config = ReplicateConfig()
         self._config.with_hard_pin = True
@@ -98,6 +99,22 @@ class PinnedPuts:
         """One object made of the bytes at ``pointers``, in order: Mooncake copies them into the segment in one call."""
         self._putting(key, sum(sizes))
         return self._put(key, self._client.batch_put_from_multi_buffers([key], [pointers], [sizes], self._config)[0])
+
+    def reserve(self, key: str, size: int) -> int:
+        """An object of ``size`` bytes made in this client's segment file, hard-pinned, nothing copied (a put session
+        begun and ended at once), for another process to write (`MooncakeSink.place`): its offset in the file."""
+        if self.mapped is None:
+            raise RuntimeError("this client's segment is not a file")
+        self._putting(key, size)
+        if (status := self._client.batch_put_session_start([key], [size], self._config)) != [0]:
+            self.settled([key])
+            raise RuntimeError(f"reserving {key} returned {status}")
+        if (status := self._client.batch_put_session_end([key])) not in ([0], None):
+            self._client.remove(key, True)
+            self.settled([key])
+            raise RuntimeError(f"ending the reservation of {key} returned {status}")
+        [replica] = self._client.get_replica_desc(key)
+        return self.mapped.offset(replica.get_memory_descriptor().buffer_descriptor.buffer_address)
 
     def settled(self, keys: list[str]) -> None:
         """The objects of ``keys`` are removed (or about to be: their consumers are done with them)."""
@@ -225,11 +242,20 @@ def settled(store: MooncakeHiddenStatesStore, handles: list[str]) -> None:
         store._store.settled(handles)
 
 
+def segment_file(store: MooncakeHiddenStatesStore) -> Path | None:
+    """The file a producer's segment is mounted from (`connect`'s ``segment_dir``), None for anonymous memory."""
+    client = store._store
+    return client.mapped.path if isinstance(client, PinnedPuts) and client.mapped is not None else None
+
+
 def disconnect(store: MooncakeHiddenStatesStore) -> None:
-    """Close the store's client, unmounting its segment (the objects in it go): hs-connectors' store has no close."""
+    """Close the store's client, unmounting its segment (the objects in it go, and the file it was mounted from):
+    hs-connectors' store has no close."""
     if isinstance(store._store, PinnedPuts):
         store._store.prefaulting.stop()
     store._store.close()
+    if (path := segment_file(store)) is not None:
+        path.unlink(missing_ok=True)
 
 
 def check_master(address: str) -> None:
@@ -244,13 +270,17 @@ def check_master(address: str) -> None:
         ) from None
 
 
-def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bool = True) -> MooncakeHiddenStatesStore:
+def connect(
+    address: str, *, segment_bytes: int, pin: bool = False, prefault: bool = True, segment_dir: Path | None = None
+) -> MooncakeHiddenStatesStore:
     """hs-connectors' store, set up against the master at ``address`` over TCP. A producer mounts a segment of
     ``segment_bytes`` (its objects live there, and vanish with this process); a consumer mounts none (0), so no
     producer's object lands in a trainer's memory. ``pin``: puts are hard-pinned (`PinnedPuts`), and with
     ``prefault`` the segment's pages are faulted in ahead of the puts by threads of their own (`segment.Prefault`;
     without, by the puts that first touch them: `benchmarks/put_bench.py` compares), and its puts are memcpys into its
-    own segment (`LOCAL_MEMCPY_ENV`), not sends to itself over TCP.
+    own segment (`LOCAL_MEMCPY_ENV`), not sends to itself over TCP. With ``segment_dir`` (a pinned producer's: a
+    capture server's dump root) the segment is a file there (`segment.MappedFile`), which a capture server writes
+    samples into itself (`PinnedPuts.reserve`); its pages fault in as they are written.
 
     The client is set up as hs-connectors' ``setup`` does, less its ``ensure_accelerator_context``: on a GPU host that
     makes a CUDA context on the current device (GPU 0 for a worker that never chose one) in every process that
@@ -274,14 +304,23 @@ def connect(address: str, *, segment_bytes: int, pin: bool = False, prefault: bo
     config = MooncakeStoreConfig(local_hostname=local, master_server_address=address,
                                  global_segment_size=segment_bytes, local_buffer_size=LOCAL_BUFFER_BYTES)  # fmt: skip
     client = MooncakeDistributedStore()
-    mapped = segment.anonymous_regions() if pin and prefault else set()  # a consumer's connect reads no maps
-    status = client.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
+    in_file = pin and segment_dir is not None
+    mapped = segment.anonymous_regions() if pin and prefault and not in_file else set()  # a consumer's reads no maps
+    status = client.setup(config.local_hostname, config.metadata_server, 0 if in_file else config.global_segment_size,
                           config.local_buffer_size, config.protocol, config.device_name, config.master_server_address)  # fmt: skip
     if status != 0:
         raise StreamError(f"setting up a Mooncake client against the master at {address} failed (status {status})")
     _CLIENT_PID = os.getpid()
     store = MooncakeHiddenStatesStore(config)
-    if pin:
+    if in_file:
+        assert segment_dir is not None
+        try:
+            mounted = segment.MappedFile.mount(client, segment_dir, segment_bytes)
+        except (RuntimeError, OSError) as exc:
+            client.close()
+            raise StreamError(f"mounting a Mooncake segment file in {segment_dir} failed: {exc}") from None
+        client = PinnedPuts(client, segment.Prefault([]), mounted)
+    elif pin:
         faults = (
             segment.prefault(segment.anonymous_regions() - mapped, segment_bytes) if prefault else segment.Prefault([])
         )

@@ -11,6 +11,9 @@ of unacked samples keeps them there). A run does not pay for pages it never uses
 whole segment held a short run back, and a long run faulted in all of it while it ran. What was faulted in stays the
 process's until the segment is unmounted. `benchmarks/results/gpu_stream.md` as of 601a115 (against
 `gpu_stream_before_prefault.md`) says what faulting in changed.
+
+A producer beside its capture server mounts its segment from a file in the server's dump root instead (`MappedFile`):
+the server writes each sample into it where the producer reserved its object, and nothing is copied after.
 """
 
 from __future__ import annotations
@@ -18,9 +21,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import threading
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from sglang_patch.contract import SEGMENT_PREFIX
 
 log = logging.getLogger(__name__)
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # <linux/mman.h>
@@ -122,3 +131,62 @@ def _madvise() -> Callable[[int, int, int], int]:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
     return libc.madvise
+
+
+@dataclass(frozen=True, slots=True)
+class MappedFile:
+    """A producer's segment mounted from a file, ``<folder>/.segment-<host>-<pid>-<nonce>``, in the folder its capture
+    server writes into (its dump root, on tmpfs for a run that writes nothing to disk), mapped here at ``start``.
+    `connect`'s `disconnect` removes it; one a killed producer left goes when the next producer on its host mounts
+    one there (`sweep_segments`): tmpfs would hold its pages for good."""
+
+    path: Path
+    start: int
+    size: int
+
+    @classmethod
+    def mount(cls, client: Any, folder: Path, size: int) -> MappedFile:
+        """The file made, sized and mounted as ``client``'s segment; RuntimeError when Mooncake refuses it."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if swept := sweep_segments(folder):
+            log.warning("removed %d Mooncake segment files of producers no longer running from %s", swept, folder)
+        path = folder / f"{SEGMENT_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        if (status := client.mount_segment(str(path), size, 0, "tcp", "").get("ret")) != 0:
+            path.unlink()
+            raise RuntimeError(f"Mooncake refused the segment file {path} (status {status})")
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if line.endswith(f" {path}"):
+                return cls(path, int(line.split("-")[0], 16), size)
+        raise RuntimeError(f"Mooncake mounted {path} without mapping it here")
+
+    def offset(self, address: int) -> int:
+        """Where ``address`` (in this process's mapping) lies in the file."""
+        if not self.start <= address < self.start + self.size:
+            raise RuntimeError(f"address {address:#x} lies outside the segment file {self.path}")
+        return address - self.start
+
+
+def sweep_segments(folder: Path) -> int:
+    """Remove the segment files in ``folder`` of this host's producers that are gone; returns how many."""
+    removed = 0
+    for path in folder.glob(f"{SEGMENT_PREFIX}{socket.gethostname()}-*"):
+        pid = path.name.removeprefix(f"{SEGMENT_PREFIX}{socket.gethostname()}-").split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

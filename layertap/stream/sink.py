@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
+from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, packed_layout
 from redis import Redis
 from redis.exceptions import RedisError
 
@@ -47,8 +47,10 @@ from layertap.stream.mooncake import (
     put_packed,
     run_identity,
     sample_manifest,
+    segment_file,
     settled,
 )
+from sglang_patch.contract import Placement
 
 log = logging.getLogger(__name__)
 LOST_CHECK_S = 1.0  # how often a waiting producer checks that its unacked objects are still there
@@ -70,18 +72,19 @@ def open_sink(settings: RunSettings, out: Path, **options: Any) -> MooncakeSink:
 
 
 class KeptClients:
-    """A worker's producers' Mooncake clients, one per master and segment size, kept from one shard attempt to the
+    """A worker's producers' Mooncake clients, one per master, segment size and segment folder, kept from one shard attempt to the
     next. Mooncake's close holds the GIL ~2 s (every thread of the worker stops) and a new segment is faulted in
     again: at each attempt, about what a GPU shard of 100 samples takes to capture. An attempt's sink borrows the
     client (`open`) and gives it back (`give_back`): kept when all it put was settled (`MooncakeSink.detach`),
     otherwise unmounted as before, so what an attempt leaves unacked still goes with its segment."""
 
     def __init__(self) -> None:
-        self.kept: dict[tuple[str, int], MooncakeHiddenStatesStore] = {}
+        self.kept: dict[tuple[str, int, Path | None], MooncakeHiddenStatesStore] = {}
 
     def open(self, settings: RunSettings, out: Path, **options: Any) -> MooncakeSink:
         """`open_sink` through the client kept for ``settings``' master and segment, if any."""
-        store = self.kept.pop((settings.mooncake_master, settings.mooncake_segment_mib << 20), None)
+        store = self.kept.pop((settings.mooncake_master, settings.mooncake_segment_mib << 20,
+                               options.get("segment_dir")), None)  # fmt: skip
         try:
             return open_sink(settings, out, store=store, **options)
         except BaseException:  # Redis refused: the client is not left mounted with no one to close it
@@ -91,7 +94,7 @@ class KeptClients:
 
     def give_back(self, sink: MooncakeSink) -> None:
         if (store := sink.detach()) is not None:
-            self.kept[(sink.master, sink.segment_bytes)] = store
+            self.kept[(sink.master, sink.segment_bytes, sink.segment_dir)] = store
 
     def close(self) -> None:
         """Unmount every kept client's segment (a worker leaving, or taking a shard that does not stream)."""
@@ -141,8 +144,12 @@ class MooncakeSink:
         keep_going: Callable[[], bool] = lambda: True,
         on_acked: Callable[[SampleRecord], None] = lambda record: None,
         store: MooncakeHiddenStatesStore | None = None,
+        segment_dir: Path | None = None,
     ) -> None:
-        self.store = store if store is not None else connect(master, segment_bytes=segment_bytes, pin=True)
+        self.store = store or connect(master, segment_bytes=segment_bytes, pin=True, segment_dir=segment_dir)
+        # The segment's file, where a capture server may write samples itself (`place`); None: anonymous memory.
+        self.segment_dir, self.segment_file = segment_dir, segment_file(self.store)
+        self.placed: dict[str, Placement] = {}  # sample id -> its object reserved (`place`), not yet announced
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.master, self.segment_bytes = Keys(prefix), name, master, segment_bytes
         self.max_unacked, self.poll_s, self.keep_going, self.on_acked = max_unacked, poll_s, keep_going, on_acked
@@ -206,37 +213,107 @@ class MooncakeSink:
             with self.lock:
                 self.put_count, self.dead = self.put_count + 1, self.dead + 1
             return
+        if not self._enter():
+            return
+        t0 = time.perf_counter()
+        announced = False
+        try:
+            try:
+                put_packed(self.store, manifest, tensors)
+            except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
+                raise self._failed(f"putting sample {record.sample_id}", exc) from exc
+            self._announce(record, manifest, t0)
+            announced = True
+        finally:  # a put that failed (the run then stops) leaves the bound as it found it
+            self._leave(record if announced else None, manifest["handle"])
+
+    def place(
+        self, sample_id: str, index: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> Placement | None:
+        """Reserve the object of row ``index``'s sample (its tensors' ``shapes``, packed as `sample_manifest` packs
+        them) in this producer's segment file, for its capture server to write into (`layertap.engines.base.Placer`):
+        a put under way in the bound from now (waiting there as `put` does). Each attempt of the sample gets the same
+        one, until it is announced (`announce`) or given back (`cancel`). None where the segment is no file, the sample
+        was dead-lettered before (`put` counts it) or the run stops."""
+        if self.segment_file is None or sample_id in self.dead_letters:
+            return None
+        with self.lock:
+            if (place := self.placed.get(sample_id)) is not None:
+                return place
+        if not self._enter():
+            return None
+        key = f"lt-{self.nonce}-{index}"
+        specs, size = packed_layout(dict(sorted(shapes.items())))
+        try:
+            offset = self.store._store.reserve(key, size)
+        except RuntimeError as exc:
+            self._leave(None, key)
+            raise self._failed(f"reserving sample {sample_id}", exc) from exc
+        place = Placement(key, str(self.segment_file), offset, size,
+                          {name: (spec["offset"], spec["nbytes"]) for name, spec in specs.items()})  # fmt: skip
+        with self.lock:
+            self.placed[sample_id] = place
+        return place
+
+    def announce(self, staged: Staged) -> None:
+        """A placed sample (`place`) its capture server wrote, announced as `put` announces a sample it copied (its
+        manifest must pack the tensors where they were placed)."""
+        record, manifest = staged
+        with self.lock:
+            place = self.placed.pop(record.sample_id)
+        spans = {name: (spec["offset"], spec["nbytes"]) for name, spec in manifest["tensors"].items()}
+        announced = False
+        try:
+            if manifest["handle"] != place.key or spans != place.tensors:
+                raise StreamError(f"sample {record.sample_id} is packed otherwise than it was placed ({place.tensors})")
+            self._announce(record, manifest, time.perf_counter())
+            announced = True
+        finally:
+            self._leave(record if announced else None, place.key)
+
+    def cancel(self, sample_id: str | None = None) -> None:
+        """Give back the reservation of ``sample_id`` (its capture failed for good, or came back unplaced: a server that
+        wrote a dump of its own), or with None every one left, and their places in the bound."""
+        with self.lock:
+            ids = list(self.placed) if sample_id is None else [sample_id]
+            places = [place for i in ids if (place := self.placed.pop(i, None)) is not None]
+        for place in places:
+            self.store._store.remove(place.key, True)  # hard-pinned: removed only when forced
+            settled(self.store, [place.key])
+            self._leave(None, place.key)
+
+    def _enter(self) -> bool:
+        """One more put under way in the bound, after waiting there while ``max_unacked`` samples wait for their acks;
+        False (none) once ``keep_going`` turns False meanwhile. The commit threads take turns here only."""
         with self.turn:
             if self.broken is not None:
                 raise self.broken
             if time.monotonic() - self.collected > ACK_POLL_S or self._in_flight() >= self.max_unacked:
                 self._collect_acks()
             if self._in_flight() >= self.max_unacked and not self._hold():
-                return
+                return False
             with self.lock:
                 self.putting += 1
-        t0 = time.perf_counter()
-        announced = False
-        try:
-            self._put(record, manifest, tensors, t0)
-            announced = True
-        finally:  # a put that failed (the run then stops) leaves the bound as it found it
-            with self.lock:
-                self.putting -= 1
-                if announced:
-                    self.unacked[record.sample_id] = (manifest["handle"], record)
-                    self.put_count += 1
+        return True
 
-    def _put(self, record: SampleRecord, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], t0: float) -> None:
-        """The sample's object put, then its entry XADDed with the stream's counts (one MULTI)."""
-        try:
-            put_packed(self.store, manifest, tensors)
-        except RuntimeError as exc:  # Mooncake's status codes: the master down (-900), the segment full...
-            self.broken = StreamError(
-                f"putting sample {record.sample_id} into Mooncake Store failed ({exc}): is the master at {self.master} "
-                f"up, and does --mooncake-segment-mib hold --stream-unacked samples? {RERUN}"
-            )
-            raise self.broken from exc
+    def _leave(self, record: SampleRecord | None, handle: str) -> None:
+        """A put under way ends: announced (``record``, whose object is ``handle``: it waits for its ack now) or not."""
+        with self.lock:
+            self.putting -= 1
+            if record is not None:
+                self.unacked[record.sample_id] = (handle, record)
+                self.put_count += 1
+
+    def _failed(self, what: str, exc: RuntimeError) -> StreamError:
+        """The stream broken by a Mooncake call that failed: every later put is refused."""
+        self.broken = StreamError(
+            f"{what} into Mooncake Store failed ({exc}): is the master at {self.master} up, and does "
+            f"--mooncake-segment-mib hold --stream-unacked samples? {RERUN}"
+        )
+        return self.broken
+
+    def _announce(self, record: SampleRecord, manifest: dict[str, Any], t0: float) -> None:
+        """The sample's entry XADDed with the stream's counts (one MULTI), its object in place."""
         with self.redis.pipeline() as pipe:  # MULTI: the entry with what consumers end on and drop stale entries by
             pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
             pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})

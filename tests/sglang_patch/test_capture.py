@@ -130,12 +130,12 @@ def test_prompts_keep_only_captured_rids_and_stay_bounded() -> None:
     lengths.forget(rid("3"))
     lengths.forget(rid("never"))
     assert list(lengths) == [rid("4"), rid("2")]
-    lengths.record(rid("m"), 4, [[1, 3]])  # a loss mask the client sent along
-    assert lengths.loss_mask_runs(rid("m")) == [[1, 3]] and lengths.loss_mask_runs(rid("2")) is None
+    lengths.record(rid("m"), 4, {"mask": [[1, 3]]})  # custom params the client sent along
+    assert lengths.params(rid("m")) == {"mask": [[1, 3]]} and lengths.params(rid("2")) == {}
     lengths.record(rid("n"), 2)
     lengths.record(rid("o"), 2)  # evicts "4" and "2"; "m" is the oldest left
     lengths.record(rid("p"), 2)  # evicts "m" and its mask
-    assert rid("m") not in lengths and lengths.loss_mask_runs(rid("m")) is None
+    assert rid("m") not in lengths and lengths.params(rid("m")) == {}
 
 
 def test_chunked_multi_request_passes_reassemble_exactly() -> None:

@@ -12,7 +12,21 @@ import pytest
 import torch
 
 from harness.processes import REPO_ROOT
-from sglang_patch.contract import AUX_FINAL_PRE, TMP_DIR, dump_dir, format_rid, iter_dump_rids, read_dump
+from sglang_patch.contract import (
+    AUX_FINAL_PRE,
+    LOSS_MASK_PARAM,
+    META_FILE,
+    PLACE_PARAM,
+    PLACED_MASK,
+    SEGMENT_PREFIX,
+    TMP_DIR,
+    DumpError,
+    Placement,
+    dump_dir,
+    format_rid,
+    iter_dump_rids,
+    read_dump,
+)
 from sglang_patch.sample_files import stack_aux_final
 from sglang_patch.writer import DumpJob, DumpWriter, HostBudget, HostStaging, build_meta, write_dump
 
@@ -165,7 +179,7 @@ def test_trainer_layouts_hold_what_the_store_would_write(tmp_path: Path, layout:
     if layout == "speculators":
         stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
         staged = {"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}
-    writer.submit(DumpJob(rid, tensors=staged, loss_mask_runs=runs))
+    writer.submit(DumpJob(rid, tensors=staged, params={LOSS_MASK_PARAM: runs}))
     writer.close(timeout=30)
     dump = read_dump(dump_dir(tmp_path, rid))
     assert dump.meta.layout == layout and (dump.path / dump.meta.file).is_file()
@@ -192,7 +206,7 @@ def test_specforge_dump_without_a_usable_loss_mask_is_an_error_dump(tmp_path: Pa
         tmp_path, layers=(1, 4), finals=("post",), budget=HostBudget(1 << 30), threads=2, layout="specforge"
     )
     rid = format_rid("j", "s", 0)
-    writer.submit(DumpJob(rid, tensors=states(5, 1), loss_mask_runs=runs))
+    writer.submit(DumpJob(rid, tensors=states(5, 1), params={LOSS_MASK_PARAM: runs}))
     writer.close(timeout=30)
     meta = read_dump(dump_dir(tmp_path, rid)).meta
     assert meta.status == "error" and reason in meta.error
@@ -268,3 +282,79 @@ def test_stack_aux_final_gives_back_the_tensor_its_inputs_are_views_of_and_copie
         joined = stack_aux_final(other_aux, other_final)
         assert torch.equal(joined, torch.cat([other_aux, other_final.unsqueeze(1)], dim=1))
         assert joined.data_ptr() not in (states.data_ptr(), other_aux.data_ptr())
+
+
+def placement(dump_root: Path, t: int, k: int, h: int, *, key: str = "obj", offset: int = 4096) -> Placement:
+    """A placement of a float32 speculators sample of ``t`` tokens, ``k`` aux layers, width ``h`` in a fresh segment
+    file of ``dump_root``, laid out as hs-connectors packs it (64-byte aligned, in name order)."""
+    sizes = {"hidden_states": t * (k + 1) * h * 4, PLACED_MASK: t, "token_ids": t * 8}
+    spans, at = {}, 0
+    for name in sorted(sizes):
+        spans[name], at = (at, sizes[name]), -(-(at + sizes[name]) // 64) * 64
+    path = dump_root / f"{SEGMENT_PREFIX}test"
+    path.write_bytes(b"\xff" * (offset + at + 4096))
+    return Placement(key, str(path), offset, at, spans)
+
+
+def test_a_placed_speculators_sample_lands_at_its_spans_and_its_dump_holds_only_meta(tmp_path: Path) -> None:
+    """With a placement among its custom params, the writer writes the sample into the client's segment file (gaps
+    zeroed, nothing outside it touched) and the dump folder holds meta.json only; read back, its tensors are views of
+    the placed bytes, the loss mask built from the runs sent."""
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1,
+                        layout="speculators")  # fmt: skip
+    rid, tensors = format_rid("j", "s", 0), both_finals(9, 5)
+    stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
+    place = placement(tmp_path, 9, 2, 8)
+    before = Path(place.path).read_bytes()
+    params = {LOSS_MASK_PARAM: [[2, 5], [7, 9]], PLACE_PARAM: place.param()}
+    writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}, params=params))
+    writer.close(timeout=30)
+
+    dump = read_dump(dump_dir(tmp_path, rid))
+    assert [p.name for p in dump.path.iterdir()] == [META_FILE] and dump.meta.placed == place.param()
+    assert torch.equal(dump.tensors["hidden_states"], stacked)
+    assert torch.equal(dump.tensors["token_ids"], tensors["input_ids"])
+    assert dump.tensors[PLACED_MASK].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1]
+    after = Path(place.path).read_bytes()
+    end = place.offset + place.size
+    assert after[: place.offset] == before[: place.offset] and after[end:] == before[end:]
+    gaps = [
+        (s + n, e)
+        for (s, n), (e, _) in zip(
+            sorted(place.tensors.values()), [*sorted(place.tensors.values())[1:], (place.size, 0)], strict=True
+        )
+    ]
+    assert all(after[place.offset + a : place.offset + b] == bytes(b - a) for a, b in gaps)
+
+
+@pytest.mark.parametrize("why", ["misfit", "outside", "no-mask"])
+def test_a_placement_the_server_may_not_write_is_an_error_dump_with_no_byte_written(tmp_path: Path, why: str) -> None:
+    """A placement whose spans are not the sample's (a client that counted other tokens), one naming a file outside the
+    dump root, or one sent without the loss mask it holds: an error dump saying why, the file untouched."""
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1,
+                        layout="speculators")  # fmt: skip
+    tensors = both_finals(9, 5)
+    stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
+    place = placement(tmp_path, 10 if why == "misfit" else 9, 2, 8)
+    if why == "outside":
+        outside = tmp_path / "elsewhere" / Path(place.path).name
+        outside.parent.mkdir()
+        outside.write_bytes(Path(place.path).read_bytes())
+        place = Placement(place.key, str(outside), place.offset, place.size, place.tensors)
+    before = Path(place.path).read_bytes()
+    params = {PLACE_PARAM: place.param()} | ({} if why == "no-mask" else {LOSS_MASK_PARAM: [[0, 9]]})
+    rid = format_rid("j", why, 0)
+    writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}, params=params))
+    writer.close(timeout=30)
+    meta = read_dump(dump_dir(tmp_path, rid)).meta
+    said = {"misfit": "do not fit", "outside": "in this server's dump root", "no-mask": "carried none"}[why]
+    assert meta.status == "error" and said in meta.error and Path(place.path).read_bytes() == before
+
+
+def test_a_placement_param_is_checked_before_any_use() -> None:
+    good = {"key": "k", "path": "/x/.segment-a", "offset": 0, "size": 128, "tensors": {"a": [0, 64], "b": [64, 64]}}
+    assert Placement.from_param(good).tensors == {"a": (0, 64), "b": (64, 64)}
+    for bad in ("x", {**good, "tensors": {"a": [0, 100], "b": [64, 64]}}, {**good, "size": 100},
+                {**good, "offset": "far"}, {k: v for k, v in good.items() if k != "key"}):  # fmt: skip
+        with pytest.raises(DumpError):
+            Placement.from_param(bad)

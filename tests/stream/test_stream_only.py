@@ -2,6 +2,8 @@
 SGLang server: no sample file is written, every sample reaches the consumers once and byte-equal to a files run of the
 same rows, and a producer SIGKILLed mid-run is resumed by running the same command again: what a consumer acked is not
 computed again (the run folder's reports name every sample each run computed), what it had put and no one acked is.
+The first test's server writes speculators samples, so each is written by the server straight into the producer's
+segment file (placed: nothing copied); the others' writes its own dumps, which the producer puts.
 """
 
 from __future__ import annotations
@@ -9,14 +11,18 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from harness.processes import LAYERTAP, Proc, wait_moving
 from layertap.state.keys import Keys
 from layertap.store.store import OutputStore
 from layertap.verify import verify_store
+from sglang_patch.contract import SEGMENT_PREFIX
 from tests.core.datasets import conversation_rows, write_jsonl
-from tests.sglang_fixtures import DEFAULT_LAYERS
+from tests.sglang_fixtures import DEFAULT_LAYERS, SGLangServer
 from tests.stream.test_stream import (
     CONSUME,
     ROWS,
@@ -44,15 +50,25 @@ def files_run(cmd: list[str], out: Path, logs: Path) -> None:
     assert run.popen.returncode == 0, run.log_tail()
 
 
+@pytest.fixture
+def sglang_llama_speculators(sglang_servers: Callable[..., SGLangServer], tiny_llama: Path) -> SGLangServer:
+    """The CPU capture server writing speculators samples (float32, as it computes): the layout a run that streams
+    a speculators store launches its server with."""
+    return sglang_servers(tiny_llama, layers=DEFAULT_LAYERS["llama"], final="pre", layout="speculators")
+
+
 def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_without_recomputing_what_was_acked(
-    sglang_llama, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+    sglang_llama_speculators, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
 ) -> None:
+    server = sglang_llama_speculators
     data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(ROWS, seed=11, max_words=12))
     files, out, received, name, keys = tmp_path / "files", tmp_path / "out", tmp_path / "received", "only", Keys()
     # One request in flight, in both runs: each prefill a batch of its own, so both compute every sample identically.
     extract = [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
-               ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url", sglang_llama.url,
-               "--dump-root", str(sglang_llama.dump_root), "--in-flight", "1", "--format", "speculators"]  # fmt: skip
+               ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url", server.url,
+               "--dump-root", str(server.dump_root), "--in-flight", "1", "--format", "speculators",
+               "--store-dtype", "float32"]  # fmt: skip
+    placed_before = server.log_path.read_text().count("(placed)")
     files_run(extract, files, tmp_path)
 
     streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
@@ -89,6 +105,10 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
     assert len(acked_before) >= 40
     report = verify_store(out)
     assert report.ok and report.samples == ROWS and any("stream-verify" in w for w in report.warnings)
+    # Each sample streamed was written by the server into its object (the killed producer's unacked ones twice), and
+    # no segment file is left in the dump root: the killed producer's went when the rerun mounted its own.
+    assert server.log_path.read_text().count("(placed)") - placed_before >= ROWS
+    assert not list(server.dump_root.glob(f"{SEGMENT_PREFIX}*"))
 
 
 def test_stream_only_without_a_stream_is_refused_before_any_work(layertap_cli, tiny_llama, tmp_path) -> None:

@@ -10,6 +10,10 @@ A server launched with a trainer's dump layout (`dump_layout`) writes each sampl
 store's format, loss mask included (sent with the request): the yielded sample then names that file
 and the store commits it by renaming it, no bytes copied when the dump root shares its filesystem.
 
+A run whose target takes samples where the server writes them (`Engine.placer`: a stream's object in its producer's
+Mooncake segment) sends that placement with each request: the server writes the sample there and its dump is only
+its meta.json, whose tensors the engine then reads as views of the placed bytes (`CapturedSample.placed`).
+
 Attempt numbers start at the engine's creation time in milliseconds, so a dump left by an earlier
 process can never be taken for a fresh one. Requests go through the server's `ServerSession` (`session`), which
 checks the server before any sample and sends a dropped request again once the server serves (a dead server this
@@ -29,6 +33,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from layertap.engines.base import Engine
 from layertap.engines.server_facts import ServerFacts, expectation_for
 from layertap.engines.sglang.launch import sglang_compute_dtype
@@ -45,7 +51,9 @@ from sglang_patch.contract import (
     FINAL_TENSORS,
     FORMAT_FINAL,
     LOSS_MASK_PARAM,
+    PLACE_PARAM,
     SCALES,
+    SPECULATORS,
     Dump,
     DumpError,
     dump_dir,
@@ -163,7 +171,7 @@ class SGLangEngine(Engine):
             "sampling_params": {
                 "max_new_tokens": 0,
                 "temperature": 0.0,
-                "custom_params": {LOSS_MASK_PARAM: mask_runs(sample.loss_mask)},
+                "custom_params": self._params(sample),
             },
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
@@ -184,6 +192,14 @@ class SGLangEngine(Engine):
         t0 = time.perf_counter()
         path = self._wait_for_dump(rid, restarts)
         return self._read_dump(rid, path, sample, self._observe("dump_wait", t0))
+
+    def _params(self, sample: TokenizedSample) -> dict[str, Any]:
+        """The request's custom params: the sample's loss mask, and where the server is to write it when the run's
+        target places samples (`Engine.placer`)."""
+        capture = self.provenance.capture or {}
+        places = self.placer is not None and capture.get("layout") == SPECULATORS and capture.get("quantize") == "none"
+        place = self.placer.place(sample) if places else None  # a server writing its samples so, unquantized
+        return {LOSS_MASK_PARAM: mask_runs(sample.loss_mask)} | ({} if place is None else {PLACE_PARAM: place})
 
     def _wait_for_dump(self, rid: str, restarts: int) -> Path:
         """Wait (bounded) for the dump folder of a request the server has answered; returns it.
@@ -281,7 +297,8 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
     """The capture of ``sample`` in a dump `read_dump` read and checked against its meta.json; SampleError unless
     the dump is "ok" and is this sample's (token count, input_ids hash) with the spec's layers and finals. A dump in
     a trainer's layout is handed over as its file (`SampleFile`: its bytes as read, so the store hashes and renames
-    it without reading it again), the tensors being views of those bytes."""
+    it without reading it again), the tensors being views of those bytes; a placed one as the key of the object it
+    was written into (`CapturedSample.placed`), its loss mask checked against the sample's."""
     meta = dump.meta
     finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
     wanted = spec.finals
@@ -292,9 +309,14 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
     if meta.layers != spec.layers or not set(wanted) <= set(finals):
         raise SampleError(f"dump has layers {meta.layers} finals {finals}; wanted {spec.layers} {wanted}")
     t = dump.tensors or {}
-    source = None
-    if meta.layout != "states" and dump.data is not None:
+    source = placed = None
+    if meta.layout != "states":
         t = unpack_sample(meta.layout, t, len(meta.layers))
+    if meta.placed is not None:
+        placed = meta.placed["key"]
+        if not torch.equal(t["loss_mask"], sample.loss_mask.to(torch.uint8)):
+            raise SampleError("the loss mask the server placed is not the sample's")
+    elif meta.layout != "states" and dump.data is not None:
         source = SampleFile(dump.path / meta.file, meta.layout, dump.data, t.get("loss_mask"))
     return CapturedSample(
         sample=sample,
@@ -303,4 +325,5 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
         final_pre=t.get(FINAL_TENSORS["pre"]) if spec.final_pre else None,
         source=source,
         scales=t.get(SCALES),
+        placed=placed,
     )
