@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import torch
@@ -206,7 +207,8 @@ class Part:
             gots = [json.loads(result.read_text()) for result in results]  # summed, the span the longest
             got = {key: (max if key == "span_s" else sum)(g[key] for g in gots) for key in gots[0]} | {"consumers": n}
             run = stream_run_facts(self.redis.url, name)
-            row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0))}
+            row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0)),
+                    "placed": placed(self.logs / "server.log", name)}  # fmt: skip
             assert got["samples"] == row["samples"], (got, row)
             row["states"] = got["bytes"]  # the samples' bytes as received (a stream-only run has no file to count)
         shutil.rmtree(out)
@@ -240,6 +242,13 @@ class Part:
                 "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
                 "arms_s": arms_s, "plain_tok_s": plain, "in_flight": self.args.in_flight, "rows": rows,
                 "runs_planned": len(planned)}  # fmt: skip
+
+
+def placed(server_log: Path, job: str) -> int:
+    """How many of run ``job``'s samples its server wrote straight into the stream (its log's ``ok (placed)`` lines)."""
+    rid = f"%3A{quote(job, safe='')}%3A"
+    with server_log.open(errors="replace") as f:
+        return sum(1 for line in f if rid in line and "ok (placed)" in line)
 
 
 def write_bytes(pid: int) -> int:
@@ -281,7 +290,8 @@ def part_lines(part: dict) -> list[str]:
         if "consumer" not in r:
             continue
         c = r["consumer"]
-        where.append((f"{r['arm']} #{r['round']}", f"{r['seconds']:.1f}", f"{r['put_s']:.2f}", f"{r['held_s']:.2f}",
+        where.append((f"{r['arm']} #{r['round']}", f"{r['seconds']:.1f}", f"{r.get('placed', 0)}",
+                      f"{r['put_s']:.2f}", f"{r['held_s']:.2f}",
                       f"{c['receive_s']:.1f}",
                       f"{c['bytes'] / c['receive_s'] / 1e9:.2f}" if c["receive_s"] else "", f"{c['to_device_s']:.1f}",
                       f"{c['ack_s']:.1f}", f"{c['span_s']:.1f}"))  # fmt: skip
@@ -304,10 +314,11 @@ def part_lines(part: dict) -> list[str]:
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
         "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
-        "side: each sample's tensors as captured copied into Mooncake Store, its manifest XADDed; its wait at the bound "
+        "side: each sample's tensors as captured copied into Mooncake Store, or for a sample the server placed its "
+        "object's reservation, then its manifest XADDed; its wait at the bound "
         f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
         "onto the GPU, then the ack and the object's removal):", "",
-        *report.table_lines(("run", "run s", "producer put s", "producer held s", "consumers' receive s",
+        *report.table_lines(("run", "run s", "placed", "producer put s", "producer held s", "consumers' receive s",
                              "receive GB/s a consumer", "to GPU s", "ack s", "first to last delivery s"), where), "",
     ]  # fmt: skip
 

@@ -149,7 +149,8 @@ class MooncakeSink:
         self.store = store or connect(master, segment_bytes=segment_bytes, pin=True, segment_dir=segment_dir)
         # The segment's file, where a capture server may write samples itself (`place`); None: anonymous memory.
         self.segment_dir, self.segment_file = segment_dir, segment_file(self.store)
-        self.placed: dict[str, Placement] = {}  # sample id -> its object reserved (`place`), not yet announced
+        # sample id -> its object reserved (`place`), not yet announced, and the seconds its reservation took
+        self.placed: dict[str, tuple[Placement, float]] = {}
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.master, self.segment_bytes = Keys(prefix), name, master, segment_bytes
         self.max_unacked, self.poll_s, self.keep_going, self.on_acked = max_unacked, poll_s, keep_going, on_acked
@@ -238,11 +239,11 @@ class MooncakeSink:
         if self.segment_file is None or sample_id in self.dead_letters:
             return None
         with self.lock:
-            if (place := self.placed.get(sample_id)) is not None:
-                return place
+            if sample_id in self.placed:
+                return self.placed[sample_id][0]
         if not self._enter():
             return None
-        key = f"lt-{self.nonce}-{index}"
+        key, t0 = f"lt-{self.nonce}-{index}", time.perf_counter()
         specs, size = packed_layout(dict(sorted(shapes.items())))
         try:
             offset = self.store._store.reserve(key, size)
@@ -252,7 +253,7 @@ class MooncakeSink:
         place = Placement(key, str(self.segment_file), offset, size,
                           {name: (spec["offset"], spec["nbytes"]) for name, spec in specs.items()})  # fmt: skip
         with self.lock:
-            self.placed[sample_id] = place
+            self.placed[sample_id] = (place, time.perf_counter() - t0)
         return place
 
     def announce(self, staged: Staged) -> None:
@@ -260,13 +261,13 @@ class MooncakeSink:
         manifest must pack the tensors where they were placed)."""
         record, manifest = staged
         with self.lock:
-            place = self.placed.pop(record.sample_id)
+            place, reserving = self.placed.pop(record.sample_id)
         spans = {name: (spec["offset"], spec["nbytes"]) for name, spec in manifest["tensors"].items()}
         announced = False
         try:
             if manifest["handle"] != place.key or spans != place.tensors:
                 raise StreamError(f"sample {record.sample_id} is packed otherwise than it was placed ({place.tensors})")
-            self._announce(record, manifest, time.perf_counter())
+            self._announce(record, manifest, time.perf_counter() - reserving)  # its put: the reservation, the XADD
             announced = True
         finally:
             self._leave(record if announced else None, place.key)
@@ -276,7 +277,7 @@ class MooncakeSink:
         wrote a dump of its own), or with None every one left, and their places in the bound."""
         with self.lock:
             ids = list(self.placed) if sample_id is None else [sample_id]
-            places = [place for i in ids if (place := self.placed.pop(i, None)) is not None]
+            places = [self.placed.pop(i)[0] for i in ids if i in self.placed]
         for place in places:
             self.store._store.remove(place.key, True)  # hard-pinned: removed only when forced
             settled(self.store, [place.key])
