@@ -272,11 +272,16 @@ def median_by_arm(rows: list[dict], key: str) -> dict[str, float]:
     return {arm: statistics.median(r[key] for r in rows if r["arm"] == arm) for arm in arms}
 
 
+def file_arm(arms: dict[str, float]) -> str | None:
+    """The arm the others are compared with: the file path to tmpfs (``file-tmpfs``, else one with suffixes)."""
+    return next((arm for arm in sorted(arms, key=len) if arm.startswith("file-tmpfs")), None)
+
+
 def part_lines(part: dict) -> list[str]:
     """One folder's tables: each arm's rate against the tmpfs file path, then where a stream arm's time went."""
     rows = part["rows"]
     samples_s, bytes_s = median_by_arm(rows, "samples_s"), median_by_arm(rows, "bytes_s")
-    base = samples_s.get("file-tmpfs")
+    base = samples_s[base_arm] if (base_arm := file_arm(samples_s)) else None
     rounds = max(r["round"] for r in rows) + 1
     folder, written = median_by_arm(rows, "folder_bytes"), median_by_arm(rows, "written_bytes")
     table = [(arm, f"{samples_s[arm]:,.1f}", f"{bytes_s[arm] / 1e9:,.2f}",
@@ -328,13 +333,13 @@ def headline(part: dict) -> list[str]:
     tmpfs and to plain prefill, and how much of its time the producer spent putting and waiting at its bound."""
     rows = part["rows"]
     seconds, tokens = median_by_arm(rows, "seconds"), median_by_arm(rows, "tokens")
-    if "file-tmpfs" not in seconds:
+    if (base := file_arm(seconds)) is None:
         return []
     plain = part.get("plain_tok_s")
     out = []
     for arm in (a for a in seconds if not a.startswith("file")):
         streams = [r for r in rows if r["arm"] == arm]
-        extra = seconds[arm] - seconds["file-tmpfs"]
+        extra = seconds[arm] - seconds[base]
         put = statistics.median(r["put_s"] for r in streams)
         held = statistics.median(r["held_s"] for r in streams)
         receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
@@ -342,7 +347,7 @@ def headline(part: dict) -> list[str]:
         bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
                  "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
-        out.append(f"- {arm}: {seconds['file-tmpfs'] / seconds[arm]:.2f} of the file run to tmpfs{vs_plain}; "
+        out.append(f"- {arm}: {seconds[base] / seconds[arm]:.2f} of the file run to tmpfs ({base}){vs_plain}; "
                    f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the "
                    f"commit threads, beside the captures) and its waits at the bound {held:.1f} s; {readers} received "
                    f"at {receive / 1e9:.2f} GB/s. What bounds it: {bound}.")  # fmt: skip

@@ -101,7 +101,7 @@ class StreamSink(Protocol):
 
     def announce(self, staged: tuple[SampleRecord, Any]) -> None: ...
 
-    def cancel(self, sample_id: str | None = None) -> None: ...
+    def cancel(self, sample_id: str | None = None, *, fenced: bool = False) -> None: ...
 
     def drain(self) -> None: ...
 
@@ -228,10 +228,10 @@ class StreamTarget:
         return None if place is None else place.param()
 
     def forget(self, sample_id: str) -> None:
-        self.sink.cancel(sample_id)
+        self.sink.cancel(sample_id, fenced=True)  # its server may still write where it was placed
 
     def delivered(self, *, last: bool) -> bool:
-        self.sink.cancel()  # reservations of samples never committed (a run told to stop)
+        self.sink.cancel(fenced=True)  # reservations of samples never committed (a run told to stop)
         if last:
             self.sink.drain()
             return True

@@ -151,6 +151,7 @@ class MooncakeSink:
         self.segment_dir, self.segment_file = segment_dir, segment_file(self.store)
         # sample id -> its object reserved (`place`), not yet announced, and the seconds its reservation took
         self.placed: dict[str, tuple[Placement, float]] = {}
+        self.fenced = 0  # objects reserved for captures that failed for good, left in the segment (`cancel`)
         self.redis = redis_client(redis_url)
         self.keys, self.name, self.master, self.segment_bytes = Keys(prefix), name, master, segment_bytes
         self.max_unacked, self.poll_s, self.keep_going, self.on_acked = max_unacked, poll_s, keep_going, on_acked
@@ -272,15 +273,20 @@ class MooncakeSink:
         finally:
             self._leave(record if announced else None, place.key)
 
-    def cancel(self, sample_id: str | None = None) -> None:
-        """Give back the reservation of ``sample_id`` (its capture failed for good, or came back unplaced: a server that
-        wrote a dump of its own), or with None every one left, and their places in the bound."""
+    def cancel(self, sample_id: str | None = None, *, fenced: bool = False) -> None:
+        """Give back the place in the bound of ``sample_id``'s reservation (with None: of every one left) and its
+        object: now for a capture that came back unplaced (a server that wrote a dump of its own). ``fenced``: its
+        server may yet write into the object (a capture that failed for good: a request aborted, a dump later than the
+        engine's wait), so the object stays, never announced, until the segment goes, and no later sample is put where
+        that write would land; the client is then not kept for a later producer (`detach`)."""
         with self.lock:
             ids = list(self.placed) if sample_id is None else [sample_id]
             places = [self.placed.pop(i)[0] for i in ids if i in self.placed]
+            self.fenced += len(places) if fenced else 0
         for place in places:
-            self.store._store.remove(place.key, True)  # hard-pinned: removed only when forced
-            settled(self.store, [place.key])
+            if not fenced:
+                self.store._store.remove(place.key, True)  # hard-pinned: removed only when forced
+                settled(self.store, [place.key])
             self._leave(None, place.key)
 
     def _enter(self) -> bool:
@@ -345,11 +351,11 @@ class MooncakeSink:
 
     def detach(self) -> MooncakeHiddenStatesStore | None:
         """Drop the Redis client and give up the Mooncake client: returned when every sample put through this sink
-        was settled (its segment holds none of them, so a later producer may put through it), else unmounted (its
-        objects go with it: a resumed run puts them again) and None."""
+        was settled and none fenced (its segment holds none of them, so a later producer may put through it), else
+        unmounted (its objects go with it: a resumed run puts them again) and None."""
         self.redis.close()
         with self.lock:
-            clean = self.broken is None and not self.unacked and not self.putting
+            clean = self.broken is None and not self.unacked and not self.putting and not self.fenced
         if clean:
             return self.store
         disconnect(self.store)

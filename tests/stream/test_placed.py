@@ -65,8 +65,12 @@ def test_a_sample_the_server_writes_into_its_placement_reaches_a_consumer_byte_e
         sink.max_unacked = 3
         spare = sink.place("s2", 2, {"token_ids": ((5,), torch.int64)})
         assert spare is not None and sink.putting == 1 and objects_present(reader, [spare.key]) == [True]
-        sink.cancel("s2")  # its capture failed for good
+        sink.cancel("s2")  # its capture came back unplaced: its server wrote a dump of its own
         assert sink.putting == 0 and objects_present(reader, [spare.key]) == [False] and not sink.placed
+        late = sink.place("s3", 3, {"token_ids": ((5,), torch.int64)})
+        sink.cancel("s3", fenced=True)  # failed for good: its server may still write there, so the object stays
+        assert late is not None and sink.putting == 0 and objects_present(reader, [late.key]) == [True]
+        assert sink.fenced == 1  # so its client is not kept for a later producer: the segment goes, the object with it
         segment = sink.segment_file
     finally:
         disconnect(reader)
