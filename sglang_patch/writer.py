@@ -431,8 +431,9 @@ class DumpWriter:
         meta = replace(meta, placed=placed)
         tag = f"{os.getpid()}-{next(self._tags)}"
         path = write_dump(self.dump_root, meta, None if placed else tensors, tag=tag, loss_mask=loss_mask)
-        logger.info("dump %s: %s%s, %d tokens, %.3f s", path.name, meta.status, " (placed)" * bool(placed),
-                    meta.num_tokens, time.monotonic() - started)  # fmt: skip
+        logger.info("dump %s: %s%s, %d tokens, %.3f s (%.3f s of it waiting for the copies off the device)", path.name,
+                    meta.status, " (placed)" * bool(placed), meta.num_tokens, time.monotonic() - started,
+                    stats["ready_s"])  # fmt: skip
 
     def _place(self, params: dict[str, object], tensors: dict[str, torch.Tensor]) -> Placement:
         """Write a speculators sample where its client placed it (`write_placed`); ValueError when this server writes
