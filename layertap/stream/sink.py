@@ -168,6 +168,7 @@ class MooncakeSink:
         self.held_s = 0.0  # this run's waits at the bound, ended ones summed
         self.ended = False
         self.broken: StreamError | None = None  # once a put failed or objects were lost: every later put refused
+        self.missing: set[str] = set()  # unacked samples whose objects the last check did not find
         self.run = ""
 
     def open(self, store: OutputStore, server: str | None) -> None:
@@ -410,14 +411,19 @@ class MooncakeSink:
     def _check_not_lost(self) -> None:
         """StreamError when objects put and not acked are gone (a restarted master forgets every object): no
         consumer can read them, so waiting would never end. A consumer records its ack before it removes the
-        object, so the acks are collected again before one missing counts as lost."""
+        object, so the acks are collected again before one missing counts; and it counts lost only when it was
+        missing at the check before too (a check apart), so an object being replaced (removed, then put again) is
+        not taken for one a restarted master forgot."""
         with self.lock:
             waiting = list(self.unacked.items())
         present = objects_present(self.store, [handle for _, (handle, _) in waiting])
         if all(present):
+            self.missing = set()
             return
         self._collect_acks()
-        if lost := [i for (i, _), found in zip(waiting, present, strict=True) if not found and i in self.unacked]:
+        gone = {i for (i, _), found in zip(waiting, present, strict=True) if not found and i in self.unacked}
+        lost, self.missing = sorted(gone & self.missing), gone
+        if lost:
             self.broken = StreamError(
                 f"{len(lost)} samples put and not acked are gone from Mooncake Store (e.g. {lost[0]}): was the "
                 f"master at {self.master} restarted? {RERUN}"
