@@ -358,3 +358,40 @@ def test_a_placement_param_is_checked_before_any_use() -> None:
                 {**good, "offset": "far"}, {k: v for k, v in good.items() if k != "key"}):  # fmt: skip
         with pytest.raises(DumpError):
             Placement.from_param(bad)
+
+
+def test_a_placed_dump_is_checked_where_it_was_placed_and_against_the_sample(tmp_path: Path) -> None:
+    """Read back, a placed dump's token ids are hashed from the placed bytes (changed there: a DumpError), a placement
+    whose file is gone is a DumpError, and the engine refuses one whose loss mask is not its sample's."""
+    from layertap.engines.sglang.engine import captured_from_dump
+    from layertap.errors import SampleError
+    from layertap.sample import TokenizedSample
+    from layertap.spec import CaptureSpec
+
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1,
+                        layout="speculators")  # fmt: skip
+    tensors = both_finals(9, 5)
+    stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
+    place = placement(tmp_path, 9, 2, 8)
+    rid = format_rid("j", "s", 0)
+    params = {LOSS_MASK_PARAM: [[2, 5]], PLACE_PARAM: place.param()}
+    writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}, params=params))
+    writer.close(timeout=30)
+    dump = read_dump(dump_dir(tmp_path, rid))
+    spec = CaptureSpec(layers=(1, 4), final_post=False, final_pre=True, convention="capture", given_ids=(1, 4),
+                       num_layers=6)  # fmt: skip
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 0, 0], dtype=torch.uint8)
+    captured = captured_from_dump(dump, TokenizedSample("s", 0, tensors["input_ids"], mask), spec)
+    assert captured.placed == place.key and captured.source is None and torch.equal(captured.final_pre, stacked[:, 2])
+    with pytest.raises(SampleError, match="loss mask"):
+        captured_from_dump(dump, TokenizedSample("s", 0, tensors["input_ids"], torch.ones(9, dtype=torch.uint8)), spec)
+
+    ids_at = place.offset + place.tensors["token_ids"][0]
+    with open(place.path, "r+b") as f:
+        f.seek(ids_at)
+        f.write((int(tensors["input_ids"][0]) + 1).to_bytes(8, "little"))
+    with pytest.raises(DumpError, match="input_ids hash"):
+        read_dump(dump_dir(tmp_path, rid))
+    Path(place.path).unlink()
+    with pytest.raises(DumpError, match="cannot be read"):
+        read_dump(dump_dir(tmp_path, rid))
