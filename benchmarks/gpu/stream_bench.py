@@ -318,8 +318,8 @@ def part_lines(part: dict) -> list[str]:
            "`RunReport.stage_seconds`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
-        "Where a stream run's time went (seconds; the producer's puts, summed over the commit threads that put side by "
-        "side: each sample's tensors as captured copied into Mooncake Store, or for a sample the server placed its "
+        "Where a stream run's time went (seconds; the producer's puts, summed over the threads that put side by side "
+        "(the commit threads; a placed sample's reservation, the request threads): each sample's tensors as captured copied into Mooncake Store, or for a sample the server placed its "
         "object's reservation, then its manifest XADDed; its wait at the bound "
         f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
         "onto the GPU, then the ack and the object's removal):", "",
@@ -349,7 +349,7 @@ def headline(part: dict) -> list[str]:
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
         out.append(f"- {arm}: {seconds[base] / seconds[arm]:.2f} of the file run to tmpfs ({base}){vs_plain}; "
                    f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the "
-                   f"commit threads, beside the captures) and its waits at the bound {held:.1f} s; {readers} received "
+                   f"threads that put, beside the captures) and its waits at the bound {held:.1f} s; {readers} received "
                    f"at {receive / 1e9:.2f} GB/s. What bounds it: {bound}.")  # fmt: skip
     return out
 
