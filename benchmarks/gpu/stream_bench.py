@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import quote
 
 import httpx
 import torch
@@ -208,7 +207,7 @@ class Part:
             got = {key: (max if key == "span_s" else sum)(g[key] for g in gots) for key in gots[0]} | {"consumers": n}
             run = stream_run_facts(self.redis.url, name)
             row |= {"consumer": got, "held_s": float(run.get("held_s", 0.0)), "put_s": float(run.get("put_s", 0.0)),
-                    "placed": placed(self.logs / "server.log", name)}  # fmt: skip
+                    "placed": int(run.get("placed", 0))}  # fmt: skip
             assert got["samples"] == row["samples"], (got, row)
             row["states"] = got["bytes"]  # the samples' bytes as received (a stream-only run has no file to count)
         shutil.rmtree(out)
@@ -242,13 +241,6 @@ class Part:
                 "folder_bytes": folder_bytes(self.int4), "build_s": self.build_s, "start_s": self.start_s,
                 "arms_s": arms_s, "plain_tok_s": plain, "in_flight": self.args.in_flight, "rows": rows,
                 "runs_planned": len(planned)}  # fmt: skip
-
-
-def placed(server_log: Path, job: str) -> int:
-    """How many of run ``job``'s samples its server wrote straight into the stream (its log's ``ok (placed)`` lines)."""
-    rid = f"%3A{quote(job, safe='')}%3A"
-    with server_log.open(errors="replace") as f:
-        return sum(1 for line in f if rid in line and "ok (placed)" in line)
 
 
 def write_bytes(pid: int) -> int:
@@ -318,9 +310,9 @@ def part_lines(part: dict) -> list[str]:
            "`RunReport.stage_seconds`):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
-        "Where a stream run's time went (seconds; the producer's puts, summed over the threads that put side by side "
-        "(the commit threads; a placed sample's reservation, the request threads): each sample's tensors as captured copied into Mooncake Store, or for a sample the server placed its "
-        "object's reservation, then its manifest XADDed; its wait at the bound "
+        "Where a stream run's time went (seconds; placed = the samples the server wrote into their objects; the "
+        "producer's puts, summed over the threads that put side by side: each sample's tensors as captured copied "
+        "into Mooncake Store, or a placed sample's reservation, then its manifest XADDed; its wait at the bound "
         f"of {UNACKED} unacked samples; the consumer's receive = the get over TCP into a pinned buffer, then the copy "
         "onto the GPU, then the ack and the object's removal):", "",
         *report.table_lines(("run", "run s", "placed", "producer put s", "producer held s", "consumers' receive s",

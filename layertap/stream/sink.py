@@ -269,7 +269,7 @@ class MooncakeSink:
         try:
             if manifest["handle"] != place.key or spans != place.tensors:
                 raise StreamError(f"sample {record.sample_id} is packed otherwise than it was placed ({place.tensors})")
-            self._announce(record, manifest, time.perf_counter() - reserving)  # its put: the reservation, the XADD
+            self._announce(record, manifest, time.perf_counter() - reserving, placed=True)  # the reservation, the XADD
             announced = True
         finally:
             self._leave(record if announced else None, place.key)
@@ -320,13 +320,15 @@ class MooncakeSink:
         )
         return self.broken
 
-    def _announce(self, record: SampleRecord, manifest: dict[str, Any], t0: float) -> None:
-        """The sample's entry XADDed with the stream's counts (one MULTI), its object in place."""
+    def _announce(self, record: SampleRecord, manifest: dict[str, Any], t0: float, *, placed: bool = False) -> None:
+        """The sample's entry XADDed with the stream's counts (one MULTI: ``put``, ``put_s``, and ``placed`` for a
+        sample its server wrote into its object), its object in place."""
         with self.redis.pipeline() as pipe:  # MULTI: the entry with what consumers end on and drop stale entries by
             pipe.hset(self.keys.stream_current(self.name), record.sample_id, manifest["handle"])
             pipe.xadd(self.keys.stream(self.name), {"sample_id": record.sample_id, "manifest": json.dumps(manifest)})
             pipe.hincrby(self.keys.stream_run(self.name), "put", 1)
             pipe.hincrbyfloat(self.keys.stream_run(self.name), "put_s", time.perf_counter() - t0)  # where time goes
+            pipe.hincrby(self.keys.stream_run(self.name), "placed", int(placed))
             pipe.execute()
 
     def drain(self) -> None:

@@ -61,6 +61,7 @@ def test_a_sample_the_server_writes_into_its_placement_reaches_a_consumer_byte_e
             got = get_packed(reader, staged.manifest, timeout=10)
             assert all(torch.equal(got[name], tensors[name]) for name in tensors)
         assert sink.put_count == 2 and sink.putting == 0 and len(sink.unacked) == 2
+        assert sink.redis.hget(sink.keys.stream_run(sink.name), "placed") == b"2"  # the stream's record says so
 
         sink.max_unacked = 3
         spare = sink.place("s2", 2, {"token_ids": ((5,), torch.int64)})
