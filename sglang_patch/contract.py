@@ -296,6 +296,11 @@ class Placement:
     size: int
     tensors: dict[str, tuple[int, int]]
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """name -> bytes of each tensor placed."""
+        return {name: nbytes for name, (_, nbytes) in self.tensors.items()}
+
     def param(self) -> dict[str, Any]:
         """As sent in ``custom_params`` and kept in ``meta.placed`` (JSON)."""
         return {**asdict(self), "tensors": {k: list(v) for k, v in self.tensors.items()}}
@@ -490,7 +495,7 @@ def _read_placed(path: Path, meta: DumpMeta, load_tensors: bool) -> Dump:
     place = Placement.from_param(meta.placed)
     expected = placed_tensors(meta.sample_layout(), meta.num_tokens)
     sizes = {name: getattr(torch, dtype).itemsize * math.prod(shape) for name, (dtype, shape) in expected.items()}
-    if {name: nbytes for name, (_, nbytes) in place.tensors.items()} != sizes:
+    if place.sizes != sizes:
         raise DumpError(f"{path}: placed tensors {place.tensors} are not those of meta.json ({sizes} bytes)")
     skip = place.offset % mmap.ALLOCATIONGRANULARITY
     try:

@@ -307,7 +307,7 @@ def write_placed(place: Placement, tensors: dict[str, torch.Tensor]) -> None:
     no byte written, when the tensors are not those the placement was made for (names, sizes) or its file does not
     hold it."""
     sizes = {name: t.nbytes for name, t in tensors.items()}
-    if sizes != {name: nbytes for name, (_, nbytes) in place.tensors.items()}:
+    if sizes != place.sizes:
         raise ValueError(f"the sample's tensors ({sizes} bytes) do not fit its placement {place.tensors}")
     fd = os.open(place.path, os.O_WRONLY)
     try:

@@ -173,9 +173,9 @@ class MappedFile:
 
 def sweep_segments(folder: Path) -> int:
     """Remove the segment files in ``folder`` of this host's producers that are gone; returns how many."""
-    removed = 0
-    for path in folder.glob(f"{SEGMENT_PREFIX}{socket.gethostname()}-*"):
-        pid = path.name.removeprefix(f"{SEGMENT_PREFIX}{socket.gethostname()}-").split("-")[0]
+    removed, ours = 0, f"{SEGMENT_PREFIX}{socket.gethostname()}-"
+    for path in folder.glob(f"{ours}*"):
+        pid = path.name.removeprefix(ours).split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             path.unlink(missing_ok=True)
             removed += 1

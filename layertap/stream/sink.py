@@ -196,12 +196,13 @@ class MooncakeSink:
     def staged(self, record: SampleRecord, tensors: dict[str, torch.Tensor]) -> Staged:
         """``record`` as this sink streams it (its ``file`` the object's handle, ``nbytes`` its packed size) with the
         manifest its put announces: built once, before a stream-only run logs the record (`put` takes both)."""
-        manifest = sample_manifest(self.handle(record), tensors, record, self.run)
+        manifest = sample_manifest(self.handle(record.index), tensors, record, self.run)
         return Staged(replace(record, file=manifest["handle"], nbytes=manifest["metadata"]["total_aligned_bytes"]),
                       manifest)  # fmt: skip
 
-    def handle(self, record: SampleRecord) -> str:
-        return f"lt-{self.nonce}-{record.index}"
+    def handle(self, index: int) -> str:
+        """The object key of row ``index``'s sample, put or placed by this producer."""
+        return f"lt-{self.nonce}-{index}"
 
     def put(self, staged: Staged, tensors: dict[str, torch.Tensor]) -> None:
         """One committed sample (``staged`` from its ``tensors``: speculators' sample and its ``loss_mask``), put and
@@ -245,15 +246,14 @@ class MooncakeSink:
                 return self.placed[sample_id][0]
         if not self._enter():
             return None
-        key, t0 = f"lt-{self.nonce}-{index}", time.perf_counter()
+        key, t0 = self.handle(index), time.perf_counter()
         specs, size = packed_layout(dict(sorted(shapes.items())))
         try:
             offset = self.store._store.reserve(key, size)
         except RuntimeError as exc:
             self._leave(None, key)
             raise self._failed(f"reserving sample {sample_id}", exc) from exc
-        place = Placement(key, str(self.segment_file), offset, size,
-                          {name: (spec["offset"], spec["nbytes"]) for name, spec in specs.items()})  # fmt: skip
+        place = Placement(key, str(self.segment_file), offset, size, _spans(specs))
         with self.lock:
             self.placed[sample_id] = (place, time.perf_counter() - t0)
         return place
@@ -264,10 +264,9 @@ class MooncakeSink:
         record, manifest = staged
         with self.lock:
             place, reserving = self.placed.pop(record.sample_id)
-        spans = {name: (spec["offset"], spec["nbytes"]) for name, spec in manifest["tensors"].items()}
         announced = False
         try:
-            if manifest["handle"] != place.key or spans != place.tensors:
+            if manifest["handle"] != place.key or _spans(manifest["tensors"]) != place.tensors:
                 raise StreamError(f"sample {record.sample_id} is packed otherwise than it was placed ({place.tensors})")
             self._announce(record, manifest, time.perf_counter() - reserving, placed=True)  # the reservation, the XADD
             announced = True
@@ -453,3 +452,8 @@ class MooncakeSink:
         settled(self.store, handles)
         for _, record in delivered:
             self.on_acked(record)
+
+
+def _spans(specs: dict[str, dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """name -> (offset, nbytes) of a packed layout's tensors (hs-connectors' ``packed_layout`` specs)."""
+    return {name: (spec["offset"], spec["nbytes"]) for name, spec in specs.items()}
