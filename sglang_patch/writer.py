@@ -19,8 +19,8 @@ Each dump is written to a temp folder, every file and the folder are fsynced, th
 renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is the commit point).
 The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
 captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`). A request that
-carries a placement has its speculators sample written there instead (`write_placed`: into a stream producer's
-Mooncake segment, the bytes its trainers read), and its dump folder holds only meta.json.
+carries a placement has its speculators sample written there instead (`sglang_patch.segments`: into a stream
+producer's Mooncake segment, the bytes its trainers read), and its dump folder holds only meta.json.
 """
 
 from __future__ import annotations
@@ -64,8 +64,10 @@ from sglang_patch.sample_files import (
     speculators_tensors,
     write_safetensors,
 )
+from sglang_patch.segments import Segments
 
 logger = logging.getLogger(__name__)
+SWEEP_S = 5.0  # an idle writer unmaps, this often, the segment files their producers removed
 
 
 class HostBudget:
@@ -302,35 +304,6 @@ def write_tensors_file(path: Path, layout: str, tensors: dict[str, torch.Tensor]
     fsync_path(path)
 
 
-def write_placed(place: Placement, tensors: dict[str, torch.Tensor]) -> None:
-    """Write each tensor at its span of ``place`` (the gaps zeroed), in calls that release the GIL; ValueError, with
-    no byte written, when the tensors are not those the placement was made for (names, sizes) or its file does not
-    hold it."""
-    sizes = {name: t.nbytes for name, t in tensors.items()}
-    if sizes != place.sizes:
-        raise ValueError(f"the sample's tensors ({sizes} bytes) do not fit its placement {place.tensors}")
-    fd = os.open(place.path, os.O_WRONLY)
-    try:
-        if os.fstat(fd).st_size < place.offset + place.size:
-            raise ValueError(f"{place.path} ends before the placement's {place.offset + place.size} bytes")
-        end = 0
-        for name, (start, _) in sorted(place.tensors.items(), key=lambda item: item[1]):
-            _pwrite_all(fd, bytes(start - end), place.offset + end)
-            t = tensors[name].contiguous()
-            _pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy().data, place.offset + start)
-            end = start + t.nbytes
-        _pwrite_all(fd, bytes(place.size - end), place.offset + end)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, at: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
-
-
 class DumpWriter:
     """`threads` writer threads taking `DumpJob`s from one queue (see module docstring); the host
     memory of queued dumps is accounted in `budget` and given back as each is written."""
@@ -353,6 +326,7 @@ class DumpWriter:
         self._layout = layout
         self._queue: queue.Queue[tuple[DumpJob, dict[str, float]] | None] = queue.Queue()
         self._tags = itertools.count()
+        self._segments = Segments()
         self._threads = [
             threading.Thread(target=self._run, name=f"layertap-dump-writer-{i}", daemon=True) for i in range(threads)
         ]
@@ -385,7 +359,14 @@ class DumpWriter:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=SWEEP_S)
+            except queue.Empty:
+                self._segments.sweep()  # a producer gone while no sample came: its file's pages go now
+                continue
+            if item is None:
+                return
             job, stats = item
             try:
                 self._write(job, stats)
@@ -436,7 +417,7 @@ class DumpWriter:
                     stats["ready_s"])  # fmt: skip
 
     def _place(self, params: dict[str, object], tensors: dict[str, torch.Tensor]) -> Placement:
-        """Write a speculators sample where its client placed it (`write_placed`); ValueError when this server writes
+        """Write a speculators sample where its client placed it (`Segments.write`); ValueError when this server writes
         no speculators dumps or the placement is not one it may write."""
         if self._layout != SPECULATORS:
             raise ValueError(f"this server writes {self._layout} dumps: a placement takes speculators samples")
@@ -446,7 +427,7 @@ class DumpWriter:
             raise ValueError(f"a placement must name a {SEGMENT_PREFIX}* file in this server's dump root "
                              f"{self.dump_root}, not {place.path}")  # fmt: skip
         mask = self._loss_mask(params.get(LOSS_MASK_PARAM), int(tensors[INPUT_IDS].shape[0]), torch.uint8)
-        write_placed(place, {**layout_tensors(SPECULATORS, tensors, None), PLACED_MASK: mask})
+        self._segments.write(place, {**layout_tensors(SPECULATORS, tensors, None), PLACED_MASK: mask})
         return place
 
     @staticmethod

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch.contract import SEGMENT_PREFIX
+from sglang_patch.segments import MADV_HUGEPAGE, MADV_POPULATE_WRITE, madvise
 
 log = logging.getLogger(__name__)
-MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # <linux/mman.h>
 CHUNK = 64 << 20  # one madvise call: the mm's lock is let go between chunks, so a munmap elsewhere waits on one only
 LOOKAHEAD = 1 << 30  # ~25 samples of 4 states at Kimi-K2's width: faulted in ahead in well under a second
 # Page faults of one process scale with threads (the mm's lock is shared while faulting), up to half the host's cores:
@@ -68,11 +68,11 @@ class Prefault:
         self.cond = threading.Condition()
         if not self.chunks:  # nothing to fault in: the pages fault in as the puts touch them
             return
-        madvise = _madvise()
+        advise = madvise()
         for start, end in regions:
-            madvise(start, end - start, MADV_HUGEPAGE)  # advice: refused where THP is off, and then 4 KB pages
+            advise(start, end - start, MADV_HUGEPAGE)  # advice: refused where THP is off, and then 4 KB pages
         for i in range(THREADS):
-            threading.Thread(target=self._populate, args=(madvise,), name=f"segment-prefault-{i}", daemon=True).start()
+            threading.Thread(target=self._populate, args=(advise,), name=f"segment-prefault-{i}", daemon=True).start()
 
     def advance(self, nbytes: int) -> None:
         """``nbytes`` more are being put into the segment."""
@@ -124,13 +124,6 @@ def prefault(new: set[Region], size: int) -> Prefault:
     if not regions:
         log.info("Mooncake's segment not found among the new mappings: its pages fault in as the puts touch them")
     return Prefault(regions)
-
-
-def _madvise() -> Callable[[int, int, int], int]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc.madvise
 
 
 @dataclass(frozen=True, slots=True)

@@ -395,3 +395,42 @@ def test_a_placed_dump_is_checked_where_it_was_placed_and_against_the_sample(tmp
     Path(place.path).unlink()
     with pytest.raises(DumpError, match="cannot be read"):
         read_dump(dump_dir(tmp_path, rid))
+
+
+def test_placed_samples_written_side_by_side_into_one_segment_land_and_its_mapping_goes_with_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writer threads store placed samples into one shared mapping of the segment file at once (a pwrite each would
+    queue on the file's lock), each at its own spans; once the producer removes the file, an idle writer unmaps it
+    (tmpfs would keep its pages while mapped)."""
+    monkeypatch.setattr("sglang_patch.writer.SWEEP_S", 0.05)
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=4,
+                        layout="speculators")  # fmt: skip
+    one = placement(tmp_path, 9, 2, 8)
+    step = -(-one.size // 4096) * 4096
+    Path(one.path).write_bytes(b"\xff" * (step * 8 + 4096))
+    samples = {}
+    for n in range(8):
+        rid, tensors = format_rid("j", f"s{n}", 0), both_finals(9, n)
+        stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
+        place = Placement(f"obj{n}", one.path, step * n + 64 * (n % 2), one.size, one.tensors)
+        params = {LOSS_MASK_PARAM: [[0, n + 1]], PLACE_PARAM: place.param()}
+        writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}, params=params))
+        samples[rid] = (stacked, tensors["input_ids"], n + 1)
+    for rid, (stacked, ids, masked) in samples.items():
+        wait_for(dump_dir(tmp_path, rid))
+        dump = read_dump(dump_dir(tmp_path, rid))
+        assert torch.equal(dump.tensors["hidden_states"], stacked) and torch.equal(dump.tensors["token_ids"], ids)
+        assert dump.tensors[PLACED_MASK].sum() == masked
+    del dump  # its tensors are views of the file, read here
+
+    def mapped() -> bool:
+        return any(one.path in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    assert mapped()
+    Path(one.path).unlink()
+    deadline = time.monotonic() + 10
+    while mapped():
+        assert time.monotonic() < deadline, "the removed segment file is still mapped"
+        time.sleep(0.02)
+    writer.close(timeout=30)

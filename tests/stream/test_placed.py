@@ -22,8 +22,8 @@ from layertap.stream.mooncake import connect, disconnect, get_packed, objects_pr
 from layertap.stream.sink import MooncakeSink
 from sglang_patch.contract import SEGMENT_PREFIX
 
-WRITE = "import sys, torch; from sglang_patch.contract import Placement; from sglang_patch.writer import write_placed; " \
-        "write_placed(Placement.from_param(torch.load(sys.argv[1])), torch.load(sys.argv[2]))"  # fmt: skip
+WRITE = "import sys, torch; from sglang_patch.contract import Placement; from sglang_patch.segments import Segments; " \
+        "Segments().write(Placement.from_param(torch.load(sys.argv[1])), torch.load(sys.argv[2]))"  # fmt: skip
 
 
 def sample(tokens: int, seed: int) -> dict[str, torch.Tensor]:
