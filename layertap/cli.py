@@ -72,7 +72,8 @@ def extract(out: Path, **options: Any) -> None:
         else:
             dumps = settings.dump_root or out.parent / f".{out.name}-dumps"
             factory = sglang_engine_factory(spec, settings, job=out.name, dump_root=dumps,
-                                            log_path=dumps.parent / "sglang-server.log", observe=stages.observe)  # fmt: skip
+                                            log_path=dumps.parent / "sglang-server.log", observe=stages.observe,
+                                            on_writer=stages.writer)  # fmt: skip
         run = Run.create(spec, out, factory, settings, _stream_sink(settings, out, dumps))
     stream = run.target.view() is not None
     progress = RichProgress(console, stream=run.target.view if stream else None)

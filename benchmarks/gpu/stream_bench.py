@@ -63,7 +63,7 @@ ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., on
 SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "plan4": ("--plan-processes", 4), "wide": ("--commit-threads", 16)}
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
-STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle")  # a run report's stage_seconds
+STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle", "server_ready", "server_write")
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
 
@@ -307,7 +307,8 @@ def part_lines(part: dict) -> list[str]:
         *(["The run's own phases (seconds, from its report: start = the plan, the engine bound to the server, the "
            "store opened; rows = the rows read, tokenized, captured, committed; finish = the store finalized, a "
            f"stream acked), then a sample's mean ms in each stage ({part.get('in_flight', 16)} requests in flight; "
-           "`RunReport.stage_seconds`):", "",
+           "`RunReport.stage_seconds`; server_ready, server_write: the server's writer waiting for the dump's copies "
+           "off the device, then writing it, a file or into its placement, from each dump's meta.json):", "",
            *report.table_lines(("run", "run s", "start s", "rows s", "finish s", *(f"{s} ms" for s in STAGES)),
                                phases), ""] if phases else []),
         "Where a stream run's time went (seconds; placed = the samples the server wrote into their objects; the "

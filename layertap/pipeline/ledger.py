@@ -206,6 +206,13 @@ class StageTimes:
         with self._lock:
             self.seconds[stage] += seconds
 
+    def writer(self, stats: dict[str, float]) -> None:
+        """A dump's writer stats (`DumpMeta.writer`, an engine's ``on_writer``): the server's own stages, its wait
+        for the copies off the device and its write, beside the client's."""
+        for stage, key in (("server_ready", "ready_s"), ("server_write", "write_s")):
+            if key in stats:
+                self.observe(stage, stats[key])
+
 
 class Ledger:
     """Where a run's steps tell what became of each row: the store's logs (errors, retired samples), the run's report
