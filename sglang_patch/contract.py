@@ -28,6 +28,7 @@ A *placed* speculators dump has no tensors file: the client reserved the sample'
 the dump root (a stream producer's Mooncake segment) and sent where as ``custom_params[PLACE_PARAM]`` (`Placement`);
 the server wrote each tensor (``token_ids``, ``hidden_states``, and ``loss_mask`` uint8 [T] from the mask's runs) at
 its span there, and ``meta.placed`` says so. A placement the sample does not fit gets an error dump, no byte written.
+A placement with ``file`` set (a run that keeps sample files and streams them) gets the dump's tensors file as well.
 
 Temp folders live under ``<dump_root>/.tmp/`` on the same filesystem, so the rename is atomic and
 a reader never sees a half-written dump.
@@ -60,7 +61,7 @@ import mmap
 import pickle
 import struct
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, unquote
@@ -288,13 +289,14 @@ class DumpMeta:
 class Placement:
     """Where a client asks the server to write one speculators sample (see the module docstring): the object ``key``
     (Mooncake's), bytes ``[offset, offset + size)`` of the file at ``path``, each tensor ``name -> (start, nbytes)``
-    within them."""
+    within them; with ``file``, the dump's tensors file too."""
 
     key: str
     path: str
     offset: int
     size: int
     tensors: dict[str, tuple[int, int]]
+    file: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -314,7 +316,8 @@ class Placement:
             raise wrong
         try:
             spans = {str(k): (int(v[0]), int(v[1])) for k, v in raw["tensors"].items()}
-            place = cls(str(raw["key"]), str(raw["path"]), int(raw["offset"]), int(raw["size"]), spans)
+            place = cls(str(raw["key"]), str(raw["path"]), int(raw["offset"]), int(raw["size"]), spans,
+                        raw.get("file", False) is True)  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError):
             raise wrong from None
         end = 0
@@ -477,9 +480,13 @@ def read_dump(path: Path | str, *, load_tensors: bool = True) -> Dump:
         raise DumpError(f"{path}: meta.json is for rid {meta.rid!r}")
     if meta.status == "error":
         return Dump(path=path, meta=meta, tensors=None)
-    if meta.placed is not None:
-        return _read_placed(path, meta, load_tensors)
-    return _read_states_file(path / meta.file, meta, load_tensors)
+    if meta.placed is None:
+        return _read_states_file(path / meta.file, meta, load_tensors)
+    placed = _read_placed(path, meta, load_tensors)
+    if not Placement.from_param(meta.placed).file:
+        return placed
+    dump = _read_states_file(path / meta.file, meta, load_tensors)  # its tensors from the file, the mask as placed
+    return replace(dump, tensors={**dump.tensors, PLACED_MASK: placed.tensors[PLACED_MASK]}) if load_tensors else dump
 
 
 def placed_tensors(layout: SampleLayout, num_tokens: int) -> dict[str, tuple[str, tuple[int, ...]]]:

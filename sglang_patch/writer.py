@@ -20,7 +20,8 @@ renamed to ``<dump_root>/<quote(rid)>/`` and the root is fsynced (the rename is 
 The tensors file is laid out as the server's dump layout says (`sglang_patch.contract`): all
 captured states, or the sample already in a trainer's format (`sglang_patch.sample_files`). A request that
 carries a placement has its speculators sample written there instead (`sglang_patch.segments`: into a stream
-producer's Mooncake segment, the bytes its trainers read), and its dump folder holds only meta.json.
+producer's Mooncake segment, the bytes its trainers read), and its dump folder holds only meta.json, or its tensors
+file too when the placement asks for it (a run that streams its samples and keeps their files).
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ def write_dump(
             started = time.monotonic()
             write_tensors_file(tmp / meta.file, meta.layout, layout_tensors(meta.layout, tensors, loss_mask))
             if meta.writer is not None:  # the writer's own time per dump, beside its wait for the copies
-                meta = replace(meta, writer={**meta.writer, "write_s": round(time.monotonic() - started, 6)})
+                spent = meta.writer.get("write_s", 0.0) + time.monotonic() - started  # a placement's write before
+                meta = replace(meta, writer={**meta.writer, "write_s": round(spent, 6)})
         with (tmp / META_FILE).open("w") as f:
             f.write(meta.to_json())
             f.flush()
@@ -396,24 +398,25 @@ class DumpWriter:
             job.ready.synchronize()
             stats = {**stats, **pinned_allocator_stats()}
         stats = {**stats, "ready_s": round(time.monotonic() - started, 6)}
-        tensors, error, loss_mask, placed = job.tensors, job.error, None, None
+        tensors, error, loss_mask, place = job.tensors, job.error, None, None
         try:
             if tensors is not None and self._layout == SPECFORGE:
                 loss_mask = self._loss_mask(job.params.get(LOSS_MASK_PARAM), int(tensors[INPUT_IDS].shape[0]))
             elif tensors is not None and job.params.get(PLACE_PARAM) is not None and SCALES not in tensors:
                 written = time.monotonic()
-                placed = self._place(job.params, tensors).param()
+                place = self._place(job.params, tensors)
                 stats = {**stats, "write_s": round(time.monotonic() - written, 6)}
         except ValueError as exc:  # DumpError too
             tensors, error = None, str(exc)
         meta = build_meta(
             job.rid, tensors, error, layers=self._layers, finals=self._finals, layout=self._layout, writer=stats
         )
-        meta = replace(meta, placed=placed)
+        meta = replace(meta, placed=place and place.param())
         tag = f"{os.getpid()}-{next(self._tags)}"
-        path = write_dump(self.dump_root, meta, None if placed else tensors, tag=tag, loss_mask=loss_mask)
+        file = tensors if place is None or place.file else None
+        path = write_dump(self.dump_root, meta, file, tag=tag, loss_mask=loss_mask)
         logger.info("dump %s: %s%s, %d tokens, %.3f s (%.3f s of it waiting for the copies off the device)", path.name,
-                    meta.status, " (placed)" * bool(placed), meta.num_tokens, time.monotonic() - started,
+                    meta.status, " (placed)" * bool(place), meta.num_tokens, time.monotonic() - started,
                     stats["ready_s"])  # fmt: skip
 
     def _place(self, params: dict[str, object], tensors: dict[str, torch.Tensor]) -> Placement:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -221,11 +222,12 @@ class StreamTarget:
 
     def place(self, sample: TokenizedSample) -> dict[str, Any] | None:
         """The object reserved for ``sample`` in the producer's segment (`MooncakeSink.place`), as its request sends
-        it; the same for each attempt."""
+        it; the same for each attempt. The both target asks for the dump's file too: committed by a rename, as the
+        files target commits it, not written again here."""
         shapes = {name: (shape, getattr(torch, dtype))
                   for name, (dtype, shape) in placed_tensors(self.store.layout, sample.num_tokens).items()}  # fmt: skip
         place = self.sink.place(sample.sample_id, sample.index, shapes)
-        return None if place is None else place.param()
+        return None if place is None else replace(place, file=self.files is not None).param()
 
     def forget(self, sample_id: str) -> None:
         self.sink.cancel(sample_id, fenced=True)  # its server may still write where it was placed

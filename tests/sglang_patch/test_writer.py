@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -296,22 +297,28 @@ def placement(dump_root: Path, t: int, k: int, h: int, *, key: str = "obj", offs
     return Placement(key, str(path), offset, at, spans)
 
 
-def test_a_placed_speculators_sample_lands_at_its_spans_and_its_dump_holds_only_meta(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file", [False, True])
+def test_a_placed_speculators_sample_lands_at_its_spans_and_its_dump_holds_only_meta(
+    tmp_path: Path, file: bool
+) -> None:
     """With a placement among its custom params, the writer writes the sample into the client's segment file (gaps
-    zeroed, nothing outside it touched) and the dump folder holds meta.json only; read back, its tensors are views of
-    the placed bytes, the loss mask built from the runs sent."""
+    zeroed, nothing outside it touched) and the dump folder holds meta.json only, or its tensors file too when the
+    placement asks for it; read back, its tensors are views of the placed bytes (of the file, where there is one),
+    the loss mask built from the runs sent."""
     writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1,
                         layout="speculators")  # fmt: skip
     rid, tensors = format_rid("j", "s", 0), both_finals(9, 5)
     stacked = torch.stack([*tensors["aux"].unbind(1), tensors["final_pre"]], dim=1)
-    place = placement(tmp_path, 9, 2, 8)
+    place = replace(placement(tmp_path, 9, 2, 8), file=file)
     before = Path(place.path).read_bytes()
     params = {LOSS_MASK_PARAM: [[2, 5], [7, 9]], PLACE_PARAM: place.param()}
     writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked}, params=params))
     writer.close(timeout=30)
 
     dump = read_dump(dump_dir(tmp_path, rid))
-    assert [p.name for p in dump.path.iterdir()] == [META_FILE] and dump.meta.placed == place.param()
+    files = sorted(p.name for p in dump.path.iterdir())
+    assert files == sorted([META_FILE, *[dump.meta.file] * file]) and dump.meta.placed == place.param()
+    assert (dump.data is not None) == file  # a file to commit by renaming it
     assert torch.equal(dump.tensors["hidden_states"], stacked)
     assert torch.equal(dump.tensors["token_ids"], tensors["input_ids"])
     assert dump.tensors[PLACED_MASK].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1]
@@ -385,6 +392,18 @@ def test_a_placed_dump_is_checked_where_it_was_placed_and_against_the_sample(tmp
     assert captured.placed == place.key and captured.source is None and torch.equal(captured.final_pre, stacked[:, 2])
     with pytest.raises(SampleError, match="loss mask"):
         captured_from_dump(dump, TokenizedSample("s", 0, tensors["input_ids"], torch.ones(9, dtype=torch.uint8)), spec)
+
+    both = replace(place, file=True)  # the both target's: the file committed by a rename, the object announced
+    rid = format_rid("j", "s", 1)
+    writer = DumpWriter(tmp_path, layers=(1, 4), finals=("pre",), budget=HostBudget(1 << 30), threads=1,
+                        layout="speculators")  # fmt: skip
+    writer.submit(DumpJob(rid, tensors={"input_ids": tensors["input_ids"], AUX_FINAL_PRE: stacked},
+                          params={**params, PLACE_PARAM: both.param()}))  # fmt: skip
+    writer.close(timeout=30)
+    captured = captured_from_dump(read_dump(dump_dir(tmp_path, rid)), TokenizedSample("s", 0, tensors["input_ids"],
+                                                                                      mask), spec)  # fmt: skip
+    assert captured.placed == place.key and captured.source is not None and captured.source.path.parent.exists()
+    assert torch.equal(captured.final_pre, stacked[:, 2])
 
     ids_at = place.offset + place.tensors["token_ids"][0]
     with open(place.path, "r+b") as f:

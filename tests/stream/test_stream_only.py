@@ -30,6 +30,7 @@ from tests.stream.test_stream import (
     UNACKED,
     assert_byte_equal_to_store,
     env,
+    exit_code,
     first_acks,
     rerun_beside,
     stream_args,
@@ -109,6 +110,35 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
     # no segment file is left in the dump root: the killed producer's went when the rerun mounted its own.
     assert server.log_path.read_text().count("(placed)") - placed_before >= ROWS
     assert not list(server.dump_root.glob(f"{SEGMENT_PREFIX}*"))
+
+
+def test_a_run_that_keeps_files_and_streams_has_the_server_write_both_and_copies_neither(
+    sglang_llama_speculators, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
+) -> None:
+    """The both target: the server writes each sample's file (committed by a rename) and into its object (placed): the
+    consumer receives every sample byte-equal to its file, the store verifies, the producer copied none."""
+    server, rows, name = sglang_llama_speculators, 30, "both"
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(rows, seed=12, max_words=12))
+    out, received = tmp_path / "out", tmp_path / "received"
+    placed_before = server.log_path.read_text().count("(placed)")
+    consumer = Proc("consumer", [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address,
+                                 str(received), "--consumer", "a"], env(), tmp_path / "a.log").start()  # fmt: skip
+    producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
+                                ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url",
+                                server.url, "--dump-root", str(server.dump_root), "--store-dtype", "float32",
+                                "--out", str(out), *stream_args(mooncake_master, redis_server, name)],
+                    env(), tmp_path / "extract.log").start()  # fmt: skip
+    try:
+        assert exit_code(producer, redis_client, name) == 0, producer.log_tail()
+        assert consumer.popen.wait(timeout=60) == 0, consumer.log_tail()
+    finally:
+        for proc in (producer, consumer):
+            proc.kill(signal.SIGKILL)
+    assert verify_store(out).ok and len(OutputStore.open_existing(out).records()) == rows
+    assert_byte_equal_to_store(out, received)
+    assert server.log_path.read_text().count("(placed)") - placed_before == rows
+    run = redis_client.hgetall(Keys().stream_run(name))
+    assert run["put"] == run["placed"] == str(rows)  # every sample announced where the server wrote it: none copied
 
 
 def test_stream_only_without_a_stream_is_refused_before_any_work(layertap_cli, tiny_llama, tmp_path) -> None:

@@ -298,7 +298,8 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
     the dump is "ok" and is this sample's (token count, input_ids hash) with the spec's layers and finals. A dump in
     a trainer's layout is handed over as its file (`SampleFile`: its bytes as read, so the store hashes and renames
     it without reading it again), the tensors being views of those bytes; a placed one as the key of the object it
-    was written into (`CapturedSample.placed`), its loss mask checked against the sample's."""
+    was written into (`CapturedSample.placed`), its loss mask checked against the sample's (and as its file too, where
+    the placement asked for one)."""
     meta = dump.meta
     finals = meta.finals if meta.layout == "states" else (FORMAT_FINAL[meta.layout],)
     wanted = spec.finals
@@ -316,7 +317,7 @@ def captured_from_dump(dump: Dump, sample: TokenizedSample, spec: CaptureSpec) -
         placed = meta.placed["key"]
         if not torch.equal(t["loss_mask"], sample.loss_mask.to(torch.uint8)):
             raise SampleError("the loss mask the server placed is not the sample's")
-    elif meta.layout != "states" and dump.data is not None:
+    if meta.layout != "states" and dump.data is not None:  # a placed one with its file too: both
         source = SampleFile(dump.path / meta.file, meta.layout, dump.data, t.get("loss_mask"))
     return CapturedSample(
         sample=sample,
