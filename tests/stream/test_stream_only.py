@@ -1,7 +1,8 @@
 """`layertap extract --stream mooncake --stream-only` against a real ``mooncake_master``, a real Redis and the CPU
 SGLang server: no sample file is written, every sample reaches the consumers once and byte-equal to a files run of the
-same rows, and a producer SIGKILLed mid-run is resumed by running the same command again: what a consumer acked is not
-computed again (the run folder's reports name every sample each run computed), what it had put and no one acked is.
+same rows (which streams them too, the both target: its consumer gets its files' bytes), and a producer SIGKILLed
+mid-run is resumed by running the same command again: what a consumer acked is not computed again (the run folder's
+reports name every sample each run computed), what it had put and no one acked is.
 The first test's server writes speculators samples, so each is written by the server straight into the producer's
 segment file (placed: nothing copied); the others' writes its own dumps, which the producer puts.
 """
@@ -30,7 +31,6 @@ from tests.stream.test_stream import (
     UNACKED,
     assert_byte_equal_to_store,
     env,
-    exit_code,
     first_acks,
     rerun_beside,
     stream_args,
@@ -70,7 +70,20 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
                "--dump-root", str(server.dump_root), "--in-flight", "1", "--format", "speculators",
                "--store-dtype", "float32"]  # fmt: skip
     placed_before = server.log_path.read_text().count("(placed)")
-    files_run(extract, files, tmp_path)
+    # The reference keeps files and streams them (the both target): the server writes each sample's file, committed
+    # by a rename, and into its object; its consumer receives every sample byte-equal to its file.
+    both = tmp_path / "both-received"
+    reader = Proc("consumer-both", [*[sys.executable, str(CONSUME), redis_server.url, "both", mooncake_master.address],
+                                    str(both), "--consumer", "a"], env(), tmp_path / "both.log").start()  # fmt: skip
+    try:
+        files_run([*extract, *stream_args(mooncake_master, redis_server, "both")], files, tmp_path)
+        assert reader.popen.wait(timeout=60) == 0, reader.log_tail()
+    finally:
+        reader.kill(signal.SIGKILL)
+    assert_byte_equal_to_store(files, both)
+    assert verify_store(files).ok
+    both_run = redis_client.hgetall(keys.stream_run("both"))
+    assert both_run["put"] == both_run["placed"] == str(ROWS)  # each announced where the server wrote it: none copied
 
     streamed = [*extract, "--out", str(out), *stream_args(mooncake_master, redis_server, name), "--stream-only"]
     consume = [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address, str(received)]
@@ -108,37 +121,8 @@ def test_a_stream_only_run_writes_no_sample_and_a_killed_producer_resumes_withou
     assert report.ok and report.samples == ROWS and any("stream-verify" in w for w in report.warnings)
     # Each sample streamed was written by the server into its object (the killed producer's unacked ones twice), and
     # no segment file is left in the dump root: the killed producer's went when the rerun mounted its own.
-    assert server.log_path.read_text().count("(placed)") - placed_before >= ROWS
+    assert server.log_path.read_text().count("(placed)") - placed_before >= 2 * ROWS  # the both run's, then these
     assert not list(server.dump_root.glob(f"{SEGMENT_PREFIX}*"))
-
-
-def test_a_run_that_keeps_files_and_streams_has_the_server_write_both_and_copies_neither(
-    sglang_llama_speculators, tiny_llama, mooncake_master, redis_server, redis_client, tmp_path
-) -> None:
-    """The both target: the server writes each sample's file (committed by a rename) and into its object (placed): the
-    consumer receives every sample byte-equal to its file, the store verifies, the producer copied none."""
-    server, rows, name = sglang_llama_speculators, 30, "both"
-    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(rows, seed=12, max_words=12))
-    out, received = tmp_path / "out", tmp_path / "received"
-    placed_before = server.log_path.read_text().count("(placed)")
-    consumer = Proc("consumer", [sys.executable, str(CONSUME), redis_server.url, name, mooncake_master.address,
-                                 str(received), "--consumer", "a"], env(), tmp_path / "a.log").start()  # fmt: skip
-    producer = Proc("extract", [*LAYERTAP, "extract", "--model", str(tiny_llama), "--data", str(data), "--layers",
-                                ",".join(map(str, DEFAULT_LAYERS["llama"])), "--engine", "sglang", "--server-url",
-                                server.url, "--dump-root", str(server.dump_root), "--store-dtype", "float32",
-                                "--out", str(out), *stream_args(mooncake_master, redis_server, name)],
-                    env(), tmp_path / "extract.log").start()  # fmt: skip
-    try:
-        assert exit_code(producer, redis_client, name) == 0, producer.log_tail()
-        assert consumer.popen.wait(timeout=60) == 0, consumer.log_tail()
-    finally:
-        for proc in (producer, consumer):
-            proc.kill(signal.SIGKILL)
-    assert verify_store(out).ok and len(OutputStore.open_existing(out).records()) == rows
-    assert_byte_equal_to_store(out, received)
-    assert server.log_path.read_text().count("(placed)") - placed_before == rows
-    run = redis_client.hgetall(Keys().stream_run(name))
-    assert run["put"] == run["placed"] == str(rows)  # every sample announced where the server wrote it: none copied
 
 
 def test_stream_only_without_a_stream_is_refused_before_any_work(layertap_cli, tiny_llama, tmp_path) -> None:
