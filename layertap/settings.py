@@ -24,6 +24,9 @@ COMMIT_THREADS = 8
 # Rows regenerating at once on one server (`RunSettings.generation_in_flight`): SGLang decodes every sequence in
 # flight in one batch, so this is the decode batch a regenerating run offers its server.
 GENERATION_IN_FLIGHT = 64
+# While a run captures, how long (ms) a thread waiting for the GIL lets the one holding it run before that one must give
+# it up (`sys.setswitchinterval`; CPython's default is 5). `RunSettings.switch_interval_ms`' default.
+SWITCH_INTERVAL_MS = 0.5
 # What a job may tune per run; the rest of a worker's settings are its host's (paths, server, device).
 JOB_TUNABLE = ("batch_tokens", "batch_size", "in_flight", "generation_in_flight")
 # Where a job streams its samples (docs/streaming.md); the memory a worker lends Mooncake Store is its host's.
@@ -93,6 +96,13 @@ class RunSettings(BaseModel):
         ge=0,
         description="Processes planning rows ahead (read, parse, chat template, tokenize: pure Python) off the run's "
         "own process, whose GIL its request and commit threads share; 0: planned in the run's process.",
+    )
+    switch_interval_ms: float = Field(
+        default=SWITCH_INTERVAL_MS,
+        gt=0,
+        description="While the run captures: how long (ms) a thread waiting for the GIL lets the one holding it run "
+        "before it must give it up (CPython's default 5). The run's request, commit and stream threads block and wake "
+        "hundreds of times a second, and each wake waits for the GIL behind whichever thread runs Python.",
     )
     stream: Literal["mooncake"] | None = Field(
         default=None,

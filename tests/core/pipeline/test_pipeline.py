@@ -2,12 +2,14 @@
 
 import json
 import subprocess
+import sys
 from collections import Counter
 
 import pytest
 
 from layertap.errors import DatasetError
 from layertap.pipeline import run_extraction
+from layertap.settings import RunSettings
 from layertap.spec import ExtractionSpec
 from layertap.store.index import ERRORS_DIR, INDEX_DIR, read_jsonl_dir
 from layertap.store.store import OutputStore
@@ -183,3 +185,23 @@ def test_tokenizer_is_loaded_once_per_process_until_its_files_change(tiny_llama,
     template.write_text(template.read_text() + "\n")
     again = ModelFolder.read(model).load_tokenizer()
     assert again is not first and again.chat_template.endswith("\n")
+
+
+def test_a_run_captures_at_its_switch_interval_and_gives_the_process_back_its_own(tiny_llama, tmp_path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", conversation_rows(3, seed=5, max_words=20))
+    factory, seen = cpu_hf(), []
+
+    def engine_factory(capture, folder):  # the engine's capture notes the interval it runs at
+        engine = factory(capture, folder)
+        captures = engine.capture
+        engine.capture = lambda samples: seen.append(sys.getswitchinterval()) or captures(samples)
+        return engine
+
+    before = sys.getswitchinterval()
+    report = run_extraction(
+        ExtractionSpec(model=tiny_llama, data=data, layers=(1, 2, 3)), tmp_path / "out", engine_factory,
+        settings=RunSettings(device="cpu", switch_interval_ms=0.7),
+    )  # fmt: skip
+    assert len(report.computed) == 3
+    assert seen == [pytest.approx(0.0007)]
+    assert sys.getswitchinterval() == before
