@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -140,12 +140,10 @@ def wait_until_serving(proc: Proc, url: str, *, timeout: float, what: str) -> No
 LAYERTAP = (sys.executable, "-m", "layertap")  # as a user runs it, in a process of its own, from this interpreter
 
 
-def layertap(
-    *args: object, env: dict[str, str] | None = None, wrap: Sequence[str] = (), **popen: Any
-) -> subprocess.Popen:
-    """``layertap ARGS`` started from the repository root (text mode), under ``wrap`` (a command that runs it: a
-    profiler); ``popen`` goes to ``subprocess.Popen`` (``stdout=``, ``stderr=``...). Wait on it, or ``communicate``."""
-    return subprocess.Popen([*wrap, *LAYERTAP, *map(str, args)], env=env, cwd=REPO_ROOT, text=True, **popen)
+def layertap(*args: object, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    """``layertap ARGS`` started from the repository root (text mode); ``popen`` goes to ``subprocess.Popen``
+    (``stdout=``, ``stderr=``...). Wait on it, or ``communicate``."""
+    return subprocess.Popen([*LAYERTAP, *map(str, args)], env=env, cwd=REPO_ROOT, text=True, **popen)
 
 
 def run_layertap(

@@ -4,7 +4,8 @@ Copy this file to ``/tmp/site/sitecustomize.py`` (on ``PYTHONPATH`` there), put 
 bundle, and set ``LT_PROF`` to a folder: every ``layertap extract`` (named by its ``--out`` folder) and every stream
 bench consumer (``consume``, named by its result file) then records two profiles in raw (collapsed) form while it runs:
 ``NAME-gil.txt`` (the thread holding the GIL) and ``NAME-busy.txt`` (each thread's non-idle samples, the thread first).
-With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``: its launcher and the
+With ``LT_PROF_ONLY`` set, only the processes whose NAME holds it are recorded (stream_bench's ``-prof`` arms, the rest
+of a call timed unprofiled). With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``: its launcher and the
 processes it spawns, the scheduler whose threads write the dumps among them).
 py-spy samples without pausing the process (``--nonblocking``), yet the process runs slower: time nothing with it.
 """
@@ -30,7 +31,8 @@ if _out and (_extract or _consume or _server):
         _name = os.path.basename(_argv[_argv.index("--out") + 1]) if "--out" in _argv else str(os.getpid())
     else:
         _name = f"server-{os.getpid()}"
-    for _mode, _flag in (("gil", "--gil"), ("busy", "--threads")):
+    _modes = (("gil", "--gil"), ("busy", "--threads")) if os.environ.get("LT_PROF_ONLY", "") in _name else ()
+    for _mode, _flag in _modes:
         with open(f"{_out}/{_name}-{_mode}.log", "w") as _log:  # py-spy's own messages (a refused attach)
             subprocess.Popen(
                 [shutil.which("py-spy") or "/tmp/site/bin/py-spy", "record", "--pid", str(os.getpid()), "--rate",

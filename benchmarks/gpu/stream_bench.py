@@ -61,10 +61,8 @@ FORMAT = "speculators"  # the layout hs-connectors reads: what a stream puts
 ARMS = ("file-tmpfs", "stream-tmpfs", "only-disk")  # KIND-WHERE[-SUFFIX]..., only = --stream-only; -host: consumers
 # without CUDA (unpinned buffers; else onto the server's GPU); -cN: N consumers (1); the others add extract's flags:
 SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "plan4": ("--plan-processes", 4), "wide": ("--commit-threads", 16)}
-# -siN: --switch-interval-ms N/10 (CPython's own is 5 ms: si50); -spy, -gil: py-spy (on PATH) records the extract, 100
-# times a second without pausing it, raw flame-graph lines into the logs (spy: every thread, idle ones too; gil: the
-# thread holding the GIL).
-PROFILES = {"spy": ("--idle",), "gil": ("--gil",)}
+# -siN: --switch-interval-ms N/10 (CPython's own is 5 ms: si50). Any other suffix only names the arm (-prof: the runs
+# scripts/pyspy_sitecustomize.py profiles with LT_PROF_ONLY=prof).
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
 STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle", "server_ready", "server_write")
@@ -153,29 +151,24 @@ class Part:
             start_attempts=1,
         )  # fmt: skip
 
-    def extract(self, out: Path, data: Path, *stream: str, readers: tuple[subprocess.Popen, ...] = (),
-                suffixes: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    def extract(self, out: Path, data: Path, *stream: str, readers: tuple[subprocess.Popen, ...] = ()) -> dict:
         """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds, the sample
         files' bytes, the run folder's and what the process wrote (its last ``write_bytes`` seen: storage writes, tmpfs
-        not counted). Stopped when one of ``readers`` (its stream's consumers) fails: the run would wait for ever.
-        ``suffixes``: its arm's (`PROFILES`, -siN)."""
+        not counted). Stopped when one of ``readers`` (its stream's consumers) fails: the run would wait for ever."""
         t0 = time.perf_counter()
         log_path = self.logs / f"extract-{out.name}.log"
-        env = {**os.environ, "COLUMNS": "200"}
-        spy = [[shutil.which("py-spy") or "py-spy", "record", *PROFILES[s], "--threads", "--nonblocking", "--rate", "100",
-                "--format", "raw", "--output", str(self.logs / f"{s}-{out.name}.txt"), "--"]
-               for s in suffixes if s in PROFILES][:1]  # fmt: skip
         with log_path.open("w") as log_file:
-            args = ("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root", self.dumps,
-                    "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)), "--format", FORMAT,
-                    "--out", out, "--in-flight", self.args.in_flight, "--trust-remote-code", *stream)  # fmt: skip
-            proc = layertap(*args, env=env, stdout=log_file, stderr=subprocess.STDOUT, wrap=spy[0] if spy else ())
+            proc = layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
+                            self.dumps, "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)),
+                            "--format", FORMAT, "--out", out, "--in-flight", self.args.in_flight, "--trust-remote-code",
+                            *stream, env={**os.environ, "COLUMNS": "200"}, stdout=log_file,
+                            stderr=subprocess.STDOUT)  # fmt: skip
             written = 0
             while proc.poll() is None:
                 if any(reader.poll() not in (None, 0) for reader in readers):
                     proc.kill()
                     raise RuntimeError(f"a consumer of {out.name} failed")
-                written = max(written, *(write_bytes(pid) for pid in (proc.pid, *children(proc.pid))))
+                written = max(written, write_bytes(proc.pid))
                 time.sleep(0.2)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
@@ -191,7 +184,7 @@ class Part:
         name, plan = f"{arm}-{rnd}", [flag for suffix in extra for flag in suffix_flags(suffix)]
         out = self.dirs[where] / name
         if kind == "file":
-            row = self.extract(out, self.data, *plan, suffixes=tuple(extra))
+            row = self.extract(out, self.data, *plan)
             if not self.prompts:  # the tokens every arm captures, for plain prefill
                 self.prompts = [load_file(f)["token_ids"].tolist() for f in sorted(out.glob("samples/*.safetensors"))]
         else:
@@ -206,8 +199,7 @@ class Part:
                 row = self.extract(out, self.data, "--stream", "mooncake", "--mooncake-master", self.master.address,
                                    "--stream-redis-url", self.redis.url, "--stream-name", name,
                                    "--mooncake-segment-mib", SEGMENT_MIB, "--stream-unacked", UNACKED,
-                                   *(["--stream-only"] if kind == "only" else []), *plan, readers=readers,
-                                   suffixes=tuple(extra))  # fmt: skip
+                                   *(["--stream-only"] if kind == "only" else []), *plan, readers=readers)  # fmt: skip
                 if any(reader.wait(timeout=120) != 0 for reader in readers):
                     raise RuntimeError(f"a consumer of {name} failed")
             finally:
@@ -267,14 +259,6 @@ def suffix_flags(suffix: str) -> tuple[object, ...]:
     if suffix[:2] == "si" and suffix[2:].isdigit():
         return ("--switch-interval-ms", int(suffix[2:]) / 10)
     return SUFFIX_FLAGS.get(suffix, ())
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (a profiled extract is py-spy's child)."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def stream_run_facts(url: str, name: str) -> dict[str, str]:
