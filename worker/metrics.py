@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 State = Literal["idle", "working", "paused", "broken"]
 STATES: tuple[State, ...] = ("idle", "working", "paused", "broken")
-STAGES = ("queue_wait", "prefill", "dump_wait", "validate", "handover", "commit")
+STAGES = ("queue_wait", "send", "prefill", "dump_wait", "validate", "handover", "refill", "commit")
 ERROR_KINDS = (*ROW_KINDS, "server", "task")
 PAUSE_REASONS = ("low_disk",)
 # From a 1 ms commit to an hour in the queue: every stage fits on one scale.

@@ -65,7 +65,8 @@ SUFFIX_FLAGS = {"plan": ("--plan-processes", 2), "plan4": ("--plan-processes", 4
 # scripts/pyspy_sitecustomize.py profiles with LT_PROF_ONLY=prof).
 GPU_FLAGS = (*GPU_WARMED, "--mem-fraction-static", "0.6", "--chunked-prefill-size", "8192", "--max-running-requests",
              "64", "--trust-remote-code")  # fmt: skip
-STAGES = ("plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle", "server_ready", "server_write")
+STAGES = ("send", "prefill", "dump_wait", "validate", "handover", "refill", "plan", "settle", "commit", "server_ready",
+          "server_write")  # fmt: skip
 UNACKED = 64  # the CLI's default bound
 SEGMENT_MIB = 8192  # holds 64 samples of up to ~2,300 tokens at hidden 7168 (57 KB a token)
 

@@ -174,9 +174,9 @@ class RunReport:
     finish_seconds: float = 0.0  # of ``seconds``: the finish (the store finalized, the stream's samples acked)
     # Each capture stage's seconds summed over the samples, which overlap (`StageTimes`): commit (into the target, in
     # its commit thread), plan and settle (the run's own thread: the next sample planned, a commit waited for once
-    # 2 x commit_threads are pending) and, from an SGLang engine the CLI ran, prefill (the request's round trip),
-    # dump_wait (its reply to its dump folder), validate (the dump read and checked) and handover (done, waiting for
-    # the run's thread to take it)
+    # 2 x commit_threads are pending) and, from an SGLang engine the CLI ran, send (to its thread, placed, sent),
+    # prefill (the request's round trip), dump_wait (its reply to its dump folder), validate (the dump read and
+    # checked), handover (done, waiting for the run's thread to take it) and refill (its slot waiting for the next)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     shard: tuple[int, int | None] | None = None  # the rows [start, stop) a worker ran; None for a whole run
     stopped: bool = False  # the run was told to stop before its rows were all handled

@@ -28,6 +28,7 @@ import logging
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -90,8 +91,11 @@ class SGLangEngine(Engine):
     ) -> None:
         """``folder`` is the model folder (as the run read it) the server must serve (`server_facts`: checked here, before any sample, and
         after every restart; ``allow_dummy_weights`` lets a benchmark's random-weight server through).
-        ``observe(stage, seconds)`` is told each request's prefill, dump_wait and validate times, and its handover
-        (from its end to the caller taking it: the caller's own work, e.g. its commits, holding the next requests);
+        ``observe(stage, seconds)`` is told each request's send (from the caller's handing it over to its POST, a resent
+        one's last: a request thread free, the sample's placement, its body), prefill, dump_wait and validate times, its
+        handover (from its end to the caller taking it: the caller's own work, e.g. its commits, holding the next
+        requests) and the refill of the slot it left (from then to the caller sending the next request): together a
+        slot's whole cycle;
         ``on_writer(stats)`` the server's writer stats each dump carries (`DumpMeta.writer`: how long
         the forward pass waited for the writers, queue depth, host memory held), since the plugin
         runs in the server's process and has no metrics endpoint of its own."""
@@ -149,15 +153,16 @@ class SGLangEngine(Engine):
 
     # -- one request ------------------------------------------------------------------------------
 
-    def _request(self, sample: TokenizedSample) -> tuple[list[CapturedSample], str, float]:
+    def _request(self, sample: TokenizedSample, submitted: float) -> tuple[list[CapturedSample], str, float]:
         """Prefill one sample and read back its dump, sent again while the server drops it
         (`ServerSession.until_served`): the capture in a list of one, which `capture` empties as it yields it (a
         finished future keeps its result: the dump's mapping stays alive only where its consumer holds it), the rid and
-        when it ended (perf_counter); SampleError if this attempt is unusable."""
-        captured, rid = self.session.until_served(lambda: self._try(sample))
+        when it ended (perf_counter); SampleError if this attempt is unusable. ``submitted``: when the caller handed it
+        to this thread (perf_counter), for its first try's ``send`` stage."""
+        captured, rid = self.session.until_served(lambda: self._try(sample, submitted))
         return [captured], rid, time.perf_counter()
 
-    def _try(self, sample: TokenizedSample) -> tuple[CapturedSample, str]:
+    def _try(self, sample: TokenizedSample, submitted: float) -> tuple[CapturedSample, str]:
         """One request for ``sample`` under a fresh rid; ServerDown when the server dropped it."""
         rid = format_rid(self.job, sample.sample_id, next(self._attempts), prefix=self.rid_prefix)
         self._sent.add(rid)
@@ -175,7 +180,7 @@ class SGLangEngine(Engine):
             },
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
-        t0 = time.perf_counter()
+        t0 = self._observe("send", submitted)  # this thread taking the request, its placement, its body
         reply = self.session.post("/generate", body)
         self._observe("prefill", t0)
         if reply.status_code != 200:
@@ -254,11 +259,14 @@ class SGLangEngine(Engine):
             self.session.check()
         source = iter(samples)
         pending: dict[Future, TokenizedSample] = {}
+        freed: deque[float] = deque()  # when each slot a finished request left was freed (perf_counter)
         with ThreadPoolExecutor(self.in_flight, thread_name_prefix="sglang-req") as pool:
             try:
                 while True:
                     while len(pending) < self.in_flight and (nxt := next(source, None)) is not None:
-                        pending[pool.submit(self._request, nxt)] = nxt
+                        if freed:  # a free slot waiting for the caller: its commits, the next sample's planning
+                            self._observe("refill", freed.popleft())
+                        pending[pool.submit(self._request, nxt, time.perf_counter())] = nxt
                     if not pending:
                         return
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -269,7 +277,7 @@ class SGLangEngine(Engine):
                         except SampleError as exc:
                             yield FailedCapture(sample, str(exc))
                             continue
-                        self._observe("handover", ended)  # a finished request waiting for the caller to take it
+                        freed.append(self._observe("handover", ended))  # a finished request waiting for the caller
                         self._sent.discard(rid)
                         self._yielded[sample.sample_id] = rid
                         yield handed.pop()  # held by no name here: the consumer's reference is the last

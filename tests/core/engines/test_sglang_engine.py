@@ -257,8 +257,8 @@ def test_cli_extract_engine_sglang_launches_its_server(
     # its overlapping workers (8 requests in flight, the commit threads) could spend within the rows' seconds.
     [report] = [json.loads(p.read_text()) for p in (out / "reports").glob("run-*.json")]
     stages, rows_s = report["stage_seconds"], report["rows_seconds"]
-    assert set(stages) == {"plan", "prefill", "dump_wait", "validate", "handover", "commit", "settle", "server_ready",
-                           "server_write"}, stages  # fmt: skip
+    assert set(stages) == {"send", "prefill", "dump_wait", "validate", "handover", "refill", "plan", "commit", "settle",
+                           "server_ready", "server_write"}, stages  # fmt: skip
     assert max(stages["prefill"], stages["dump_wait"], stages["validate"]) < 8 * rows_s, (stages, rows_s)
     assert 0 < stages["server_write"] < 4 * rows_s, (stages, rows_s)  # the server's 4 writers, from its meta.json
     # A CPU server's forward pass takes longer than reading a small dump, which takes some time.
