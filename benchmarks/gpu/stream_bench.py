@@ -333,12 +333,14 @@ def part_lines(part: dict) -> list[str]:
 
 def headline(part: dict) -> list[str]:
     """What bounds the stream on this folder, read from the medians: each stream arm's rate against the file run to
-    tmpfs and to plain prefill, and how much of its time the producer spent putting and waiting at its bound."""
+    tmpfs (the table's ratio, and each round's against that round's file run: a host's speed drifts between rounds) and
+    to plain prefill, and how much of its time the producer spent putting and waiting at its bound."""
     rows = part["rows"]
-    seconds, tokens = median_by_arm(rows, "seconds"), median_by_arm(rows, "tokens")
+    seconds, tokens, samples_s = (median_by_arm(rows, key) for key in ("seconds", "tokens", "samples_s"))
     if (base := file_arm(seconds)) is None:
         return []
     plain = part.get("plain_tok_s")
+    base_s = {r["round"]: r["seconds"] for r in rows if r["arm"] == base}
     out = []
     for arm in (a for a in seconds if not a.startswith("file")):
         streams = [r for r in rows if r["arm"] == arm]
@@ -346,14 +348,15 @@ def headline(part: dict) -> list[str]:
         put = statistics.median(r["put_s"] for r in streams)
         held = statistics.median(r["held_s"] for r in streams)
         receive = statistics.median(r["consumer"]["bytes"] / r["consumer"]["receive_s"] for r in streams)
+        paired = ", ".join(f"{base_s[r['round']] / r['seconds']:.2f}" for r in streams if r["round"] in base_s)
         readers = f"each of its {n} consumers" if (n := streams[0]["consumer"]["consumers"]) > 1 else "the consumer"
         bound = ("the consumer: the producer waited at its bound" if held >= 0.5 * max(extra, 1e-9) else
                  "the producer's side, its capture and puts (the consumer never held it at its bound)")  # fmt: skip
         vs_plain = f", {tokens[arm] / seconds[arm] / plain:.2f} of plain prefill ({plain:,.0f} tok/s)" if plain else ""
-        out.append(f"- {arm}: {seconds[base] / seconds[arm]:.2f} of the file run to tmpfs ({base}){vs_plain}; "
-                   f"{extra:+.1f} s against it (medians), of which the producer's puts {put:.1f} s (summed over the "
-                   f"threads that put, beside the captures) and its waits at the bound {held:.1f} s; {readers} received "
-                   f"at {receive / 1e9:.2f} GB/s. What bounds it: {bound}.")  # fmt: skip
+        out.append(f"- {arm}: {samples_s[arm] / samples_s[base]:.2f} of the file run to tmpfs ({base}; each round "
+                   f"against its own: {paired}){vs_plain}; {extra:+.1f} s against it (medians), of which the producer's "
+                   f"puts {put:.1f} s (summed over the threads that put, beside the captures) and its waits at the bound "
+                   f"{held:.1f} s; {readers} received at {receive / 1e9:.2f} GB/s. What bounds it: {bound}.")  # fmt: skip
     return out
 
 

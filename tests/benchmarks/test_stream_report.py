@@ -26,3 +26,14 @@ def test_a_part_cut_short_says_how_many_runs_ended_of_how_many() -> None:
 def test_a_whole_part_says_nothing_of_a_limit() -> None:
     text = "\n".join(part_lines(part([file_row(0, 12.5), file_row(1, 14.4)], planned=2)))
     assert "stopped" not in text and "medians of 2 rounds;" in text
+
+
+def test_a_stream_arm_is_rated_as_the_table_rates_it_and_round_by_round_against_its_own_file_run() -> None:
+    stream = [{**file_row(rnd, seconds), "arm": "only-disk", "put_s": 4.0, "held_s": 0.0,
+               "consumer": {"bytes": 17.93e9, "receive_s": 14.0, "consumers": 2, "to_device_s": 1.0, "ack_s": 0.6,
+                            "span_s": 9.0}}
+              for rnd, seconds in ((0, 14.0), (1, 20.0))]  # fmt: skip
+    text = "\n".join(part_lines(part([file_row(0, 14.0), stream[0], file_row(1, 16.0), stream[1]], planned=4)))
+    # the table's ratio: the medians of samples/s (of two rounds: their means), (34.29 + 24.0) / (34.29 + 30.0)
+    assert "| only-disk | 29.1 | 1.09 | 0.91 |" in text
+    assert "- only-disk: 0.91 of the file run to tmpfs (file-tmpfs; each round against its own: 1.00, 0.80)" in text
