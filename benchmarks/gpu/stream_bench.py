@@ -155,11 +155,12 @@ class Part:
     def extract(self, out: Path, data: Path, *stream: str, readers: tuple[subprocess.Popen, ...] = ()) -> dict:
         """`layertap extract` attached to the server into ``out``: its run report's tokens, samples, seconds, the sample
         files' bytes, the run folder's and what the process wrote (its last ``write_bytes`` seen: storage writes, tmpfs
-        not counted). Stopped when one of ``readers`` (its stream's consumers) fails: the run would wait for ever."""
+        not counted). Stopped when one of ``readers`` (its stream's consumers) fails: the run would wait for ever.
+        Logged at -v: its log says how many rows the run's own process planned while its planning processes started."""
         t0 = time.perf_counter()
         log_path = self.logs / f"extract-{out.name}.log"
         with log_path.open("w") as log_file:
-            proc = layertap("extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
+            proc = layertap("-v", "extract", "--engine", "sglang", "--server-url", self.server.url, "--dump-root",
                             self.dumps, "--model", self.model, "--data", data, "--layers", ",".join(map(str, LAYERS)),
                             "--format", FORMAT, "--out", out, "--in-flight", self.args.in_flight, "--trust-remote-code",
                             *stream, env={**os.environ, "COLUMNS": "200"}, stdout=log_file,
