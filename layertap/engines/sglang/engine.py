@@ -275,6 +275,7 @@ class SGLangEngine(Engine):
                         try:
                             handed, rid, ended = fut.result()
                         except SampleError as exc:
+                            freed.append(time.perf_counter())  # its slot free too
                             yield FailedCapture(sample, str(exc))
                             continue
                         freed.append(self._observe("handover", ended))  # a finished request waiting for the caller
