@@ -5,8 +5,8 @@ bundle, and set ``LT_PROF`` to a folder: every ``layertap extract`` (named by it
 bench consumer (``consume``, named by its result file) then records two profiles in raw (collapsed) form while it runs:
 ``NAME-gil.txt`` (the thread holding the GIL) and ``NAME-busy.txt`` (each thread's non-idle samples, the thread first).
 With ``LT_PROF_ONLY`` set, only the processes whose NAME holds it are recorded (stream_bench's ``-prof`` arms, the rest
-of a call timed unprofiled). With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``: its launcher and the
-processes it spawns, the scheduler whose threads write the dumps among them).
+of a call timed unprofiled). With ``LT_PROF_SERVER=1`` the SGLang server's processes are recorded too (``server-PID``:
+its launcher and the processes it spawns, the scheduler whose threads write the dumps among them).
 py-spy samples without pausing the process (``--nonblocking``), yet the process runs slower: time nothing with it.
 """
 

@@ -91,8 +91,8 @@ class SGLangEngine(Engine):
     ) -> None:
         """``folder`` is the model folder (as the run read it) the server must serve (`server_facts`: checked here, before any sample, and
         after every restart; ``allow_dummy_weights`` lets a benchmark's random-weight server through).
-        ``observe(stage, seconds)`` is told each request's send (from the caller's handing it over to its POST, a resent
-        one's last: a request thread free, the sample's placement, its body), prefill, dump_wait and validate times, its
+        ``observe(stage, seconds)`` is told each request's send (from the caller's handing it over to its first POST:
+        a request thread free, the sample's placement, its body), prefill, dump_wait and validate times, its
         handover (from its end to the caller taking it: the caller's own work, e.g. its commits, holding the next
         requests) and the refill of the slot it left (from then to the caller sending the next request): together a
         slot's whole cycle;
@@ -159,11 +159,18 @@ class SGLangEngine(Engine):
         finished future keeps its result: the dump's mapping stays alive only where its consumer holds it), the rid and
         when it ended (perf_counter); SampleError if this attempt is unusable. ``submitted``: when the caller handed it
         to this thread (perf_counter), for its first try's ``send`` stage."""
-        captured, rid = self.session.until_served(lambda: self._try(sample, submitted))
+        since: list[float | None] = [submitted]  # taken by the first try: a resend's is not timed as a send
+
+        def one_try() -> tuple[CapturedSample, str]:
+            first, since[0] = since[0], None
+            return self._try(sample, first)
+
+        captured, rid = self.session.until_served(one_try)
         return [captured], rid, time.perf_counter()
 
-    def _try(self, sample: TokenizedSample, submitted: float) -> tuple[CapturedSample, str]:
-        """One request for ``sample`` under a fresh rid; ServerDown when the server dropped it."""
+    def _try(self, sample: TokenizedSample, submitted: float | None) -> tuple[CapturedSample, str]:
+        """One request for ``sample`` under a fresh rid (``submitted``: when the first try was handed to its thread;
+        None for a resend); ServerDown when the server dropped it."""
         rid = format_rid(self.job, sample.sample_id, next(self._attempts), prefix=self.rid_prefix)
         self._sent.add(rid)
         restarts = self.server.restarts
@@ -180,7 +187,8 @@ class SGLangEngine(Engine):
             },
             "extra_key": uuid.uuid4().hex,  # defeats the radix cache on servers that honour it
         }
-        t0 = self._observe("send", submitted)  # this thread taking the request, its placement, its body
+        # this thread taking the request, its placement, its body
+        t0 = time.perf_counter() if submitted is None else self._observe("send", submitted)
         reply = self.session.post("/generate", body)
         self._observe("prefill", t0)
         if reply.status_code != 200:

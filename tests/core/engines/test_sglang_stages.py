@@ -1,6 +1,6 @@
 """The SGLang engine's stage timings reach the worker's histograms: send, prefill, dump_wait, validate and handover
-once per captured sample, refill once per slot a finished request left to a next one, on a real CPU capture server; and the writer stats its dumps carry reach
-the writer series."""
+once per captured sample, refill once per slot a finished request left to a next one, on a real CPU capture server;
+and the writer stats its dumps carry reach the writer series."""
 
 from __future__ import annotations
 
